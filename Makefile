@@ -1,0 +1,28 @@
+# Two targets do all the set-up on a fresh machine: `make run` (the main job) and `make test`.
+# JAX >= 0.11 needs Python >= 3.12; on these machines plain python3 is 3.11, so find 3.12.
+PYTHON312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
+VENV := .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: run test lint setup
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: Python >= 3.12 not found (JAX >= 0.11 needs it)"; exit 1; }
+	$(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) train.py
+
+test: setup
+	$(PY) -m pytest -n 2
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

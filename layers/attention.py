@@ -1,0 +1,124 @@
+"""Multi-head attention (Vaswani et al. 2017) with grouped K/V heads (GQA, Ainslie et al. 2023;
+MQA when n_kv_heads == 1), optional QK-norm, rotary positions and a pluggable kernel."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from layers.kernels import AttentionMask, get_kernel
+from layers.linear import Linear
+from layers.norm import RMSNorm
+from layers.rotary import apply_rotary
+
+
+class Attention(eqx.Module):
+    """x -> q, k, v projections -> (rotary) -> kernel -> output projection.
+
+    Split into `project` and `attend` so that a KV cache can sit between them (infer/).
+    """
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    kernel: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        kernel: str = "xla",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        use_bias: bool = False,
+        out_init_std: float | None = None,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        if n_heads % n_kv_heads != 0:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        q_key, k_key, v_key, o_key = jax.random.split(key, 4)
+        self.q_proj = Linear(
+            d_model,
+            (n_heads, head_dim),
+            axes=("embed", "heads", "head_dim"),
+            use_bias=use_bias,
+            dtype=dtype,
+            key=q_key,
+        )
+        self.k_proj = Linear(
+            d_model,
+            (n_kv_heads, head_dim),
+            axes=("embed", "kv_heads", "head_dim"),
+            use_bias=use_bias,
+            dtype=dtype,
+            key=k_key,
+        )
+        self.v_proj = Linear(
+            d_model,
+            (n_kv_heads, head_dim),
+            axes=("embed", "kv_heads", "head_dim"),
+            use_bias=use_bias,
+            dtype=dtype,
+            key=v_key,
+        )
+        self.o_proj = Linear(
+            (n_heads, head_dim),
+            d_model,
+            axes=("heads", "head_dim", "embed"),
+            use_bias=use_bias,
+            init_std=out_init_std,
+            dtype=dtype,
+            key=o_key,
+        )
+        norm = lambda: RMSNorm(head_dim, eps=norm_eps, axis_name="head_dim", dtype=dtype)  # noqa: E731
+        self.q_norm = norm() if qk_norm else None
+        self.k_norm = norm() if qk_norm else None
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.kernel = kernel
+
+    def project(
+        self,
+        x: Float[Array, "batch seq embed"],
+        rope: tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]] | None,
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """q, k, v for these tokens: projected, QK-normed (if on) and rotated (if rope)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
+
+    def attend(
+        self,
+        q: Float[Array, "batch seq heads head_dim"],
+        k: Float[Array, "batch kv_seq kv_heads head_dim"],
+        v: Float[Array, "batch kv_seq kv_heads head_dim"],
+        mask: AttentionMask,
+    ) -> Float[Array, "batch seq embed"]:
+        """Kernel over (possibly cached) keys and values, then the output projection."""
+        return self.o_proj(get_kernel(self.kernel)(q, k, v, mask))
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]] | None = None,
+    ) -> Float[Array, "batch seq embed"]:
+        q, k, v = self.project(x, rope)
+        return self.attend(q, k, v, mask)

@@ -1,0 +1,65 @@
+"""Token embeddings (with the tied-unembedding path) and learned absolute positions."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+class Embedding(eqx.Module):
+    """Token ids -> vectors; `unembed` reuses the same matrix as the output head (weight tying,
+    Press & Wolf 2017), as GPT-2 and the small Llamas do."""
+
+    weight: Float[Array, "vocab embed"]
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        *,
+        init_std: float = 0.02,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        self.weight = (init_std * jax.random.normal(key, (vocab_size, d_model))).astype(dtype)
+
+    def __call__(
+        self, tokens: Int[Array, "batch seq"], *, dtype: DTypeLike = jnp.float32
+    ) -> Float[Array, "batch seq embed"]:
+        return jnp.take(self.weight, tokens, axis=0).astype(dtype)
+
+    def unembed(
+        self, x: Float[Array, "batch seq embed"], *, dtype: DTypeLike | None = None
+    ) -> Float[Array, "batch seq vocab"]:
+        dtype = dtype or x.dtype
+        return jnp.einsum("bsd,vd->bsv", x.astype(dtype), self.weight.astype(dtype))
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"weight": ("vocab", "embed")}
+
+
+class LearnedPositions(eqx.Module):
+    """GPT-2's learned absolute position table, looked up by explicit positions so packed
+    sequences (positions restarting per document) and ragged decode rows work."""
+
+    weight: Float[Array, "seq embed"]
+
+    def __init__(
+        self,
+        max_seq_len: int,
+        d_model: int,
+        *,
+        init_std: float = 0.01,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        self.weight = (init_std * jax.random.normal(key, (max_seq_len, d_model))).astype(dtype)
+
+    def __call__(
+        self, positions: Int[Array, "batch seq"], *, dtype: DTypeLike = jnp.float32
+    ) -> Float[Array, "batch seq embed"]:
+        return jnp.take(self.weight, positions, axis=0).astype(dtype)
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"weight": ("seq", "embed")}

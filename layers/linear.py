@@ -1,0 +1,70 @@
+"""A dense projection written as one einsum over named input and output dimensions."""
+
+import math
+import string
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray
+
+
+class Linear(eqx.Module):
+    """y = x · W (+ b), contracting the trailing `in_shape` dims of x with the leading dims of W.
+
+    `in_shape`/`out_shape` may have several dims, so an attention projection is one Linear:
+    `Linear((d_model,), (n_heads, head_dim), axes=("embed", "heads", "head_dim"))` maps
+    `[batch, seq, embed] -> [batch, seq, heads, head_dim]` (einsum "bsa,abc->bsbc" style).
+
+    Weights use fan-in normal init (std = 1/sqrt(fan_in)) unless `init_std` is given.
+    """
+
+    weight: Float[Array, "..."]
+    bias: Float[Array, "..."] | None
+    in_shape: tuple[int, ...] = eqx.field(static=True)
+    out_shape: tuple[int, ...] = eqx.field(static=True)
+    axes: tuple[str, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_shape: int | tuple[int, ...],
+        out_shape: int | tuple[int, ...],
+        *,
+        axes: tuple[str, ...],
+        use_bias: bool = False,
+        init_std: float | None = None,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        self.in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
+        self.out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
+        if len(axes) != len(self.in_shape) + len(self.out_shape):
+            raise ValueError(
+                f"Linear axes {axes} must name every weight dim {self.in_shape + self.out_shape}"
+            )
+        self.axes = tuple(axes)
+        std = init_std if init_std is not None else 1.0 / math.sqrt(math.prod(self.in_shape))
+        shape = self.in_shape + self.out_shape
+        self.weight = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        self.bias = jnp.zeros(self.out_shape, dtype) if use_bias else None
+
+    def __call__(
+        self, x: Float[Array, "..."], *, dtype: DTypeLike | None = None
+    ) -> Float[Array, "..."]:
+        """x: `[*batch, *in_shape]` -> `[*batch, *out_shape]`, computed in `dtype` (default x's)."""
+        dtype = dtype or x.dtype
+        n_in, n_out = len(self.in_shape), len(self.out_shape)
+        letters = string.ascii_letters
+        contract, out = letters[:n_in], letters[n_in : n_in + n_out]
+        spec = f"...{contract},{contract}{out}->...{out}"
+        y = jnp.einsum(spec, x.astype(dtype), self.weight.astype(dtype))
+        if self.bias is not None:
+            y = y + self.bias.astype(dtype)
+        return y
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        names = {"weight": self.axes}
+        if self.bias is not None:
+            names["bias"] = self.axes[len(self.in_shape) :]
+        return names

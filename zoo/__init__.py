@@ -1,0 +1,8 @@
+"""The model zoo: configs, presets, the Transformer assembly and transformer math."""
+
+from zoo import math
+from zoo.config import Config
+from zoo.presets import preset, presets
+from zoo.transformer import Block, Transformer
+
+__all__ = ["Block", "Config", "Transformer", "math", "preset", "presets"]

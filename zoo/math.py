@@ -1,0 +1,255 @@
+"""Transformer math, the "predict" step: parameters, FLOPs, bytes, memory and rooflines.
+
+Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix B):
+- a matmul with an [m, k] x [k, n] shape costs 2mkn FLOPs; backward costs twice the forward, so
+  training costs 3x forward = 6 x (matmul parameters) per token, plus attention's score and
+  value products, 4 x layers x seq x q_dim per token forward (half of that when causal
+  masking skips the upper triangle);
+- embedding lookups cost no FLOPs, the LM head is a matmul (tied or not).
+"""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from zoo.config import Config
+
+
+def _norm_params(config: Config) -> int:
+    return config.d_model * (2 if config.norm == "layernorm" and config.bias else 1)
+
+
+def layer_params(config: Config) -> int:
+    """Parameters of one transformer block."""
+    c = config
+    attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    if c.bias:
+        attn += c.q_dim + 2 * c.kv_dim + c.d_model
+    if c.qk_norm:
+        attn += 2 * c.head_dim
+    n_mats = 3 if c.mlp == "swiglu" else 2
+    mlp = n_mats * c.d_model * c.d_ff
+    if c.bias:
+        mlp += (n_mats - 1) * c.d_ff + c.d_model
+    return attn + mlp + 2 * _norm_params(c)
+
+
+def embedding_params(config: Config) -> int:
+    """Token table, learned position table and (untied) LM head."""
+    c = config
+    n = c.vocab_size * c.d_model
+    if c.position == "learned":
+        n += c.max_seq_len * c.d_model
+    if not c.tie_embeddings:
+        n += c.d_model * c.vocab_size
+    return n
+
+
+def param_count(config: Config) -> int:
+    """Exact number of parameters of `Transformer(config)`."""
+    return embedding_params(config) + config.n_layers * layer_params(config) + _norm_params(config)
+
+
+def matmul_params(config: Config) -> int:
+    """Parameters that take part in a matmul per token: every block's projections and the LM head
+    (tied or not). Norm scales, biases and lookups are left out: their FLOPs are negligible."""
+    c = config
+    per_layer = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    per_layer += (3 if c.mlp == "swiglu" else 2) * c.d_model * c.d_ff
+    return c.n_layers * per_layer + c.d_model * c.vocab_size
+
+
+def attention_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
+    """Forward FLOPs per token of QK^T and PV (attending to `seq_len` keys on average x2)."""
+    flops = 4.0 * config.n_layers * seq_len * config.q_dim
+    return flops / 2 if causal else flops
+
+
+def forward_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
+    return 2.0 * matmul_params(config) + attention_flops_per_token(config, seq_len, causal=causal)
+
+
+def training_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
+    """6N + attention: forward plus a backward of twice its cost (no remat recompute counted:
+    this is the model FLOPs of MFU, not the hardware FLOPs)."""
+    return 3.0 * forward_flops_per_token(config, seq_len, causal=causal)
+
+
+def bytes_per_element(dtype: str | jnp.dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def weight_bytes(config: Config, dtype: str | None = None) -> int:
+    return param_count(config) * bytes_per_element(dtype or config.param_dtype)
+
+
+def kv_cache_bytes_per_token(config: Config, dtype: str | None = None) -> int:
+    """Keys and values of every layer for one token."""
+    return 2 * config.n_layers * config.kv_dim * bytes_per_element(dtype or config.dtype)
+
+
+def decode_step_bytes(config: Config, batch: int, context: int, dtype: str | None = None) -> int:
+    """Fewest bytes one decode step must read: all weights once plus each row's KV cache."""
+    return weight_bytes(config, dtype) + batch * context * kv_cache_bytes_per_token(config, dtype)
+
+
+def activation_bytes_per_token(config: Config, seq_len: int, *, remat: str = "none") -> float | int:
+    """Activation memory kept for backward, per token (Korthikanti et al. 2022, eq. 2, without
+    dropout masks: about 34 d + 5 heads seq bytes per layer in 16-bit; only each block's input
+    under full remat). Scaled by the compute dtype's size over 2."""
+    scale = bytes_per_element(config.dtype) / 2
+    if remat == "full":
+        per_layer = 2 * config.d_model
+    else:
+        per_layer = 34 * config.d_model + 5 * config.n_heads * seq_len
+        if remat == "dots":
+            per_layer = 16 * config.d_model + 2 * config.d_ff
+    return config.n_layers * per_layer * scale
+
+
+def training_memory_bytes(
+    config: Config, batch: int, seq_len: int, *, remat: str = "none"
+) -> float | int:
+    """Parameters + gradients + AdamW moments (float32 master copies) + activations + logits."""
+    n = param_count(config)
+    state = n * (bytes_per_element(config.param_dtype) + 4 + 8)
+    tokens = batch * seq_len
+    logits = tokens * config.vocab_size * 4 * 2
+    return state + tokens * activation_bytes_per_token(config, seq_len, remat=remat) + logits
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Peak dense matmul rate per dtype (FLOP/s) and memory bandwidth (bytes/s)."""
+
+    name: str
+    flops: dict[str, float]
+    bandwidth: float
+
+    def peak_flops(self, dtype: str) -> float | int:
+        if dtype not in self.flops:
+            raise ValueError(
+                f"{self.name} has no peak listed for {dtype}; known: {list(self.flops)}"
+            )
+        return self.flops[dtype]
+
+
+# Datasheet dense (no sparsity) peaks. fp32 on NVIDIA is the non-tensor-core rate.
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="NVIDIA H100 SXM",
+        flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        bandwidth=3.35e12,
+    ),
+    "h200": Hardware(
+        name="NVIDIA H200",
+        flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        bandwidth=4.8e12,
+    ),
+    "a100": Hardware(
+        name="NVIDIA A100 80GB",
+        flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+        bandwidth=2.039e12,
+    ),
+    "tpu-v4": Hardware(
+        name="TPU v4", flops={"bfloat16": 275e12, "float32": 275e12 / 4}, bandwidth=1.2e12
+    ),
+    "tpu-v5e": Hardware(
+        name="TPU v5e", flops={"bfloat16": 197e12, "float32": 197e12 / 4}, bandwidth=0.819e12
+    ),
+    "tpu-v5p": Hardware(
+        name="TPU v5p", flops={"bfloat16": 459e12, "float32": 459e12 / 4}, bandwidth=2.765e12
+    ),
+}
+
+
+def _median_seconds(fn, *args, repeats: int = 5) -> float | int:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_matmul_flops(dtype: str = "float32", n: int = 2048) -> float | int:
+    """Achieved FLOP/s of one large square matmul on the default device."""
+    a = jnp.ones((n, n), dtype)
+    return 2 * n**3 / _median_seconds(jax.jit(jnp.matmul), a, a)
+
+
+def measure_copy_bandwidth(n_bytes: int = 256 * 2**20) -> float | int:
+    """Achieved bytes/s of a large device copy (bytes read + bytes written)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    return 2 * n_bytes / _median_seconds(jax.jit(lambda a: a * 1.0000001), x)
+
+
+def measure_this_machine(dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> Hardware:
+    """Ceilings of the machine we run on, measured now (for CPUs, which have no datasheet row)."""
+    device = jax.devices()[0]
+    return Hardware(
+        name=f"measured {device.platform} ({device.device_kind})",
+        flops={d: measure_matmul_flops(d) for d in dtypes},
+        bandwidth=measure_copy_bandwidth(),
+    )
+
+
+def detect_hardware() -> Hardware:
+    """The datasheet row for a known accelerator, else this machine measured."""
+    kind = jax.devices()[0].device_kind.lower()
+    for key, hw in HARDWARE.items():
+        if key.replace("tpu-", "tpu ") in kind or key in kind.replace(" ", ""):
+            return hw
+    return measure_this_machine()
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """Time a step needs at peak compute and at peak bandwidth; the larger one binds."""
+
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def time_s(self) -> float | int:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity in FLOPs per byte."""
+        return self.flops / max(self.bytes, 1)
+
+
+def roofline(
+    flops: float | int, n_bytes: float | int, hardware: Hardware, dtype: str = "bfloat16"
+) -> Roofline:
+    flops, n_bytes = float(flops), float(n_bytes)
+    return Roofline(
+        flops, n_bytes, flops / hardware.peak_flops(dtype), n_bytes / hardware.bandwidth
+    )
+
+
+def training_step_roofline(
+    config: Config, batch: int, seq_len: int, hardware: Hardware
+) -> Roofline:
+    """One optimizer step on `batch x seq_len` tokens: model FLOPs vs reading weights, gradients
+    and optimizer state (a lower bound on bytes)."""
+    flops = training_flops_per_token(config, seq_len) * batch * seq_len
+    n = param_count(config)
+    n_bytes = n * (3 * bytes_per_element(config.param_dtype) + 2 * 8)
+    return roofline(flops, n_bytes, hardware, config.dtype)
+
+
+def decode_step_roofline(config: Config, batch: int, context: int, hardware: Hardware) -> Roofline:
+    """One decode step for `batch` rows with `context` cached tokens each."""
+    flops = batch * forward_flops_per_token(config, 2 * context, causal=True)
+    return roofline(flops, decode_step_bytes(config, batch, context), hardware, config.dtype)

@@ -1,0 +1,102 @@
+"""Named configs of published models (sizes from their papers and HF config.json files) and tiny
+ones for tests. `preset(name)` returns a Config; `presets()` lists the names."""
+
+from layers.rotary import RopeScaling
+from zoo.config import Config
+
+
+def _gpt2(n_layers: int, d_model: int, n_heads: int) -> Config:
+    return Config(
+        vocab_size=50257,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_ff=4 * d_model,
+        max_seq_len=1024,
+        norm="layernorm",
+        norm_eps=1e-5,
+        position="learned",
+        mlp="gelu",
+        tie_embeddings=True,
+        bias=True,
+    )
+
+
+def _llama3(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    d_ff: int,
+    tie: bool,
+    rope_factor: float,
+    head_dim: int | None = None,
+) -> Config:
+    return Config(
+        vocab_size=128256,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        head_dim=head_dim,
+        d_ff=d_ff,
+        max_seq_len=131072,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=rope_factor),
+        tie_embeddings=tie,
+    )
+
+
+_PRESETS: dict[str, Config] = {
+    "gpt2-124m": _gpt2(12, 768, 12),
+    "gpt2-355m": _gpt2(24, 1024, 16),
+    "gpt2-774m": _gpt2(36, 1280, 20),
+    "gpt2-1.5b": _gpt2(48, 1600, 25),
+    "llama3-1b": _llama3(
+        d_model=2048, n_layers=16, n_heads=32, d_ff=8192, tie=True, rope_factor=32.0
+    ),
+    "llama3-3b": _llama3(
+        d_model=3072, n_layers=28, n_heads=24, d_ff=8192, tie=True, rope_factor=32.0, head_dim=128
+    ),
+    "llama3-8b": _llama3(
+        d_model=4096, n_layers=32, n_heads=32, d_ff=14336, tie=False, rope_factor=8.0
+    ),
+    "llama3-70b": _llama3(
+        d_model=8192, n_layers=80, n_heads=64, d_ff=28672, tie=False, rope_factor=8.0
+    ),
+    "smollm2-135m": Config(
+        vocab_size=49152,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        d_ff=1536,
+        max_seq_len=8192,
+        rope_theta=100_000.0,
+        tie_embeddings=True,
+    ),
+    "tiny-gpt2": _gpt2(2, 64, 4).replace(vocab_size=256, max_seq_len=128),
+    "tiny-llama": Config(
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=128,
+        rope_theta=10_000.0,
+    ),
+}
+
+
+def presets() -> list[str]:
+    """Names of every known preset."""
+    return list(_PRESETS)
+
+
+def preset(name: str, **changes) -> Config:
+    """The config called `name`, with optional changes: `preset("gpt2-124m", n_layers=2)`."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(presets())}")
+    config = _PRESETS[name]
+    return config.replace(**changes) if changes else config
