@@ -6,20 +6,21 @@ q: [batch, seq, heads, head_dim]; k, v: [batch, kv_seq, kv_heads, head_dim]; mas
 
 from collections.abc import Callable
 
+from layers.kernels.flash import BlockSizes, flash_attention
 from layers.kernels.mask import AttentionMask, causal_mask
 from layers.kernels.naive import naive_attention
 from layers.kernels.xla import xla_attention
 
-KERNELS: dict[str, Callable] = {"naive": naive_attention, "xla": xla_attention}
+KERNELS: dict[str, Callable] = {
+    "naive": naive_attention,
+    "xla": xla_attention,
+    "flash": flash_attention,
+}
 
 
 def get_kernel(name: str) -> Callable:
     """The kernel called `name`; an unknown or unavailable name is an error, never a fallback."""
     if name not in KERNELS:
-        if name == "flash":
-            raise NotImplementedError(
-                "attention='flash' (the Pallas kernel) is not built yet; use 'xla' or 'naive'"
-            )
         raise ValueError(f"unknown attention kernel {name!r}; known: {sorted(KERNELS)}")
     return KERNELS[name]
 
@@ -27,7 +28,9 @@ def get_kernel(name: str) -> Callable:
 __all__ = [
     "KERNELS",
     "AttentionMask",
+    "BlockSizes",
     "causal_mask",
+    "flash_attention",
     "get_kernel",
     "naive_attention",
     "xla_attention",

@@ -1,0 +1,111 @@
+"""`flash_attention`: the kernel behind `attention="flash"`, differentiable through a
+`jax.custom_vjp` whose backward runs the Pallas dK/dV and dQ kernels from the saved log-sum-exp.
+
+Decode (one query token against a long cache, seq == 1) is routed, by design and on every
+backend, to `xla_attention`: a single query row has no tile to skip or reuse, its score row
+[batch, heads, 1, kv_seq] is no bigger than the K/V it reads, and the step is bound by reading
+the cache once, which XLA's fused einsums already do at memory bandwidth. Triton's matmul also
+needs tiles of >= 16 rows, so a one-row Pallas tile would waste 15/16 of every product.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from layers.kernels.flash.backward import flash_backward
+from layers.kernels.flash.config import (
+    DEFAULT_BLOCK_SIZES,
+    BlockSizes,
+    Plan,
+    check_inputs,
+    fit_block,
+)
+from layers.kernels.flash.forward import flash_forward
+from layers.kernels.flash.tiles import tile_ranges, tile_visibility
+from layers.kernels.mask import AttentionMask
+from layers.kernels.xla import xla_attention
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: Plan, q, k, v, layout):
+    out, _ = _attention_forward(plan, q, k, v, layout)
+    return out
+
+
+def _attention_forward(plan: Plan, q, k, v, layout):
+    out, lse = flash_forward(q, k, v, *layout["rows"], layout["forward"], plan)
+    return out, (q, k, v, out, lse, layout)
+
+
+def _attention_backward(plan: Plan, residuals, d_out):
+    q, k, v, out, lse, layout = residuals
+    dq, dk, dv = flash_backward(q, k, v, out, lse, d_out, *layout["rows"], layout["backward"], plan)
+    return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def _ranges(mask: AttentionMask, rows, block_q: int, block_k: int):
+    visible = tile_visibility(
+        *rows, causal=mask.causal, window=mask.sliding_window, block_q=block_q, block_k=block_k
+    )
+    return tile_ranges(visible)
+
+
+def flash_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "batch kv_seq kv_heads head_dim"],
+    mask: AttentionMask,
+    *,
+    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+    interpret: bool | None = None,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """softmax(q k^T / sqrt(d) + mask) v without materialising the score matrix (Dao et al.
+    2022; FlashAttention-2, Dao 2023), same contract as `naive_attention`.
+
+    `interpret=None` runs the Pallas interpreter when the default backend is the CPU and compiles
+    through Triton otherwise. seq == 1 (decode) uses `xla_attention` (see the module docstring).
+    Sequence lengths must be multiples of the (clipped) blocks, head_dim a power of two in
+    [16, 256] and the dtype float32, bfloat16 or float16; anything else is a ValueError.
+    A query that sees no key at all (impossible in causal self-attention) gets an arbitrary but
+    finite output (naive gives the mean of V), which no test or caller should rely on.
+    """
+    check_inputs(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
+    seq, kv_seq, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    if seq == 1:
+        return xla_attention(q, k, v, mask)
+    blocks = block_sizes
+    plan = Plan(
+        causal=mask.causal,
+        window=mask.sliding_window,
+        scale=1.0 / math.sqrt(head_dim),
+        group=q.shape[2] // k.shape[2],
+        block_q=fit_block(blocks.block_q, seq, name="query", field="block_q"),
+        block_k=fit_block(blocks.block_k, kv_seq, name="key/value", field="block_k"),
+        backward_block_q=fit_block(
+            blocks.backward_block_q, seq, name="query", field="backward_block_q"
+        ),
+        backward_block_k=fit_block(
+            blocks.backward_block_k, kv_seq, name="key/value", field="backward_block_k"
+        ),
+        num_warps=blocks.warps(head_dim),
+        num_stages=blocks.num_stages,
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+    )
+    rows = (
+        mask.q_positions.astype(jnp.int32),
+        mask.kv_positions.astype(jnp.int32),
+        None if mask.q_segment_ids is None else mask.q_segment_ids.astype(jnp.int32),
+        None if mask.kv_segment_ids is None else mask.kv_segment_ids.astype(jnp.int32),
+    )
+    layout = {
+        "rows": rows,
+        "forward": _ranges(mask, rows, plan.block_q, plan.block_k),
+        "backward": _ranges(mask, rows, plan.backward_block_q, plan.backward_block_k),
+    }
+    return _attention(plan, q, k, v, layout)

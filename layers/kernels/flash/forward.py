@@ -1,0 +1,126 @@
+"""Forward kernel (FlashAttention-2, Dao 2023, algorithm 1): one program per (query tile, batch,
+head) keeps a running max `m`, a running denominator and an unnormalised output for its
+`block_q` rows while walking the visible key tiles, then writes the output and the log-sum-exp
+that the backward kernels reuse.
+
+Exponentials are base 2 (`exp2`, the GPU's native instruction), so scores are scaled by
+`log2(e) / sqrt(head_dim)` and the saved log-sum-exp is in base 2 as well.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from layers.kernels.flash.config import Plan
+from layers.kernels.flash.tiles import element_mask
+
+LOG2E = math.log2(math.e)
+# Finite stand-in for -inf in masked scores: exp2(MASKED - m) is 0 once any real score is seen,
+# and a masked-only tile never produces inf - inf = NaN.
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b.T with float32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_tn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a.T @ b with float32 accumulation."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with float32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def log2_scores(q, k, q_pos, kv_pos, q_seg, kv_seg, plan: Plan) -> jax.Array:
+    """Masked scores of one tile in base-2 units: q k^T * log2(e) / sqrt(d)."""
+    s = dot_nt(q, k) * (plan.scale * LOG2E)
+    allowed = element_mask(q_pos, kv_pos, q_seg, kv_seg, causal=plan.causal, window=plan.window)
+    return s if allowed is None else jnp.where(allowed, s, MASKED)
+
+
+def _forward_kernel(
+    lo_ref, hi_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref,
+    o_ref, lse_ref, *, plan: Plan,
+):  # fmt: skip
+    q = q_ref[...]  # [block_q, head_dim]
+    q_pos = q_pos_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    block_q, head_dim = q.shape
+    bk = plan.block_k
+
+    def step(j, carry):
+        o, m, denom = carry
+        keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
+        s = log2_scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        rescale = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        denom = rescale * denom + p.sum(axis=-1)
+        v = v_ref[keys, :]
+        o = rescale[:, None] * o + dot_nn(p.astype(v.dtype), v)
+        return o, m_new, denom
+
+    init = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    o, m, denom = jax.lax.fori_loop(lo_ref[...], hi_ref[...], step, init)
+    # A row that saw no key tile at all (nothing visible) outputs 0 and a huge log-sum-exp, so
+    # its backward probabilities are 0 rather than NaN.
+    seen = denom > 0
+    denom = jnp.where(seen, denom, 1.0)
+    o_ref[...] = (o / denom[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(denom), -MASKED)
+
+
+def compiler_params(plan: Plan) -> plgpu.CompilerParams:
+    """Triton launch settings, passed explicitly so that JAX 0.11 (which would otherwise lower a
+    bare pallas_call to Mosaic GPU) and 0.12 (Triton only) both compile through Triton."""
+    return plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
+    """out [batch, seq, heads, head_dim] and base-2 log-sum-exp [batch, heads, seq] (float32)."""
+    b, t, h, d = q.shape
+    s_len = k.shape[1]
+    bq, g = plan.block_q, plan.group
+    has_seg = q_seg is not None
+    per_q_tile = pl.BlockSpec((None, None), lambda i, bi, hh: (bi, i))
+    q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bi, hh: (bi, i, hh, 0))
+    # K/V head hh // g serves query head hh (GQA/MQA): shared by index, never copied.
+    kv_all = pl.BlockSpec((None, s_len, None, d), lambda i, bi, hh: (bi, 0, hh // g, 0))
+    q_rows = pl.BlockSpec((None, bq), lambda i, bi, hh: (bi, i))
+    kv_rows = pl.BlockSpec((None, s_len), lambda i, bi, hh: (bi, 0))
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, plan=plan),
+        grid=(t // bq, b, h),
+        in_specs=[
+            per_q_tile,
+            per_q_tile,
+            q_tile,
+            kv_all,
+            kv_all,
+            q_rows,
+            kv_rows,
+            q_rows if has_seg else None,
+            kv_rows if has_seg else None,
+        ],
+        out_specs=[q_tile, pl.BlockSpec((None, None, bq), lambda i, bi, hh: (bi, hh, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+        ],
+        compiler_params=compiler_params(plan),
+        interpret=plan.interpret,
+        name="flash_forward",
+    )(ranges["kv_lo"], ranges["kv_hi"], q, k, v, q_pos, kv_pos, q_seg, kv_seg)
