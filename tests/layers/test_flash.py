@@ -1,0 +1,258 @@
+"""The Pallas flash kernel (interpret mode on CPU) equals the naive specification in values and
+gradients; its tile skipping never hides a visible key; it lowers for CUDA through Triton; bad
+inputs are refused with a message; a model trained with it tracks the naive one.
+
+Interpret mode costs compile time per distinct configuration, so each case below is one
+configuration with its own shape, and the blocks are small enough to give several tiles."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zoo
+from layers.kernels import AttentionMask, BlockSizes, causal_mask, flash_attention, naive_attention
+from layers.kernels.flash.tiles import tile_ranges, tile_visibility
+from zoo.transformer import positions_from_segments
+
+SMALL = BlockSizes(block_q=16, block_k=16, backward_block_q=16, backward_block_k=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    b: int
+    t: int
+    h: int
+    kv: int
+    d: int
+    mask: str
+    dtype: str = "float32"
+    s: int | None = None  # kv length when it differs from t
+    blocks: BlockSizes = SMALL
+
+
+CASES = {
+    "causal-mha-f32": Case(1, 64, 2, 2, 16, "causal"),
+    "bidirectional-gqa-f32-cross": Case(2, 32, 4, 2, 32, "bidirectional", s=64),
+    "window-mqa-f32": Case(1, 64, 4, 1, 16, "window"),
+    "packed-gqa-f32": Case(2, 64, 4, 2, 16, "packed"),
+    "cache-offset-mha-f32": Case(1, 32, 2, 2, 16, "offset", s=64),
+    "packed-window-gqa-bf16": Case(2, 64, 4, 2, 16, "packed-window", "bfloat16"),
+    "causal-mqa-bf16": Case(1, 64, 4, 1, 32, "causal", "bfloat16", blocks=BlockSizes(block_q=32)),
+}
+
+
+def random_segments(key, b: int, t: int) -> jax.Array:
+    """Packed documents with random boundaries: sorted ids starting at 1."""
+    starts = jax.random.bernoulli(key, 0.08, (b, t)).at[:, 0].set(True)
+    return jnp.cumsum(starts, axis=1).astype(jnp.int32)
+
+
+def make_mask(case: Case, key) -> AttentionMask:
+    s = case.s or case.t
+    pos = jnp.broadcast_to(jnp.arange(case.t), (case.b, case.t))
+    if case.mask == "causal":
+        return causal_mask(pos)
+    if case.mask == "bidirectional":
+        kv_pos = jnp.broadcast_to(jnp.arange(s), (case.b, s))
+        return AttentionMask(q_positions=pos, kv_positions=kv_pos, causal=False)
+    if case.mask == "window":
+        return causal_mask(pos, sliding_window=20)
+    if case.mask == "offset":  # a chunk of queries at positions s-t .. s-1 against a cache
+        kv_pos = jnp.broadcast_to(jnp.arange(s), (case.b, s))
+        return AttentionMask(q_positions=pos + (s - case.t), kv_positions=kv_pos)
+    seg = random_segments(key, case.b, case.t)
+    window = 12 if case.mask == "packed-window" else None
+    return causal_mask(positions_from_segments(seg), seg, sliding_window=window)
+
+
+def inputs(case: Case, seed: int = 0):
+    kq, kk, kv_, km = jax.random.split(jax.random.key(seed), 4)
+    s = case.s or case.t
+    dtype = jnp.dtype(case.dtype)
+    q = jax.random.normal(kq, (case.b, case.t, case.h, case.d), dtype)
+    k = jax.random.normal(kk, (case.b, s, case.kv, case.d), dtype)
+    v = jax.random.normal(kv_, (case.b, s, case.kv, case.d), dtype)
+    return q, k, v, make_mask(case, km)
+
+
+def assert_close(got, want, dtype: str, factor: float | int):
+    """Error relative to the reference's scale, within `factor` units of the dtype's epsilon
+    (float32 needs a floor: its epsilon is below the reordering noise of a softmax)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    eps = max(float(jnp.finfo(jnp.dtype(dtype)).eps), 1e-6)
+    scale = max(float(np.abs(want).max()), 1.0)
+    err = float(np.abs(got - want).max())
+    assert err <= factor * eps * scale, f"max error {err:.3g} > {factor} eps x {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_flash_matches_naive_values_and_grads(name):
+    case = CASES[name]
+    q, k, v, mask = inputs(case)
+    # The reference is naive on the same (possibly bf16) inputs, computed in float32.
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+
+    def loss(kernel, *qkv):
+        return jnp.sum(jnp.sin(kernel(*qkv, mask).astype(jnp.float32)))
+
+    flash = lambda q, k, v, m: flash_attention(q, k, v, m, block_sizes=case.blocks)  # noqa: E731
+    out, grads = jax.jit(jax.value_and_grad(lambda *a: loss(flash, *a), argnums=(0, 1, 2)))(
+        q, k, v
+    )
+    want_out, want_grads = jax.value_and_grad(
+        lambda *a: loss(naive_attention, *a), argnums=(0, 1, 2)
+    )(*up)
+    assert_close(flash(q, k, v, mask), naive_attention(*up, mask), case.dtype, 4)
+    assert_close(out, want_out, case.dtype, 8)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert got.dtype == q.dtype
+        assert_close(got, want, case.dtype, 16)
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("packed", [False, True])
+def test_tile_ranges_cover_every_visible_key(window, packed):
+    """Loop ranges never skip a visible (query, key) pair; with standard positions and no
+    segments they are exact: causal stops at the diagonal tile, windows start at their edge."""
+    b, t, bq, bk = 3, 128, 16, 32
+    seg = random_segments(jax.random.key(1), b, t) if packed else None
+    pos = positions_from_segments(seg) if packed else jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = causal_mask(pos, seg, sliding_window=window)
+    visible = tile_visibility(
+        pos, pos, seg, seg, causal=True, window=window, block_q=bq, block_k=bk
+    )
+    r = tile_ranges(visible)
+    dense = np.asarray(mask.dense())
+    q_tile, k_tile = np.arange(t) // bq, np.arange(t) // bk
+    for bi in range(b):
+        qi, kj = np.nonzero(dense[bi])
+        assert np.all(r["kv_lo"][bi][q_tile[qi]] <= k_tile[kj])
+        assert np.all(k_tile[kj] < r["kv_hi"][bi][q_tile[qi]])
+        assert np.all(r["q_lo"][bi][k_tile[kj]] <= q_tile[qi])
+        assert np.all(q_tile[qi] < r["q_hi"][bi][k_tile[kj]])
+    if not packed:
+        any_in_tile = dense.reshape(b, t // bq, bq, t // bk, bk).any(axis=(2, 4))
+        np.testing.assert_array_equal(visible, any_in_tile)
+        # Causal: query tile i (rows 16i..16i+15) needs key tiles up to the one holding row 16i+15.
+        np.testing.assert_array_equal(r["kv_hi"][0], (np.arange(t // bq) * bq + bq - 1) // bk + 1)
+
+
+def test_decode_step_equals_naive():
+    """seq == 1 (decode) takes the documented xla path, on any cache length."""
+    q, k, v, _ = inputs(Case(2, 1, 4, 2, 16, "causal", s=37))
+    kv_pos = jnp.broadcast_to(jnp.arange(37), (2, 37))
+    mask = AttentionMask(q_positions=jnp.array([[30], [36]]), kv_positions=kv_pos)
+    np.testing.assert_allclose(
+        flash_attention(q, k, v, mask), naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape_q", "shape_kv", "dtype", "blocks", "message"),
+    [
+        ((1, 48, 2, 16), (1, 48, 2, 16), "float32", BlockSizes(block_q=32), "multiple of"),
+        ((1, 24, 2, 16), (1, 24, 2, 16), "float32", BlockSizes(), "pad the sequence to 32"),
+        ((1, 64, 2, 16), (1, 40, 2, 16), "float32", BlockSizes(block_k=16), "key/value length"),
+        ((1, 32, 2, 24), (1, 32, 2, 24), "float32", BlockSizes(), "head_dim=24"),
+        ((1, 32, 2, 8), (1, 32, 2, 8), "float32", BlockSizes(), "head_dim=8"),
+        ((1, 32, 3, 16), (1, 32, 2, 16), "float32", BlockSizes(), "multiple of kv_heads"),
+        ((1, 32, 2, 16), (1, 32, 2, 16), "float8_e4m3fn", BlockSizes(), "dtype float8_e4m3fn"),
+    ],
+)
+def test_bad_inputs_are_refused(shape_q, shape_kv, dtype, blocks, message):
+    q = jnp.zeros(shape_q, dtype)
+    k = jnp.zeros(shape_kv, dtype)
+    mask = AttentionMask(
+        q_positions=jnp.zeros(shape_q[:2], jnp.int32),
+        kv_positions=jnp.zeros(shape_kv[:2], jnp.int32),
+    )
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, k, mask, block_sizes=blocks)
+
+
+def test_mixed_dtypes_are_refused():
+    q = jnp.zeros((1, 32, 2, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 32, 2, 16), jnp.float32)
+    mask = causal_mask(jnp.zeros((1, 32), jnp.int32))
+    with pytest.raises(ValueError, match="dtypes differ"):
+        flash_attention(q, k, k, mask)
+
+
+@pytest.mark.parametrize("field", ["block_q", "block_k", "backward_block_q", "backward_block_k"])
+@pytest.mark.parametrize("value", [8, 48])
+def test_block_sizes_must_be_powers_of_two(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
+        BlockSizes(**{field: value})
+
+
+def cuda_mesh():
+    """An abstract mesh naming a CUDA device, so that Pallas picks the GPU's Triton target while
+    lowering on a CPU-only machine."""
+    device = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"
+    )
+    return jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+    )
+
+
+@pytest.mark.parametrize(
+    ("h", "kv", "d", "dtype", "mask_name"),
+    [(4, 2, 64, "bfloat16", "packed-window"), (2, 2, 128, "float32", "causal")],
+)
+def test_forward_and_backward_lower_for_cuda_through_triton(h, kv, d, dtype, mask_name):
+    """The real (non-interpret) kernels at the default block sizes pass Triton's lowering checks
+    (power-of-two tiles, supported ops), without a GPU."""
+    case = Case(2, 256, h, kv, d, mask_name, dtype)
+    q, k, v, mask = inputs(case)
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(lambda *a: flash_attention(*a, mask, interpret=False), q, k, v)
+        return out, vjp(out)
+
+    with jax.sharding.use_abstract_mesh(cuda_mesh()):
+        lowered = jax.jit(fwd_bwd).trace(q, k, v).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3  # forward, dK/dV, dQ
+
+
+def test_model_trained_with_flash_tracks_naive():
+    config = zoo.preset("tiny-llama", n_layers=2, max_seq_len=32)
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, config.vocab_size)
+    optimizer = optax.adam(1e-2)
+
+    def train(attention):
+        model = zoo.Transformer(config.replace(attention=attention), key=jax.random.key(0))
+        state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+        @eqx.filter_jit
+        def step(model, state):
+            def loss_fn(model):
+                logits = model(tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+            updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state, loss
+
+        losses = []
+        for _ in range(4):
+            model, state, loss = step(model, state)
+            losses.append(float(loss))
+        return model, losses
+
+    flash_model, flash_losses = train("flash")
+    naive_model, naive_losses = train("naive")
+    np.testing.assert_allclose(flash_losses, naive_losses, rtol=1e-4)
+    assert naive_losses[-1] < naive_losses[0]  # it trains, so the comparison is not vacuous
+    leaves = zip(
+        jax.tree.leaves(eqx.filter(flash_model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(naive_model, eqx.is_array)),
+        strict=True,
+    )
+    for a, b in leaves:
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
