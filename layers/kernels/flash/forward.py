@@ -11,12 +11,17 @@ import functools
 import math
 
 import jax
+import jax.experimental.pallas.tpu  # registers config flags early: see below
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from layers.kernels.flash.config import Plan
 from layers.kernels.flash.tiles import element_mask
+
+# The import of pallas.tpu above registers config flags that the Pallas interpreter would otherwise
+# register in the middle of the first trace; that changes jit's tracing context, so every jitted
+# caller (a whole training step) would compile twice on CPU.
 
 LOG2E = math.log2(math.e)
 # Finite stand-in for -inf in masked scores: exp2(MASKED - m) is 0 once any real score is seen,
