@@ -114,29 +114,39 @@ def test_flash_matches_naive_values_and_grads(name):
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("packed", [False, True])
 def test_tile_ranges_cover_every_visible_key(window, packed):
-    """Loop ranges never skip a visible (query, key) pair; with standard positions and no
-    segments they are exact: causal stops at the diagonal tile, windows start at their edge."""
+    """Loop ranges never skip a visible (query, key) pair and skip the element mask only where
+    every pair is visible; with standard positions and no segments the tile tests are exact:
+    causal stops at the diagonal tile."""
     b, t, bq, bk = 3, 128, 16, 32
     seg = random_segments(jax.random.key(1), b, t) if packed else None
     pos = positions_from_segments(seg) if packed else jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = causal_mask(pos, seg, sliding_window=window)
-    visible = tile_visibility(
+    visible, full = tile_visibility(
         pos, pos, seg, seg, causal=True, window=window, block_q=bq, block_k=bk
     )
-    r = tile_ranges(visible)
+    ranges = tile_ranges(visible, full)
     dense = np.asarray(mask.dense())
+    per_tile = dense.reshape(b, t // bq, bq, t // bk, bk)
     q_tile, k_tile = np.arange(t) // bq, np.arange(t) // bk
     for bi in range(b):
         qi, kj = np.nonzero(dense[bi])
-        assert np.all(r["kv_lo"][bi][q_tile[qi]] <= k_tile[kj])
-        assert np.all(k_tile[kj] < r["kv_hi"][bi][q_tile[qi]])
-        assert np.all(r["q_lo"][bi][k_tile[kj]] <= q_tile[qi])
-        assert np.all(q_tile[qi] < r["q_hi"][bi][k_tile[kj]])
+        for own, other, (lo, full_lo, full_hi, hi) in [
+            (q_tile[qi], k_tile[kj], ranges["kv"]),
+            (k_tile[kj], q_tile[qi], ranges["q"]),
+        ]:
+            lo, full_lo, full_hi, hi = (np.asarray(x[bi])[own] for x in (lo, full_lo, full_hi, hi))
+            assert np.all((lo <= other) & (other < hi))
+            assert np.all((lo <= full_lo) & (full_lo <= full_hi) & (full_hi <= hi))
+        lo, full_lo, full_hi, _ = (np.asarray(x[bi]) for x in ranges["kv"])
+        for i in range(t // bq):
+            for j in range(full_lo[i], full_hi[i]):
+                assert per_tile[bi, i, :, j, :].all(), (bi, i, j)
     if not packed:
-        any_in_tile = dense.reshape(b, t // bq, bq, t // bk, bk).any(axis=(2, 4))
-        np.testing.assert_array_equal(visible, any_in_tile)
+        np.testing.assert_array_equal(visible, per_tile.any(axis=(2, 4)))
+        np.testing.assert_array_equal(full, per_tile.all(axis=(2, 4)))
         # Causal: query tile i (rows 16i..16i+15) needs key tiles up to the one holding row 16i+15.
-        np.testing.assert_array_equal(r["kv_hi"][0], (np.arange(t // bq) * bq + bq - 1) // bk + 1)
+        hi = (np.arange(t // bq) * bq + bq - 1) // bk + 1
+        np.testing.assert_array_equal(ranges["kv"][3][0], hi)
 
 
 def test_decode_step_equals_naive():
@@ -145,7 +155,8 @@ def test_decode_step_equals_naive():
     kv_pos = jnp.broadcast_to(jnp.arange(37), (2, 37))
     mask = AttentionMask(q_positions=jnp.array([[30], [36]]), kv_positions=kv_pos)
     got = jax.jit(flash_attention)(q, k, v, mask)
-    np.testing.assert_allclose(got, naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    want = jax.jit(naive_attention)(q, k, v, mask)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -50,10 +50,10 @@ _attention.defvjp(_attention_forward, _attention_backward)
 
 
 def _ranges(mask: AttentionMask, rows, block_q: int, block_k: int):
-    visible = tile_visibility(
+    visible, full = tile_visibility(
         *rows, causal=mask.causal, window=mask.sliding_window, block_q=block_q, block_k=block_k
     )
-    return tile_ranges(visible)
+    return tile_ranges(visible, full)
 
 
 def flash_attention(

@@ -18,32 +18,32 @@ from jax.experimental import pallas as pl
 
 from layers.kernels.flash.config import Plan
 from layers.kernels.flash.forward import compiler_params, dot_nn, dot_nt, dot_tn, log2_scores
+from layers.kernels.flash.tiles import walk_tiles
 
 
 def _dkv_kernel(
-    lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+    lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref, *, plan: Plan,
 ):  # fmt: skip
     k, v = k_ref[...], v_ref[...]  # [block_k, head_dim]
     kv_pos = kv_pos_ref[...]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     bq = plan.backward_block_q
-    lo, hi = lo_ref[...], hi_ref[...]
 
     def head(hh, carry):
-        def step(i, carry):
+        def step(i, carry, masked):
             dk, dv = carry
             rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
             q, do = q_ref[rows, hh, :], do_ref[rows, hh, :]
             q_seg = None if q_seg_ref is None else q_seg_ref[rows]
-            s = log2_scores(q, k, q_pos_ref[rows], kv_pos, q_seg, kv_seg, plan)
+            s = log2_scores(q, k, q_pos_ref[rows], kv_pos, q_seg, kv_seg, plan, masked)
             p = jnp.exp2(s - lse_ref[hh, rows][:, None])
             dv = dv + dot_tn(p.astype(do.dtype), do)
             ds = p * (dot_nt(do, v) - delta_ref[hh, rows][:, None])
             dk = dk + dot_tn(ds.astype(q.dtype), q)
             return dk, dv
 
-        return jax.lax.fori_loop(lo, hi, step, carry)
+        return walk_tiles((lo_ref, full_lo_ref, full_hi_ref, hi_ref), step, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, plan.group, head, (zeros, zeros))
@@ -52,7 +52,7 @@ def _dkv_kernel(
 
 
 def _dq_kernel(
-    lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+    lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, dq_ref, *, plan: Plan,
 ):  # fmt: skip
     q, do = q_ref[...], do_ref[...]  # [block_q, head_dim]
@@ -61,16 +61,18 @@ def _dq_kernel(
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
     bk = plan.backward_block_k
 
-    def step(j, dq):
+    def step(j, dq, masked):
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[keys, :], v_ref[keys, :]
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
-        s = log2_scores(q, k, q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan)
+        s = log2_scores(q, k, q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
         p = jnp.exp2(s - lse[:, None])
         ds = p * (dot_nt(do, v) - delta[:, None])
         return dq + dot_nn(ds.astype(k.dtype), k)
 
-    dq = jax.lax.fori_loop(lo_ref[...], hi_ref[...], step, jnp.zeros(q.shape, jnp.float32))
+    dq = walk_tiles(
+        (lo_ref, full_lo_ref, full_hi_ref, hi_ref), step, jnp.zeros(q.shape, jnp.float32)
+    )
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
@@ -96,8 +98,7 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
         functools.partial(_dkv_kernel, plan=plan),
         grid=(s_len // bk, b, n_kv),
         in_specs=[
-            per_k_tile,
-            per_k_tile,
+            *[per_k_tile] * 4,
             q_group,
             kv_tile,
             kv_tile,
@@ -114,7 +115,7 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
         compiler_params=compiler_params(plan),
         interpret=plan.interpret,
         name="flash_backward_dkv",
-    )(ranges["q_lo"], ranges["q_hi"], *args)
+    )(*ranges["q"], *args)
 
     # dQ: grid over (query tile, batch, query head), like the forward.
     per_q_tile = pl.BlockSpec((None, None), lambda i, bi, hh: (bi, i))
@@ -127,8 +128,7 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
         functools.partial(_dq_kernel, plan=plan),
         grid=(t // bq, b, h),
         in_specs=[
-            per_q_tile,
-            per_q_tile,
+            *[per_q_tile] * 4,
             q_tile,
             kv_all,
             kv_all,
@@ -145,5 +145,5 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
         compiler_params=compiler_params(plan),
         interpret=plan.interpret,
         name="flash_backward_dq",
-    )(ranges["kv_lo"], ranges["kv_hi"], *args)
+    )(*ranges["kv"], *args)
     return dq, dk, dv

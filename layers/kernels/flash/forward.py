@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from layers.kernels.flash.config import Plan
-from layers.kernels.flash.tiles import element_mask
+from layers.kernels.flash.tiles import element_mask, walk_tiles
 
 # The import of pallas.tpu above registers config flags that the Pallas interpreter would otherwise
 # register in the middle of the first trace; that changes jit's tracing context, so every jitted
@@ -44,16 +44,18 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def log2_scores(q, k, q_pos, kv_pos, q_seg, kv_seg, plan: Plan) -> jax.Array:
-    """Masked scores of one tile in base-2 units: q k^T * log2(e) / sqrt(d)."""
+def log2_scores(q, k, q_pos, kv_pos, q_seg, kv_seg, plan: Plan, masked: bool) -> jax.Array:
+    """Scores of one tile in base-2 units, q k^T * log2(e) / sqrt(d), masked if `masked`."""
     s = dot_nt(q, k) * (plan.scale * LOG2E)
+    if not masked:
+        return s
     allowed = element_mask(q_pos, kv_pos, q_seg, kv_seg, causal=plan.causal, window=plan.window)
     return s if allowed is None else jnp.where(allowed, s, MASKED)
 
 
 def _forward_kernel(
-    lo_ref, hi_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref,
-    o_ref, lse_ref, *, plan: Plan,
+    lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref,
+    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, plan: Plan,
 ):  # fmt: skip
     q = q_ref[...]  # [block_q, head_dim]
     q_pos = q_pos_ref[...]
@@ -61,11 +63,11 @@ def _forward_kernel(
     block_q, head_dim = q.shape
     bk = plan.block_k
 
-    def step(j, carry):
+    def step(j, carry, masked):
         o, m, denom = carry
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
-        s = log2_scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan)
+        s = log2_scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
         m_new = jnp.maximum(m, s.max(axis=-1))
         rescale = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -79,7 +81,7 @@ def _forward_kernel(
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    o, m, denom = jax.lax.fori_loop(lo_ref[...], hi_ref[...], step, init)
+    o, m, denom = walk_tiles((lo_ref, full_lo_ref, full_hi_ref, hi_ref), step, init)
     # A row that saw no key tile at all (nothing visible) outputs 0 and a huge log-sum-exp, so
     # its backward probabilities are 0 rather than NaN.
     seen = denom > 0
@@ -110,8 +112,7 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
         functools.partial(_forward_kernel, plan=plan),
         grid=(t // bq, b, h),
         in_specs=[
-            per_q_tile,
-            per_q_tile,
+            *[per_q_tile] * 4,
             q_tile,
             kv_all,
             kv_all,
@@ -128,4 +129,4 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
         compiler_params=compiler_params(plan),
         interpret=plan.interpret,
         name="flash_forward",
-    )(ranges["kv_lo"], ranges["kv_hi"], q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    )(*ranges["kv"], q, k, v, q_pos, kv_pos, q_seg, kv_seg)

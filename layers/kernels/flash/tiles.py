@@ -2,16 +2,20 @@
 dense [seq, kv_seq] mask.
 
 Two levels:
-- `tile_ranges` (plain XLA, before the kernels run): a conservative test per (query tile, key
-  tile) pair from each tile's min/max position and segment id, reduced to the first and last
-  visible tile. A kernel loops over that range only, so tiles above the causal diagonal, outside
-  the sliding window or in another packed document cost no FLOPs. No assumption on positions is
+- `tile_ranges` (plain XLA, before the kernels run): conservative tests per (query tile, key
+  tile) pair from each tile's min/max position and segment id, reduced to loop bounds
+  lo <= full_lo <= full_hi <= hi. A kernel visits tiles [lo, hi) only, so tiles above the causal
+  diagonal, outside the sliding window or in another packed document cost no FLOPs; inside
+  [full_lo, full_hi) every element is visible and the per-element mask is skipped too (with
+  causal `arange` positions only the diagonal tiles are masked). No assumption on positions is
   needed (a KV cache with offset query positions works); with the standard `arange` positions the
-  causal range for query tile i ends exactly at the diagonal tile.
+  causal range of query tile i ends exactly at its diagonal tile.
 - `element_mask` (inside a kernel): the exact rule of `AttentionMask`, per element of one tile.
-  Tiles inside the range that turn out fully masked are computed and masked (rare: only where
+  Tiles inside [lo, hi) that turn out fully masked are computed and masked (rare: only where
   segment or position order is unusual), which costs FLOPs but never correctness.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,40 +37,57 @@ def tile_visibility(
     window: int | None,
     block_q: int,
     block_k: int,
-) -> jax.Array:
-    """[batch, q_tiles, kv_tiles] bool: False only where no element of the tile pair is visible."""
+) -> tuple[jax.Array, jax.Array]:
+    """Two [batch, q_tiles, kv_tiles] bools: `visible` is False only where no element of the tile
+    pair is visible; `full` is True only where every element is."""
     q_min, q_max = (s[:, :, None] for s in _tile_stats(q_pos, block_q))
     k_min, k_max = (s[:, None, :] for s in _tile_stats(kv_pos, block_k))
     visible = jnp.ones(jnp.broadcast_shapes(q_min.shape, k_min.shape), bool)
-    if causal:  # some key at or before some query
+    full = visible
+    if causal:  # some key at or before some query / every key before every query
         visible &= k_min <= q_max
-    if window is not None:  # some pair closer than the window
+        full &= k_max <= q_min
+    if window is not None:  # some pair / every pair closer than the window
         visible &= q_min - k_max < window
-    if q_seg is not None:  # segment ranges overlap
+        full &= q_max - k_min < window
+    if q_seg is not None:  # segment ranges overlap / one segment for the whole tile pair
         qs_min, qs_max = (s[:, :, None] for s in _tile_stats(q_seg, block_q))
         ks_min, ks_max = (s[:, None, :] for s in _tile_stats(kv_seg, block_k))
         visible &= (ks_min <= qs_max) & (qs_min <= ks_max)
-    return visible
+        full &= (qs_min == qs_max) & (ks_min == ks_max) & (qs_min == ks_min)
+    return visible, full & visible
 
 
-def _first_last(visible: jax.Array) -> tuple[Int[Array, "..."], Int[Array, "..."]]:
-    """[lo, hi) covering every True along the last axis; (0, 0) where none is True."""
+def _bounds(visible: jax.Array, full: jax.Array) -> tuple[jax.Array, ...]:
+    """lo <= full_lo <= full_hi <= hi along the last axis: [lo, hi) covers every visible tile,
+    [full_lo, full_hi) is the first run of fully visible tiles (empty, at lo, if none)."""
     n = visible.shape[-1]
-    any_visible = visible.any(axis=-1)
-    lo = jnp.argmax(visible, axis=-1)
-    hi = n - jnp.argmax(visible[..., ::-1], axis=-1)
-    return (
-        jnp.where(any_visible, lo, 0).astype(jnp.int32),
-        jnp.where(any_visible, hi, 0).astype(jnp.int32),
-    )
+    index = jnp.arange(n)
+    any_visible, any_full = visible.any(axis=-1), full.any(axis=-1)
+    lo = jnp.where(any_visible, jnp.argmax(visible, axis=-1), 0)
+    hi = jnp.where(any_visible, n - jnp.argmax(visible[..., ::-1], axis=-1), 0)
+    full_lo = jnp.where(any_full, jnp.argmax(full, axis=-1), lo)
+    after_run = (index >= full_lo[..., None]) & ~full
+    full_hi = jnp.where(any_full, jnp.min(jnp.where(after_run, index, n), axis=-1), lo)
+    return tuple(x.astype(jnp.int32) for x in (lo, full_lo, full_hi, hi))
 
 
-def tile_ranges(visible: jax.Array) -> dict[str, Int[Array, "batch tiles"]]:
-    """Loop bounds for both directions: per query tile the key tiles [kv_lo, kv_hi), per key tile
-    the query tiles [q_lo, q_hi)."""
-    kv_lo, kv_hi = _first_last(visible)
-    q_lo, q_hi = _first_last(jnp.swapaxes(visible, 1, 2))
-    return {"kv_lo": kv_lo, "kv_hi": kv_hi, "q_lo": q_lo, "q_hi": q_hi}
+def tile_ranges(visible: jax.Array, full: jax.Array) -> dict[str, tuple[jax.Array, ...]]:
+    """Loop bounds for both directions, each `(lo, full_lo, full_hi, hi)` of [batch, tiles]:
+    per query tile over key tiles ("kv") and per key tile over query tiles ("q")."""
+    return {
+        "kv": _bounds(visible, full),
+        "q": _bounds(jnp.swapaxes(visible, 1, 2), jnp.swapaxes(full, 1, 2)),
+    }
+
+
+def walk_tiles(bounds_refs, step, carry):
+    """Inside a kernel: run `step(j, carry, masked)` over tiles [lo, hi), with the element mask
+    only outside the fully visible run [full_lo, full_hi)."""
+    lo, full_lo, full_hi, hi = (ref[...] for ref in bounds_refs)
+    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 def element_mask(
