@@ -3,6 +3,8 @@ comes from the GGUF metadata, tensor names are mapped to HF's, quantized tensors
 (`gguf.quants.dequantize`, to float32) one at a time, and llama.cpp's permutation of the Q/K rows
 is undone. SmolLM2's GGUF is one of these."""
 
+import functools
+import os
 import re
 
 import gguf
@@ -30,7 +32,18 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-    """The reader for `path`, with a clear error for a file that is cut short or not GGUF."""
+    """The reader for `path`, with a clear error for a file that is cut short or not GGUF.
+
+    Readers are cached per file version: parsing the metadata (tens of thousands of vocabulary
+    strings) takes seconds, and the model and its tokenizer both need it. A reader memory-maps
+    the file, so the cache holds no tensor data.
+    """
+    stat = os.stat(path)
+    return _reader(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, OSError, KeyError) as e:
@@ -121,7 +134,8 @@ class GGUFSource:
 
     def read(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        # A plain ndarray view: slicing a memmap costs far more per call inside dequantize.
+        w = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
         w = w.reshape(self.shape(name))
         projection = name.split(".")[-2]
         if projection in self._heads:
