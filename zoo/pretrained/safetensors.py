@@ -36,6 +36,9 @@ class SafetensorsSource:
                 "(never pickled .bin/.pt files): convert them with transformers' save_pretrained"
             )
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        for name in files:
+            if not os.path.isfile(os.path.join(directory, name)):
+                raise ValueError(f"{INDEX} lists the shard {name}, which is not in {directory!r}")
         self._files = {name: _open(os.path.join(directory, name)) for name in files}
         self._where = {t: name for name, f in self._files.items() for t in f.keys()}  # noqa: SIM118
         for tensor, file in (weight_map or {}).items():
