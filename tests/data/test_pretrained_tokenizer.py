@@ -3,6 +3,7 @@
 
 import json
 
+import gguf
 import pytest
 
 from data.pretrained_tokenizer import tokenizer_from_pretrained
@@ -56,3 +57,59 @@ def test_hf_directory_reads_chat_template_markers(tmp_path, smollm2_reference): 
         "<|im_end|>"
         not in tokenizer_from_pretrained(tmp_path / "tokenizer.json").special_tokens_set
     )
+
+
+VOCAB, MERGES = {"a": 0, "b": 1, "c": 2}, ["a b", "b c"]
+
+
+def byte_level_json(**changes) -> dict:
+    """A tiny valid byte-level BPE tokenizer.json (a, b, c, ab, bc), with changes."""
+    spec = {
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+        "model": {"type": "BPE", "vocab": VOCAB | {"ab": 3, "bc": 4}, "merges": MERGES},
+    }
+    return spec | changes
+
+
+def test_tiny_tokenizer_json_converts(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_json()))
+    assert tokenizer_from_pretrained(tmp_path).encode("abcab") == [3, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model": {"type": "Unigram", "vocab": []}}, "not byte-level BPE"),
+        ({"pre_tokenizer": {"type": "Metaspace"}}, "pre_tokenizer .*Metaspace.* is not supported"),
+        ({"normalizer": {"type": "NFC"}}, r"a normalizer \(NFC\) is not supported"),
+        (
+            # HF would split "abc" as ab|c (first merge first), tiktoken as a|bc (lower id).
+            {"model": {"type": "BPE", "vocab": VOCAB | {"ab": 4, "bc": 3}, "merges": MERGES}},
+            "ids grow with merge order",
+        ),
+    ],
+)
+def test_unconvertible_tokenizer_json(tmp_path, changes, message):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_json(**changes)))
+    with pytest.raises(ValueError, match=message):
+        tokenizer_from_pretrained(tmp_path / "tokenizer.json")
+
+
+def test_not_a_tokenizer(tmp_path):
+    with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
+        tokenizer_from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is not a tokenizer"):
+        tokenizer_from_pretrained(tmp_path / "vocab.txt")
+
+
+def test_gguf_with_a_sentencepiece_tokenizer(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF tokenizer model 'llama' is not supported"):
+        tokenizer_from_pretrained(tmp_path / "spm.gguf")

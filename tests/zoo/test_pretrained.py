@@ -1,11 +1,14 @@
 """Tiny random GPT-2 and Llama checkpoints made by HF transformers: zoo.load_pretrained matches
 transformers' logits, and zoo.save_pretrained writes directories transformers loads back."""
 
+import shutil
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 import zoo
 from tests.reference.runner import run_reference
@@ -121,6 +124,16 @@ def test_save_then_load_is_exact(loaded, exported, name):
     assert again.config == loaded[name].config
     for a, b in zip(jax.tree.leaves(loaded[name]), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_base_model_files_without_prefix_load(hf_models, tmp_path):
+    """The original GPT-2 files name tensors "h.0.attn..." (no "transformer.")."""
+    shutil.copy(hf_models / "gpt2" / "config.json", tmp_path / "config.json")
+    tensors = load_file(hf_models / "gpt2" / "model.safetensors")
+    renamed = {name.removeprefix("transformer."): w for name, w in tensors.items()}
+    save_file(renamed, tmp_path / "model.safetensors")
+    reference = np.load(hf_models / "gpt2.npz")["logits"]
+    assert relative_error(zoo.load_pretrained(tmp_path)(jnp.asarray(TOKENS)), reference) < 1e-4
 
 
 def test_dtype_sets_params_and_compute(hf_models):

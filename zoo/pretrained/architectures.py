@@ -14,11 +14,14 @@ from zoo.pretrained.tensor_map import TensorGroup
 class Architecture:
     """One HF architecture: its config.json <-> Config, and where each weight lives.
 
-    `ignored(config)` lists regular expressions of checkpoint tensors that hold no weights of
-    ours (buffers, a repeated tied head); any other unknown tensor is an error.
+    `prefix` starts the names of the base model's tensors ("transformer." for GPT-2, "model." for
+    Llama); files saved from the base model alone lack it. `ignored(config)` lists regular
+    expressions of checkpoint tensors that hold no weights of ours (buffers, a repeated tied head);
+    any other unknown tensor is an error.
     """
 
     name: str
+    prefix: str
     config_from_hf: Callable[[dict], Config]
     config_to_hf: Callable[[Config], dict]
     exports: Callable[[Config], bool]
@@ -26,9 +29,10 @@ class Architecture:
     ignored: Callable[[Config], tuple[str, ...]]
 
 
-def _from_module(name: str, module) -> Architecture:
+def _from_module(name: str, prefix: str, module) -> Architecture:
     return Architecture(
         name=name,
+        prefix=prefix,
         config_from_hf=module.config_from_hf,
         config_to_hf=module.config_to_hf,
         exports=module.exports,
@@ -38,8 +42,8 @@ def _from_module(name: str, module) -> Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", gpt2),
-    "LlamaForCausalLM": _from_module("LlamaForCausalLM", llama),
+    "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", "transformer.", gpt2),
+    "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
 }
 
 

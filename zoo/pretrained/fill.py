@@ -26,6 +26,24 @@ class TensorSource(Protocol):
     def read(self, name: str) -> np.ndarray: ...
 
 
+class _Prefixed:
+    """A checkpoint of the base model alone (e.g. the original GPT-2 files: "h.0.attn...", no
+    "transformer."), seen with the prefix that the LM-head model's names carry."""
+
+    def __init__(self, source: TensorSource, prefix: str):
+        self._source = source
+        self._original = {prefix + name: name for name in source.names()}
+
+    def names(self) -> set[str]:
+        return set(self._original)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._source.shape(self._original[name])
+
+    def read(self, name: str) -> np.ndarray:
+        return self._source.read(self._original[name])
+
+
 def place(array: np.ndarray, like: jax.ShapeDtypeStruct, sharding=None) -> jax.Array:
     """One host array -> the device array that leaf `like` should be (its dtype). The single
     place where weights land on devices: a mesh's sharding for this leaf goes in `sharding`."""
@@ -71,6 +89,8 @@ def _read_layer(source: TensorSource, group: TensorGroup, layer: int | None) -> 
 def load_weights(source: TensorSource, arch: Architecture, config: Config) -> Transformer:
     """A Transformer of `config` whose every weight comes from `source`."""
     skeleton = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    if not any(name.startswith(arch.prefix) for name in source.names()):
+        source = _Prefixed(source, arch.prefix)
     groups = arch.tensors(config)
     _check_tensor_names(source, arch, groups, config)
     paths, arrays = [], []
