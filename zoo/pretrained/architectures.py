@@ -1,0 +1,67 @@
+"""The registry of HF architectures the zoo reads and writes, keyed by the class name that
+config.json lists under `architectures`. Adding one (e.g. Mixtral) is one module with the five
+functions below and one entry here."""
+
+import dataclasses
+from collections.abc import Callable
+
+from zoo.config import Config
+from zoo.pretrained import gpt2, llama
+from zoo.pretrained.tensor_map import TensorGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its config.json <-> Config, and where each weight lives.
+
+    `prefix` starts the names of the base model's tensors ("transformer." for GPT-2, "model." for
+    Llama); files saved from the base model alone lack it. `ignored(config)` lists regular
+    expressions of checkpoint tensors that hold no weights of ours (buffers, a repeated tied head);
+    any other unknown tensor is an error.
+    """
+
+    name: str
+    prefix: str
+    config_from_hf: Callable[[dict], Config]
+    config_to_hf: Callable[[Config], dict]
+    exports: Callable[[Config], bool]
+    tensors: Callable[[Config], list[TensorGroup]]
+    ignored: Callable[[Config], tuple[str, ...]]
+
+
+def _from_module(name: str, prefix: str, module) -> Architecture:
+    return Architecture(
+        name=name,
+        prefix=prefix,
+        config_from_hf=module.config_from_hf,
+        config_to_hf=module.config_to_hf,
+        exports=module.exports,
+        tensors=module.tensors,
+        ignored=module.ignored,
+    )
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", "transformer.", gpt2),
+    "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
+}
+
+
+def architecture(name: str) -> Architecture:
+    """The architecture called `name` (an HF class name); unknown names list the known ones."""
+    if name not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {name!r} is not supported by the zoo; known: {', '.join(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[name]
+
+
+def architecture_for(config: Config) -> Architecture:
+    """The architecture whose HF layout holds `config` exactly (for save_pretrained)."""
+    for arch in ARCHITECTURES.values():
+        if arch.exports(config):
+            return arch
+    raise ValueError(
+        "no HF architecture holds this Config (qk_norm, sliding_window or a mix of GPT-2 and "
+        f"Llama features); known: {', '.join(ARCHITECTURES)}"
+    )

@@ -1,0 +1,34 @@
+"""`save_pretrained`: a Transformer -> an HF model directory (model.safetensors + config.json)
+that transformers' `from_pretrained` loads, so a fine-tuned model goes back to the ecosystem."""
+
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from zoo.pretrained.architectures import architecture_for
+from zoo.pretrained.hf_config import config_to_hf
+from zoo.pretrained.tensor_map import hf_names, leaf
+from zoo.transformer import Transformer
+
+
+def save_pretrained(model: Transformer, directory: str | os.PathLike) -> None:
+    """Write `model` in the HF layout of the architecture that holds its config (GPT-2 or Llama),
+    weights in their own dtype. Gathers the weights on the host (one copy of the model)."""
+    config = model.config
+    arch = architecture_for(config)
+    tensors: dict[str, np.ndarray] = {}
+    for group in arch.tensors(config):
+        ours = [np.asarray(leaf(model, path)) for path in group.zoo]
+        layers = range(config.n_layers) if group.per_layer else [None]
+        for i in layers:
+            arrays = [a[i] for a in ours] if group.per_layer else ours
+            for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
+                tensors[name] = np.ascontiguousarray(array)
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    # transformers refuses safetensors files without the "format" metadata.
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config_to_hf(arch, config), f, indent=2)

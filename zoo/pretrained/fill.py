@@ -1,0 +1,115 @@
+"""Build the model's skeleton without allocating it (`eqx.filter_eval_shape`) and fill each leaf
+from a checkpoint, tensor by tensor: per-layer tensors are stacked into the scanned
+`[layers, ...]` arrays, and every array goes to its device through `place`."""
+
+import re
+from typing import Protocol, runtime_checkable
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from zoo.config import Config
+from zoo.pretrained.architectures import Architecture
+from zoo.pretrained.tensor_map import TensorGroup, hf_names, leaf
+from zoo.transformer import Transformer
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """A checkpoint seen as named tensors in HF layout (safetensors, or GGUF renamed)."""
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str) -> np.ndarray: ...
+
+
+class _Prefixed:
+    """A checkpoint of the base model alone (e.g. the original GPT-2 files: "h.0.attn...", no
+    "transformer."), seen with the prefix that the LM-head model's names carry."""
+
+    def __init__(self, source: TensorSource, prefix: str):
+        self._source = source
+        self._original = {prefix + name: name for name in source.names()}
+
+    def names(self) -> set[str]:
+        return set(self._original)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._source.shape(self._original[name])
+
+    def read(self, name: str) -> np.ndarray:
+        return self._source.read(self._original[name])
+
+
+def place(array: np.ndarray, like: jax.ShapeDtypeStruct, sharding=None) -> jax.Array:
+    """One host array -> the device array that leaf `like` should be (its dtype). The single
+    place where weights land on devices: a mesh's sharding for this leaf goes in `sharding`."""
+    return jax.device_put(np.asarray(array, like.dtype), sharding)
+
+
+def _check_tensor_names(
+    source: TensorSource, arch: Architecture, groups: list[TensorGroup], c: Config
+) -> None:
+    expected = set()
+    for group in groups:
+        layers = range(c.n_layers) if group.per_layer else [None]
+        expected.update(name for i in layers for name in hf_names(group, i))
+    available = source.names()
+    missing = sorted(expected - available)
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks {len(missing)} tensor(s) that a {arch.name} with this config.json "
+            f"has: {', '.join(missing[:8])}"
+        )
+    ignored = re.compile("|".join(f"(?:{p})" for p in arch.ignored(c)))
+    extra = sorted(n for n in available - expected if not ignored.fullmatch(n))
+    if extra:
+        raise ValueError(
+            f"checkpoint has {len(extra)} tensor(s) that a {arch.name} with this config.json "
+            f"does not: {', '.join(extra[:8])}"
+        )
+
+
+def _read_layer(source: TensorSource, group: TensorGroup, layer: int | None) -> tuple:
+    """One layer's HF tensors (shape-checked) converted to our arrays."""
+    arrays = []
+    for name, expected in zip(hf_names(group, layer), group.hf_shapes, strict=True):
+        actual = source.shape(name)
+        if actual != expected:
+            raise ValueError(
+                f"tensor {name} has shape {actual}, but this config.json needs {expected}"
+            )
+        arrays.append(source.read(name))
+    return group.to_zoo(*arrays)
+
+
+def load_weights(source: TensorSource, arch: Architecture, config: Config) -> Transformer:
+    """A Transformer of `config` whose every weight comes from `source`."""
+    skeleton = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    if not any(name.startswith(arch.prefix) for name in source.names()):
+        source = _Prefixed(source, arch.prefix)
+    groups = arch.tensors(config)
+    _check_tensor_names(source, arch, groups, config)
+    paths, arrays = [], []
+    for group in groups:
+        likes = [leaf(skeleton, path) for path in group.zoo]
+        if group.per_layer:
+            buffers = [np.empty(like.shape, like.dtype) for like in likes]
+            for i in range(config.n_layers):
+                for buffer, array in zip(buffers, _read_layer(source, group, i), strict=True):
+                    buffer[i] = array
+        else:
+            buffers = [np.asarray(a) for a in _read_layer(source, group, None)]
+        for path, like, buffer in zip(group.zoo, likes, buffers, strict=True):
+            if buffer.shape != like.shape:
+                raise AssertionError(f"{arch.name} mapping gave {path} shape {buffer.shape}")
+            paths.append(path)
+            arrays.append(place(buffer, like))
+        del buffers
+    n_leaves = len(jax.tree.leaves(skeleton))
+    if len(paths) != n_leaves:
+        raise AssertionError(f"{arch.name} mapping fills {len(paths)} of {n_leaves} weights")
+    return eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)

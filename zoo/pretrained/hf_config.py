@@ -1,0 +1,56 @@
+"""config.json of an HF model directory -> (architecture, zoo Config). The config is always read
+from the checkpoint, never guessed."""
+
+import json
+import os
+
+from zoo.config import Config
+from zoo.pretrained.architectures import Architecture, architecture
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def read_hf_config(directory: str) -> dict:
+    """The parsed config.json of `directory`, with an error that says what is missing."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{directory!r} has no config.json: an HF model directory needs config.json next to "
+            "model.safetensors (or model.safetensors.index.json)"
+        )
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def declared_dtype(hf: dict) -> str:
+    """The weights' dtype that config.json declares (`dtype`, or `torch_dtype` before
+    transformers 5); float32 when it declares none."""
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"config.json dtype={name!r} is not supported; choose one of {DTYPES}")
+    return name
+
+
+def config_from_hf(hf: dict, *, dtype: str) -> tuple[Architecture, Config]:
+    """The architecture named in `hf["architectures"]` and its Config with params and compute in
+    `dtype`."""
+    names = hf.get("architectures") or []
+    if len(names) != 1:
+        raise ValueError(
+            f"config.json must name exactly one class in 'architectures', got {names}; "
+            "e.g. ['LlamaForCausalLM']"
+        )
+    arch = architecture(names[0])
+    try:
+        config = arch.config_from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"config.json of a {arch.name} lacks the field {e}") from e
+    return arch, config.replace(dtype=dtype, param_dtype=dtype)
+
+
+def config_to_hf(arch: Architecture, config: Config) -> dict:
+    """config.json for `config` in `arch`'s layout (loadable by transformers)."""
+    return {"architectures": [arch.name], "dtype": config.param_dtype} | arch.config_to_hf(config)

@@ -1,0 +1,137 @@
+"""Llama (`LlamaForCausalLM`, Touvron et al. 2023; Llama 3, Grattafiori et al. 2024) in HF
+layout: nn.Linear weights stored `[out, in]`, GQA, RMSNorm, SwiGLU, rotary positions with an
+optional Llama-3 frequency scaling, tied or untied head. SmolLM2 is a Llama."""
+
+from layers.rotary import RopeScaling
+from zoo.config import Config
+from zoo.pretrained.tensor_map import TensorGroup, bias, linear, same
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """rope theta and scaling from either layout: transformers >= 5 nests both in
+    `rope_parameters`; older configs have `rope_theta` and `rope_scaling` at the top."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(
+            f"Llama rope_type={kind!r} is not supported; the zoo has 'default' and 'llama3'"
+        )
+    return theta, RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_seq_len=int(params["original_max_position_embeddings"]),
+    )
+
+
+def config_from_hf(hf: dict) -> Config:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    if attention_bias != mlp_bias:
+        raise ValueError(
+            f"Llama attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported: "
+            "the zoo's Config.bias puts biases on both or neither"
+        )
+    theta, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    return Config(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        d_ff=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        position="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        mlp="swiglu",
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        bias=attention_bias,
+    )
+
+
+def config_to_hf(config: Config) -> dict:
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        rope |= {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+        }
+    return {
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.d_ff,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": config.bias,
+        "mlp_bias": config.bias,
+        "tie_word_embeddings": config.tie_embeddings,
+        # Both spellings, so that transformers before and after v5 read the same rope.
+        "rope_parameters": rope,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope if config.rope_scaling is not None else None,
+    }
+
+
+def exports(config: Config) -> bool:
+    """Whether Llama's layout holds this config exactly."""
+    return (
+        config.position == "rope"
+        and config.norm == "rmsnorm"
+        and config.mlp == "swiglu"
+        and not config.qk_norm
+        and config.sliding_window is None
+    )
+
+
+def tensors(c: Config) -> list[TensorGroup]:
+    d, f = c.d_model, c.d_ff
+    q, kv = (c.n_heads, c.head_dim), (c.n_kv_heads, c.head_dim)
+    a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    projections = [
+        ("attn.q_proj", a + "q_proj", (d,), q),
+        ("attn.k_proj", a + "k_proj", (d,), kv),
+        ("attn.v_proj", a + "v_proj", (d,), kv),
+        ("attn.o_proj", a + "o_proj", q, (d,)),
+        ("mlp.gate", m + "gate_proj", (d,), (f,)),
+        ("mlp.up", m + "up_proj", (d,), (f,)),
+        ("mlp.down", m + "down_proj", (f,), (d,)),
+    ]
+    groups = [
+        same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
+        same("blocks.attn_norm.scale", "model.layers.{i}.input_layernorm.weight", (d,)),
+        same("blocks.mlp_norm.scale", "model.layers.{i}.post_attention_layernorm.weight", (d,)),
+        same("final_norm.scale", "model.norm.weight", (d,)),
+    ]
+    for ours, theirs, in_shape, out_shape in projections:
+        groups.append(linear(f"blocks.{ours}.weight", f"{theirs}.weight", in_shape, out_shape))
+        if c.bias:
+            groups.append(bias(f"blocks.{ours}.bias", f"{theirs}.bias", out_shape))
+    if not c.tie_embeddings:
+        groups.append(linear("lm_head.weight", "lm_head.weight", (d,), (c.vocab_size,)))
+    return groups
+
+
+def ignored(c: Config) -> tuple[str, ...]:
+    """Checkpoint tensors that are not weights: old files keep rotary inverse frequencies, and
+    some tied checkpoints repeat the embedding as lm_head."""
+    extra = ("lm_head.weight",) if c.tie_embeddings else ()
+    return (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", *extra)

@@ -1,0 +1,83 @@
+"""How the zoo's parameters sit in an HF checkpoint: groups of our leaves and the HF tensors
+they come from, with the conversions both ways.
+
+A group is usually one leaf <-> one tensor (a transposed, reshaped nn.Linear weight), but may fuse
+several (GPT-2 keeps q, k and v in one `c_attn` tensor; Mixtral keeps each expert apart while we
+stack them). Per-layer groups name their tensors with `{i}`; their leaves live under `blocks.` and
+carry the stacked `[layers, ...]` axis, which the loader adds (conversions see one layer).
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGroup:
+    """`zoo` leaves (dotted paths in a Transformer) <-> `hf` tensors of shapes `hf_shapes`.
+
+    `to_zoo(*hf_arrays) -> tuple of our arrays` and `to_hf(*our_arrays) -> tuple of HF arrays`,
+    one layer at a time for per-layer groups.
+    """
+
+    zoo: tuple[str, ...]
+    hf: tuple[str, ...]
+    hf_shapes: tuple[Shape, ...]
+    to_zoo: Callable[..., tuple[np.ndarray, ...]]
+    to_hf: Callable[..., tuple[np.ndarray, ...]]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf[0]
+
+
+def same(zoo: str, hf: str, shape: Shape) -> TensorGroup:
+    """A tensor stored exactly as we store it (embeddings, norm scales, biases of flat outputs)."""
+    return TensorGroup((zoo,), (hf,), (shape,), lambda w: (w,), lambda w: (w,))
+
+
+def linear(zoo: str, hf: str, in_shape: Shape, out_shape: Shape, *, hf_in_out: bool = False):
+    """An HF projection weight as our Linear weight `[*in_shape, *out_shape]`.
+
+    torch's nn.Linear stores `[out, in]` (transposed here); GPT-2's Conv1D stores `[in, out]`
+    (`hf_in_out=True`). Either way the flat dims are split into ours (heads x head_dim, ...).
+    """
+    n_in, n_out = math.prod(in_shape), math.prod(out_shape)
+    if hf_in_out:
+        return TensorGroup(
+            (zoo,),
+            (hf,),
+            ((n_in, n_out),),
+            lambda w: (w.reshape(in_shape + out_shape),),
+            lambda w: (w.reshape(n_in, n_out),),
+        )
+    return TensorGroup(
+        (zoo,),
+        (hf,),
+        ((n_out, n_in),),
+        lambda w: (w.T.reshape(in_shape + out_shape),),
+        lambda w: (w.reshape(n_in, n_out).T,),
+    )
+
+
+def bias(zoo: str, hf: str, out_shape: Shape) -> TensorGroup:
+    """A flat HF bias `[prod(out_shape)]` as our `[*out_shape]` bias."""
+    n_out = math.prod(out_shape)
+    return TensorGroup(
+        (zoo,), (hf,), ((n_out,),), lambda b: (b.reshape(out_shape),), lambda b: (b.reshape(n_out),)
+    )
+
+
+def hf_names(group: TensorGroup, layer: int | None) -> list[str]:
+    """The group's HF tensor names for one layer (None for groups outside the layer stack)."""
+    return [name.format(i=layer) for name in group.hf]
+
+
+def leaf(model, path: str):
+    """The leaf of `model` at dotted `path`, e.g. "blocks.attn.q_proj.weight"."""
+    return functools.reduce(getattr, path.split("."), model)
