@@ -1,8 +1,8 @@
 """Reference numbers from HF transformers, run by the tests in the reference venv (.venv-ref:
 Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does one job:
 
-    python hf_reference.py build JOB.json    # tiny random models -> save_pretrained + logits
-    python hf_reference.py reload JOB.json   # load HF dirs written by zoo.save_pretrained -> logits
+    python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
+                                             # and logits of dirs written by zoo.save_pretrained
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
 
 JOB.json holds the inputs; results go to JOB["out"] as .npz / .json files.
@@ -30,6 +30,11 @@ def randomize(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if param.ndim == 1:
             param.add_(0.1 * torch.randn_like(param))
+
+
+def tiny(job: dict) -> None:
+    build(job)
+    reload(job)
 
 
 def build(job: dict) -> None:
@@ -99,4 +104,4 @@ def smollm2(job: dict) -> None:
 if __name__ == "__main__":
     command, job_file = sys.argv[1:]
     with open(job_file) as f:
-        {"build": build, "reload": reload, "smollm2": smollm2}[command](json.load(f))
+        {"tiny": tiny, "smollm2": smollm2}[command](json.load(f))

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import zoo
+from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
 
 VOCAB = 97
@@ -57,38 +58,62 @@ MODELS = [
     },
 ]
 NAMES = [m["name"] for m in MODELS]
+# Models made by the zoo (random, every weight perturbed), written with save_pretrained.
+_SMALL = {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64}
+ZOO_CONFIGS = {
+    "zoo-gpt2": zoo.preset("tiny-gpt2", **_SMALL),
+    "zoo-gpt2-untied": zoo.preset("tiny-gpt2", **_SMALL, tie_embeddings=False),
+    "zoo-llama-gqa-tied": zoo.preset("tiny-llama", **_SMALL, d_ff=48, tie_embeddings=True),
+    "zoo-llama-llama3-rope-bias": zoo.preset(
+        "tiny-llama",
+        **_SMALL,
+        d_ff=48,
+        n_kv_heads=1,
+        head_dim=16,
+        bias=True,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=4.0, original_max_seq_len=16),
+    ),
+}
 
 
 def relative_error(ours, reference) -> float:
     return float(np.max(np.abs(np.asarray(ours) - reference)) / np.max(np.abs(reference)))
 
 
-@pytest.fixture(scope="session")
-def hf_models(tmp_path_factory):
-    """Directory with one HF checkpoint per model (and its logits as name.npz), built once."""
-    out = tmp_path_factory.mktemp("hf_models")
-    run_reference("build", {"models": MODELS, "tokens": TOKENS}, out)
-    return out
+def random_model(config: zoo.Config, seed: int) -> zoo.Transformer:
+    """Random weights, with norms and biases moved off their 1 / 0 init so that each matters."""
+    model = zoo.Transformer(config, key=jax.random.key(seed))
+    leaves, treedef = jax.tree.flatten(model)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noisy = [w + 0.1 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, noisy)
 
 
 @pytest.fixture(scope="session")
-def loaded(hf_models):
-    return {name: zoo.load_pretrained(hf_models / name) for name in NAMES}
+def zoo_models():
+    return {name: random_model(c, i) for i, (name, c) in enumerate(ZOO_CONFIGS.items())}
 
 
 @pytest.fixture(scope="session")
-def exported(loaded, tmp_path_factory):
-    """Our loaded models written back with save_pretrained, and transformers' logits for them."""
-    out = tmp_path_factory.mktemp("exported")
-    for name, model in loaded.items():
+def reference(tmp_path_factory, zoo_models):
+    """One reference job: HF builds a checkpoint per MODELS entry (logits in name.npz) and loads
+    each zoo model we saved (logits in zoo-....npz)."""
+    out = tmp_path_factory.mktemp("reference")
+    for name, model in zoo_models.items():
         zoo.save_pretrained(model, out / name)
-    run_reference("reload", {"dirs": NAMES, "tokens": TOKENS}, out)
+    run_reference("tiny", {"models": MODELS, "dirs": list(ZOO_CONFIGS), "tokens": TOKENS}, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def loaded(reference):
+    return {name: zoo.load_pretrained(reference / name) for name in NAMES}
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_logits_match_transformers(hf_models, loaded, name):
-    reference = np.load(hf_models / f"{name}.npz")["logits"]
+def test_logits_match_transformers(reference, loaded, name):
+    reference = np.load(reference / f"{name}.npz")["logits"]
     ours = loaded[name](jnp.asarray(TOKENS))
     assert ours.shape == reference.shape
     assert relative_error(ours, reference) < 1e-4
@@ -107,37 +132,37 @@ def test_config_is_read_from_the_checkpoint(loaded):
     assert not llama.tie_embeddings and loaded["llama-bias"].config.bias
 
 
-def test_sharded_checkpoint_was_sharded(hf_models):
-    assert (hf_models / "llama-mqa-llama3-rope" / "model.safetensors.index.json").is_file()
+def test_sharded_checkpoint_was_sharded(reference):
+    assert (reference / "llama-mqa-llama3-rope" / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize("name", list(ZOO_CONFIGS))
+def test_save_pretrained_reloads_in_transformers(zoo_models, reference, name):
+    reloaded = np.load(reference / f"{name}.npz")["logits"]
+    assert relative_error(reloaded, zoo_models[name](jnp.asarray(TOKENS))) < 1e-4
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_save_pretrained_reloads_in_transformers(hf_models, exported, name):
-    reference = np.load(hf_models / f"{name}.npz")["logits"]
-    reloaded = np.load(exported / f"{name}.npz")["logits"]
-    assert relative_error(reloaded, reference) < 1e-4
-
-
-@pytest.mark.parametrize("name", ["gpt2", "llama-mqa-llama3-rope"])
-def test_save_then_load_is_exact(loaded, exported, name):
-    again = zoo.load_pretrained(exported / name)
+def test_load_save_load_is_exact(loaded, tmp_path, name):
+    zoo.save_pretrained(loaded[name], tmp_path)
+    again = zoo.load_pretrained(tmp_path)
     assert again.config == loaded[name].config
     for a, b in zip(jax.tree.leaves(loaded[name]), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_base_model_files_without_prefix_load(hf_models, tmp_path):
+def test_base_model_files_without_prefix_load(reference, tmp_path):
     """The original GPT-2 files name tensors "h.0.attn..." (no "transformer.")."""
-    shutil.copy(hf_models / "gpt2" / "config.json", tmp_path / "config.json")
-    tensors = load_file(hf_models / "gpt2" / "model.safetensors")
+    shutil.copy(reference / "gpt2" / "config.json", tmp_path / "config.json")
+    tensors = load_file(reference / "gpt2" / "model.safetensors")
     renamed = {name.removeprefix("transformer."): w for name, w in tensors.items()}
     save_file(renamed, tmp_path / "model.safetensors")
-    reference = np.load(hf_models / "gpt2.npz")["logits"]
+    reference = np.load(reference / "gpt2.npz")["logits"]
     assert relative_error(zoo.load_pretrained(tmp_path)(jnp.asarray(TOKENS)), reference) < 1e-4
 
 
-def test_dtype_sets_params_and_compute(hf_models):
-    model = zoo.load_pretrained(hf_models / "llama-gqa-tied", dtype=jnp.bfloat16)
+def test_dtype_sets_params_and_compute(reference):
+    model = zoo.load_pretrained(reference / "llama-gqa-tied", dtype=jnp.bfloat16)
     params = jax.tree.leaves(eqx.filter(model, eqx.is_array))
     assert {p.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
     assert model(jnp.asarray(TOKENS)).dtype == jnp.bfloat16
