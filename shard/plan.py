@@ -103,7 +103,7 @@ def kv_cache_bytes_per_device(
     return 2 * _shard_bytes("KV cache", shape, CACHE_AXES, spec, sizes, itemsize)
 
 
-def _ring(kind: str, n_bytes: float, n: int) -> float:
+def _ring(kind: str, n_bytes: float | int, n: int) -> float:
     """Bytes each device sends for a ring collective over an array of `n_bytes` in total."""
     factor = 2 if kind == "all-reduce" else 1
     return factor * n_bytes * (n - 1) / n
@@ -231,7 +231,7 @@ def plan(
     )
 
 
-def _gib(n: float) -> str:
+def _gib(n: float | int) -> str:
     return f"{n / 2**30:9.3f} GiB"
 
 

@@ -94,7 +94,8 @@ class ShardedStep:
         params, opt_state, loss = self.jitted(eqx.filter(model, eqx.is_array), opt_state, batch)
         return eqx.combine(params, self.static), opt_state, loss
 
-    def compiled_text(self, model: PyTree, opt_state: PyTree, batch: PyTree) -> str:
-        """The optimised per-device HLO of this step (to check which collectives it runs)."""
-        lowered = self.jitted.lower(eqx.filter(model, eqx.is_array), opt_state, batch)
-        return lowered.compile().as_text()
+    def compile(self, model: PyTree, opt_state: PyTree, batch: PyTree) -> jax.stages.Compiled:
+        """The step compiled ahead of time for these shapes: `.as_text()` is the optimised
+        per-device HLO (which collectives it runs), `.memory_analysis()` its buffers; calling
+        it takes `eqx.filter(model, eqx.is_array)` in place of the model."""
+        return self.jitted.lower(eqx.filter(model, eqx.is_array), opt_state, batch).compile()
