@@ -55,5 +55,5 @@ if __name__ == "__main__":
     )
     losses, params = train()
     if jax.process_index() == 0:
-        np.savez(out, losses=np.array(losses), *params)
+        np.savez(out, *params, losses=np.array(losses))
     jax.distributed.shutdown()
