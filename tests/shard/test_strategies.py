@@ -83,7 +83,9 @@ def test_each_device_holds_the_expected_shard(run):
         shard.logical_axes(new_model), is_leaf=lambda x: isinstance(x, shard.LogicalAxes)
     )
     for array, names in zip(params, axes, strict=True):
-        expected = tuple(s // divisors.get(n, 1) for s, n in zip(array.shape, names.names, strict=True))
+        expected = tuple(
+            s // divisors.get(n, 1) for s, n in zip(array.shape, names.names, strict=True)
+        )
         assert len(array.addressable_shards) == 8
         for piece in array.addressable_shards:
             assert piece.data.shape == expected, (names, array.shape)
