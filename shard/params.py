@@ -37,9 +37,11 @@ def param_shardings(model: PyTree, rules: ShardingRules, mesh: Mesh) -> PyTree:
 
 def shard_model(model: PyTree, rules: ShardingRules, mesh: Mesh) -> PyTree:
     """`model` with every parameter placed in its sharding (for a model that already exists on
-    the host, e.g. a pretrained load; new models should use `init_sharded`)."""
+    the host, e.g. a pretrained load; new models should use `init_sharded`). Always copies, so
+    a training step that donates the placed model cannot delete `model`'s buffers."""
     params, static = eqx.partition(model, eqx.is_array)
-    placed = jax.device_put(params, param_shardings(model, rules, mesh))
+    # A jitted identity, not device_put: its outputs never alias its (undonated) inputs.
+    placed = jax.jit(lambda p: p, out_shardings=param_shardings(model, rules, mesh))(params)
     return eqx.combine(placed, static)
 
 

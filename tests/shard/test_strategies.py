@@ -14,7 +14,10 @@ import pytest
 import shard
 import zoo
 
-CONFIG = zoo.preset("tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+# Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
+CONFIG = zoo.preset(
+    "tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
+)
 TOKENS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, 17)).astype(np.int32)
 
 # Mesh of each preset, and by how much it should split each named parameter dim (written out
@@ -50,12 +53,14 @@ def reference():
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def run(request):
+def run(request, reference):
     """One SGD step (lr 1, so new = old - grad) of each preset, compiled once."""
     name = request.param
     mesh_shape, _ = CASES[name]
     rules, mesh = shard.ShardingRules.preset(name), shard.mesh(**mesh_shape)
-    model = shard.init_sharded(CONFIG, rules, mesh, jax.random.key(0))
+    # Placed rather than created sharded, to save a compile (tests/shard/test_init.py
+    # covers init_sharded).
+    model = shard.shard_model(reference[0], rules, mesh)
     optimizer = optax.sgd(1.0)
     state = shard.init_opt_state(optimizer, model, rules, mesh)
     batch = shard.shard_batch(TOKENS, rules, mesh)
