@@ -133,7 +133,13 @@ def plan(
     context: int | None = None,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
-    tokens per row, default `seq`) on a mesh of `mesh_shape`."""
+    tokens per row, default `seq`) on a mesh of `mesh_shape`.
+
+    Parameters, Adam state and KV cache are exact (the model's own logical axes under the
+    rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
+    divided by the tensor axis: an optimistic share, since without sequence parallelism the
+    norms' and residuals' part (10 d of Korthikanti et al.'s 34 d) is not split.
+    """
     sizes = full_mesh(mesh_shape)
     if hardware.interconnect is None:
         raise ValueError(f"{hardware.name} lists no interconnect bandwidth; pick another")
