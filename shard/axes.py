@@ -29,8 +29,14 @@ def _child(node, key):
     raise TypeError(f"cannot follow pytree key {key!r}")
 
 
+def is_array_like(leaf) -> bool:
+    """A real array or an abstract one (from `eqx.filter_eval_shape`)."""
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+
+
 def logical_axes(model: PyTree) -> PyTree:
-    """A pytree shaped like `eqx.filter(model, eqx.is_array)` whose leaves are `LogicalAxes`."""
+    """A pytree shaped like `eqx.filter(model, is_array_like)` whose leaves are `LogicalAxes`;
+    works on abstract models too, so shardings can be planned before any weight exists."""
 
     def name_leaf(path, leaf):
         owner = model
@@ -50,4 +56,4 @@ def logical_axes(model: PyTree) -> PyTree:
             )
         return LogicalAxes(("layers",) * stacked + tuple(names))
 
-    return jax.tree_util.tree_map_with_path(name_leaf, eqx.filter(model, eqx.is_array))
+    return jax.tree_util.tree_map_with_path(name_leaf, eqx.filter(model, is_array_like))

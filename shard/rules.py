@@ -1,39 +1,189 @@
-"""Rules that map logical axis names to mesh axis names, and the active (rules, mesh) context."""
+"""Rules that map logical axis names to mesh axis names, their presets, and the active
+(rules, mesh) context that `constrain` reads.
+
+Parameters and activations get separate mappings because FSDP shards both a weight's `embed` dim
+and the activations' `batch` dim over the same mesh axis, and one array may not use a mesh axis
+twice. `params=None` means "same as the activation mapping".
+"""
 
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
+LOGICAL_AXES = (
+    "batch",
+    "seq",
+    "kv_seq",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "experts",
+    "layers",
+)
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+Target = str | tuple[str, ...] | None
+Mapping = tuple[tuple[str, Target], ...]
+
+_BATCH = ("data", "fsdp", "expert")
+_TENSOR: Mapping = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"))
+
+# Activations and KV cache (`mapping`) and parameters (`params`) of each strategy.
+_PRESETS: dict[str, tuple[Mapping, Mapping | None]] = {
+    # Replicate the weights, split the batch; gradients are all-reduced.
+    "dp": ((("batch", _BATCH),), ()),
+    # ZeRO-3 / FSDP (Rajbhandari et al. 2020): each weight split along `embed`; all-gathered
+    # before its layer, gradients reduce-scattered after.
+    "fsdp": ((("batch", _BATCH),), (("embed", "fsdp"),)),
+    # Megatron tensor parallelism (Shoeybi et al. 2019): heads and MLP columns split, an
+    # all-reduce after each row-parallel matmul (attention output, MLP down).
+    "tp": ((("batch", _BATCH), *_TENSOR, ("vocab", "tensor")), None),
+    "fsdp_tp": (
+        (("batch", _BATCH), *_TENSOR, ("vocab", "tensor")),
+        (("embed", "fsdp"), *_TENSOR, ("vocab", "tensor")),
+    ),
+    # Expert parallelism (GShard, Lepikhin et al. 2020): experts live on the `expert` axis,
+    # which also splits the batch, so tokens travel to their expert by all-to-all.
+    "ep": (
+        (("batch", _BATCH), ("experts", "expert")),
+        (("embed", "fsdp"), ("experts", "expert")),
+    ),
+}
+
+
+def _check_mapping(mapping: Mapping, field: str) -> None:
+    seen = set()
+    for logical, target in mapping:
+        if logical not in LOGICAL_AXES:
+            raise ValueError(
+                f"ShardingRules.{field}: unknown logical axis {logical!r}; known: {LOGICAL_AXES}"
+            )
+        if logical in seen:
+            raise ValueError(f"ShardingRules.{field}: logical axis {logical!r} is mapped twice")
+        seen.add(logical)
+        for mesh_axis in _as_tuple(target):
+            if mesh_axis not in MESH_AXES:
+                raise ValueError(
+                    f"ShardingRules.{field}: {logical!r} maps to unknown mesh axis "
+                    f"{mesh_axis!r}; mesh axes are {MESH_AXES}"
+                )
+
+
+def _as_tuple(target: Target) -> tuple[str, ...]:
+    return (target,) if isinstance(target, str) else (target or ())
+
+
+def _spec(mapping: Mapping, names: tuple[str, ...]) -> PartitionSpec:
+    table = dict(mapping)
+    used: dict[str, str] = {}
+    spec = []
+    for name in names:
+        if name not in LOGICAL_AXES:
+            raise ValueError(f"unknown logical axis {name!r} in {names}; known: {LOGICAL_AXES}")
+        target = table.get(name)
+        for mesh_axis in _as_tuple(target):
+            if mesh_axis in used:
+                raise ValueError(
+                    f"logical axes {used[mesh_axis]!r} and {name!r} both map to mesh axis "
+                    f"{mesh_axis!r} in one array {names}; change the rules"
+                )
+            used[mesh_axis] = name
+        spec.append(target)
+    return PartitionSpec(*spec)
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """`mapping` pairs each logical axis with a mesh axis (or a tuple of them); unnamed axes are
+    """`mapping` pairs each logical axis with a mesh axis (or a tuple of them) for activations
+    and the KV cache; `params` does the same for weights (None: use `mapping`). Unnamed axes are
     replicated. Two logical axes may not share a mesh axis inside one array's spec."""
 
-    mapping: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+    mapping: Mapping = ()
+    params: Mapping | None = None
 
-    def mesh_axes(self, logical: str) -> str | tuple[str, ...] | None:
+    def __post_init__(self):
+        _check_mapping(self.mapping, "mapping")
+        if self.params is not None:
+            _check_mapping(self.params, "params")
+
+    @staticmethod
+    def preset(name: str) -> "ShardingRules":
+        """One of the named strategies: dp, fsdp, tp, fsdp_tp, ep."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown sharding preset {name!r}; choose one of {list(_PRESETS)}")
+        mapping, params = _PRESETS[name]
+        return ShardingRules(mapping, params)
+
+    @property
+    def param_mapping(self) -> Mapping:
+        return self.mapping if self.params is None else self.params
+
+    def mesh_axes(self, logical: str) -> Target:
+        """Mesh axes of an activation dim called `logical`."""
         return dict(self.mapping).get(logical)
 
     def partition_spec(self, names: tuple[str, ...]) -> PartitionSpec:
-        """The PartitionSpec for an array whose dims are called `names`."""
-        used: dict[str, str] = {}
-        spec = []
-        for name in names:
-            target = self.mesh_axes(name)
-            for mesh_axis in (target,) if isinstance(target, str) else (target or ()):
-                if mesh_axis in used:
-                    raise ValueError(
-                        f"logical axes {used[mesh_axis]!r} and {name!r} both map to mesh axis "
-                        f"{mesh_axis!r} in one array {names}; change the rules"
-                    )
-                used[mesh_axis] = name
-            spec.append(target)
-        return PartitionSpec(*spec)
+        """The PartitionSpec for an activation (or cache) whose dims are called `names`."""
+        return _spec(self.mapping, names)
+
+    def param_spec(self, names: tuple[str, ...]) -> PartitionSpec:
+        """The PartitionSpec for a parameter whose dims are called `names`."""
+        return _spec(self.param_mapping, names)
+
+
+def presets() -> list[str]:
+    """Names of the sharding strategies."""
+    return list(_PRESETS)
+
+
+def shard_count(spec: PartitionSpec, mesh_shape: dict[str, int], dim: int) -> int:
+    """Into how many pieces `spec` cuts dimension `dim` on a mesh of `mesh_shape`."""
+    target = spec[dim] if dim < len(spec) else None
+    return math.prod(mesh_shape[a] for a in _as_tuple(target))
+
+
+def check_divisible(
+    what: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    spec: PartitionSpec,
+    sizes: dict[str, int],
+) -> None:
+    """A clear error, before compiling, when a dim does not divide by its mesh axes (`sizes`:
+    each mesh axis's size)."""
+    for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
+        pieces = shard_count(spec, sizes, dim)
+        if size % pieces:
+            raise ValueError(
+                f"{what}: dimension {name!r} of size {size} does not divide by mesh axis "
+                f"{spec[dim]!r} of size {pieces}; change the mesh or the rules"
+            )
+
+
+def check_mesh(rules: ShardingRules, mesh: Mesh) -> None:
+    """Every mesh axis the rules name must exist in `mesh`."""
+    for logical, target in rules.mapping + rules.param_mapping:
+        for mesh_axis in _as_tuple(target):
+            if mesh_axis not in mesh.shape:
+                raise ValueError(
+                    f"rules map {logical!r} to mesh axis {mesh_axis!r}, which this mesh "
+                    f"{dict(mesh.shape)} lacks; build it with shard.mesh(...)"
+                )
+
+
+def named_sharding(axes: str, rules: ShardingRules, mesh: Mesh) -> NamedSharding:
+    """The sharding of an activation or cache named like "layers batch kv_heads kv_seq
+    head_dim" (one call for the KV cache, batches and logits)."""
+    check_mesh(rules, mesh)
+    return NamedSharding(mesh, rules.partition_spec(tuple(axes.split())))
 
 
 _ACTIVE: contextvars.ContextVar[tuple[ShardingRules, Mesh] | None] = contextvars.ContextVar(
@@ -44,6 +194,7 @@ _ACTIVE: contextvars.ContextVar[tuple[ShardingRules, Mesh] | None] = contextvars
 @contextlib.contextmanager
 def use_rules(rules: ShardingRules, mesh: Mesh):
     """Make `constrain` place activations on `mesh` according to `rules` inside this block."""
+    check_mesh(rules, mesh)
     token = _ACTIVE.set((rules, mesh))
     try:
         yield

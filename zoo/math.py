@@ -122,11 +122,13 @@ def training_memory_bytes(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
-    """Peak dense matmul rate per dtype (FLOP/s) and memory bandwidth (bytes/s)."""
+    """Peak dense matmul rate per dtype (FLOP/s), memory bandwidth (bytes/s) and, for chips
+    built to be linked, the interconnect bandwidth per device (bytes/s, NVLink / ICI)."""
 
     name: str
     flops: dict[str, float]
     bandwidth: float
+    interconnect: float | None = None
 
     def peak_flops(self, dtype: str) -> float | int:
         if dtype not in self.flops:
@@ -136,31 +138,44 @@ class Hardware:
         return self.flops[dtype]
 
 
-# Datasheet dense (no sparsity) peaks. fp32 on NVIDIA is the non-tensor-core rate.
+# Datasheet dense (no sparsity) peaks. fp32 on NVIDIA is the non-tensor-core rate. Interconnect:
+# NVLink per GPU one way (900 / 600 GB/s both ways), TPU ICI per chip (2400/1600/4800 Gbps).
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         name="NVIDIA H100 SXM",
         flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
         bandwidth=3.35e12,
+        interconnect=450e9,
     ),
     "h200": Hardware(
         name="NVIDIA H200",
         flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
         bandwidth=4.8e12,
+        interconnect=450e9,
     ),
     "a100": Hardware(
         name="NVIDIA A100 80GB",
         flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
         bandwidth=2.039e12,
+        interconnect=300e9,
     ),
     "tpu-v4": Hardware(
-        name="TPU v4", flops={"bfloat16": 275e12, "float32": 275e12 / 4}, bandwidth=1.2e12
+        name="TPU v4",
+        flops={"bfloat16": 275e12, "float32": 275e12 / 4},
+        bandwidth=1.2e12,
+        interconnect=300e9,
     ),
     "tpu-v5e": Hardware(
-        name="TPU v5e", flops={"bfloat16": 197e12, "float32": 197e12 / 4}, bandwidth=0.819e12
+        name="TPU v5e",
+        flops={"bfloat16": 197e12, "float32": 197e12 / 4},
+        bandwidth=0.819e12,
+        interconnect=200e9,
     ),
     "tpu-v5p": Hardware(
-        name="TPU v5p", flops={"bfloat16": 459e12, "float32": 459e12 / 4}, bandwidth=2.765e12
+        name="TPU v5p",
+        flops={"bfloat16": 459e12, "float32": 459e12 / 4},
+        bandwidth=2.765e12,
+        interconnect=600e9,
     ),
 }
 

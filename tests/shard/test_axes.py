@@ -46,3 +46,22 @@ def test_rules_refuse_two_axes_on_one_mesh_axis():
 def test_constrain_without_rules_is_identity():
     x = jax.numpy.ones((2, 3))
     assert constrain(x, "batch embed") is x
+
+
+def test_presets_map_the_strategy_axes():
+    specs = {
+        name: ShardingRules.preset(name).param_spec(("layers", "embed", "mlp"))
+        for name in ("dp", "fsdp", "tp", "fsdp_tp")
+    }
+    assert specs == {
+        "dp": jax.P(None, None, None),
+        "fsdp": jax.P(None, "fsdp", None),
+        "tp": jax.P(None, None, "tensor"),
+        "fsdp_tp": jax.P(None, "fsdp", "tensor"),
+    }
+    ep = ShardingRules.preset("ep")
+    assert ep.param_spec(("experts", "embed", "mlp")) == jax.P("expert", "fsdp", None)
+    assert ep.partition_spec(("experts", "kv_seq", "embed")) == jax.P("expert", None, None)
+    assert ep.partition_spec(("batch", "seq", "embed")) == jax.P(
+        ("data", "fsdp", "expert"), None, None
+    )

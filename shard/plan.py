@@ -1,0 +1,310 @@
+"""The sharding plan, on paper: bytes per device and the collectives of one training step, each
+beside the compute it could hide under (the "will the communication hide under the matmul"
+table). Needs no devices: the mesh is just its axis sizes.
+
+    python -m shard.plan --model llama3-8b --mesh fsdp=8
+    python -m shard.plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch 16 --seq 4096
+
+Collective costs are the ring algorithm's bytes sent per device (Patarasuk & Yuan 2009):
+all-gather and reduce-scatter of a full array of S bytes over n devices send S (n-1)/n,
+all-reduce sends twice that. Time = bytes / the hardware's interconnect bandwidth.
+"""
+
+import argparse
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+
+from shard.axes import LogicalAxes, is_array_like, logical_axes
+from shard.mesh import parse_mesh
+from shard.rules import MESH_AXES, ShardingRules, check_divisible, presets, shard_count
+from zoo import math as zmath
+from zoo.config import Config
+from zoo.presets import preset
+from zoo.transformer import Transformer
+
+CACHE_AXES = ("layers", "batch", "kv_heads", "kv_seq", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a training step: how many times it runs, the bytes each device
+    sends each time, the time that takes, and the compute it can overlap with each time."""
+
+    name: str
+    axis: str
+    why: str
+    count: int
+    bytes_per_device: float
+    comm_s: float
+    compute_s: float
+
+    @property
+    def hides(self) -> bool:
+        return self.comm_s <= self.compute_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per device (parameters, gradients, Adam state, activations by remat policy, KV
+    cache) and the step's collectives, for one config, rules and mesh shape."""
+
+    params: int
+    grads: int
+    adam_state: int
+    activations: dict[str, float]
+    kv_cache: int
+    collectives: tuple[Collective, ...]
+    step_compute_s: float
+
+
+def full_mesh(mesh_shape: dict[str, int]) -> dict[str, int]:
+    """Sizes of all four mesh axes (1 where not given)."""
+    for name in mesh_shape:
+        if name not in MESH_AXES:
+            raise ValueError(f"unknown mesh axis {name!r}; mesh axes are {MESH_AXES}")
+    return {name: mesh_shape.get(name, 1) for name in MESH_AXES}
+
+
+def _shard_bytes(what: str, shape, names, spec, sizes: dict[str, int], itemsize: int) -> int:
+    check_divisible(what, tuple(shape), tuple(names), spec, sizes)
+    pieces = math.prod(shard_count(spec, sizes, d) for d in range(len(shape)))
+    return math.prod(shape) // pieces * itemsize
+
+
+def param_bytes_per_device(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> int:
+    """Bytes of the parameter shards one device holds (from the model's own logical axes)."""
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    arrays = jax.tree_util.tree_leaves_with_path(eqx.filter(abstract, is_array_like))
+    axes = jax.tree.leaves(logical_axes(abstract), is_leaf=lambda x: isinstance(x, LogicalAxes))
+    return sum(
+        _shard_bytes(
+            jax.tree_util.keystr(path),
+            leaf.shape,
+            names.names,
+            rules.param_spec(names.names),
+            sizes,
+            leaf.dtype.itemsize,
+        )
+        for (path, leaf), names in zip(arrays, axes, strict=True)
+    )
+
+
+def kv_cache_bytes_per_device(
+    config: Config, rules: ShardingRules, sizes: dict[str, int], batch: int, context: int
+) -> int:
+    """Keys plus values, `[layers, batch, kv_heads, kv_seq, head_dim]` each, in the compute
+    dtype, sharded by the activation rules."""
+    shape = (config.n_layers, batch, config.n_kv_heads, context, config.head_dim)
+    spec = rules.partition_spec(CACHE_AXES)
+    itemsize = zmath.bytes_per_element(config.dtype)
+    return 2 * _shard_bytes("KV cache", shape, CACHE_AXES, spec, sizes, itemsize)
+
+
+def _ring(kind: str, n_bytes: float | int, n: int) -> float:
+    """Bytes each device sends for a ring collective over an array of `n_bytes` in total."""
+    factor = 2 if kind == "all-reduce" else 1
+    return factor * n_bytes * (n - 1) / n
+
+
+def _axes_size(sizes: dict[str, int], axes: set[str]) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def _label(axes: set[str], sizes: dict[str, int]) -> str:
+    return "+".join(a for a in MESH_AXES if a in axes and sizes[a] > 1)
+
+
+def _targets(rules_mapping, logical: str) -> set[str]:
+    target = dict(rules_mapping).get(logical)
+    return {target} if isinstance(target, str) else set(target or ())
+
+
+def plan(
+    config: Config,
+    rules: ShardingRules,
+    mesh_shape: dict[str, int],
+    *,
+    batch: int,
+    seq: int,
+    hardware: zmath.Hardware,
+    context: int | None = None,
+) -> Plan:
+    """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
+    tokens per row, default `seq`) on a mesh of `mesh_shape`.
+
+    Parameters, Adam state and KV cache are exact (the model's own logical axes under the
+    rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
+    divided by the tensor axis: an optimistic share, since without sequence parallelism the
+    norms' and residuals' part (10 d of Korthikanti et al.'s 34 d) is not split.
+    """
+    sizes = full_mesh(mesh_shape)
+    if hardware.interconnect is None:
+        raise ValueError(f"{hardware.name} lists no interconnect bandwidth; pick another")
+    devices = math.prod(sizes.values())
+    batch_axes = _targets(rules.mapping, "batch")
+    batch_shards = _axes_size(sizes, batch_axes)
+    if batch % batch_shards:
+        raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
+    tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
+    tokens = batch * seq // batch_shards
+    params = param_bytes_per_device(config, rules, sizes)
+    activations = {
+        remat: tokens * zmath.activation_bytes_per_token(config, seq, remat=remat) / tensor
+        for remat in ("none", "dots", "full")
+    }
+
+    peak = hardware.peak_flops(config.dtype)
+    link = hardware.interconnect
+    layer_params = zmath.layer_params(config) * zmath.bytes_per_element(config.param_dtype)
+    layer_matmul_flops = (
+        zmath.forward_flops_per_token(config, seq) - 2 * config.d_model * config.vocab_size
+    ) / config.n_layers
+    layer_fwd_s = tokens * layer_matmul_flops / tensor / peak
+    collectives = []
+    gather_axes = _targets(rules.param_mapping, "embed")
+    if (fsdp := _axes_size(sizes, gather_axes)) > 1:
+        shard = layer_params / tensor
+        for why, count, compute in [
+            ("weights, forward", 1, layer_fwd_s),
+            ("weights, backward", 1, 2 * layer_fwd_s),
+        ]:
+            sent = _ring("all-gather", shard, fsdp)
+            collectives.append(
+                Collective(
+                    "all-gather",
+                    _label(gather_axes, sizes),
+                    why,
+                    count * config.n_layers,
+                    sent,
+                    sent / link,
+                    compute,
+                )
+            )
+        sent = _ring("reduce-scatter", shard, fsdp)
+        collectives.append(
+            Collective(
+                "reduce-scatter",
+                _label(gather_axes, sizes),
+                "gradients",
+                config.n_layers,
+                sent,
+                sent / link,
+                2 * layer_fwd_s,
+            )
+        )
+    replica_axes = batch_axes - gather_axes
+    if (replicas := _axes_size(sizes, replica_axes)) > 1:
+        sent = _ring("all-reduce", layer_params / tensor / fsdp, replicas)
+        collectives.append(
+            Collective(
+                "all-reduce",
+                _label(replica_axes, sizes),
+                "gradients",
+                config.n_layers,
+                sent,
+                sent / link,
+                2 * layer_fwd_s,
+            )
+        )
+    if tensor > 1:
+        activation = tokens * config.d_model * zmath.bytes_per_element(config.dtype)
+        sent = _ring("all-reduce", activation, tensor)
+        # Megatron: one all-reduce after attention and one after the MLP, forward and backward.
+        collectives.append(
+            Collective(
+                "all-reduce",
+                "tensor",
+                "activations (attn + mlp), fwd + bwd",
+                4 * config.n_layers,
+                sent,
+                sent / link,
+                layer_fwd_s / 2,
+            )
+        )
+    step_flops = zmath.training_flops_per_token(config, seq) * batch * seq / devices
+    return Plan(
+        params=params,
+        grads=params,
+        # Adam's two moments in the parameters' dtype and shardings, plus its int32 step count.
+        adam_state=2 * params + 4,
+        activations=activations,
+        kv_cache=kv_cache_bytes_per_device(config, rules, sizes, batch, context or seq),
+        collectives=tuple(collectives),
+        step_compute_s=step_flops / peak,
+    )
+
+
+def _gib(n: float | int) -> str:
+    return f"{n / 2**30:9.3f} GiB"
+
+
+def format_plan(p: Plan) -> str:
+    lines = ["bytes per device"]
+    lines += [
+        f"  parameters          {_gib(p.params)}",
+        f"  gradients           {_gib(p.grads)}",
+        f"  Adam state          {_gib(p.adam_state)}",
+    ]
+    lines += [f"  activations ({k:4s})  {_gib(v)}" for k, v in p.activations.items()]
+    lines += [f"  KV cache            {_gib(p.kv_cache)}"]
+    lines += [
+        "",
+        f"compute per step per device: {p.step_compute_s * 1e3:.2f} ms",
+        f"{'collective':15s} {'axis':12s} {'what':36s} {'x/step':>6s} {'MiB/dev':>9s} "
+        f"{'comm ms':>8s} {'compute ms':>10s}  hides?",
+    ]
+    for c in p.collectives:
+        lines.append(
+            f"{c.name:15s} {c.axis:12s} {c.why:36s} {c.count:6d} "
+            f"{c.bytes_per_device / 2**20:9.2f} {c.comm_s * 1e3:8.3f} {c.compute_s * 1e3:10.3f}"
+            f"  {'yes' if c.hides else 'NO'}"
+        )
+    if not p.collectives:
+        lines.append("(none: a single device, or nothing sharded)")
+    return "\n".join(lines)
+
+
+def default_rules(sizes: dict[str, int]) -> str:
+    """The preset a mesh's shape suggests."""
+    if sizes.get("expert", 1) > 1:
+        return "ep"
+    if sizes.get("tensor", 1) > 1:
+        return "fsdp_tp" if sizes.get("fsdp", 1) > 1 else "tp"
+    return "fsdp" if sizes.get("fsdp", 1) > 1 else "dp"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-8b", help="a zoo preset name")
+    parser.add_argument("--mesh", default="fsdp=8", help="e.g. fsdp=4,tensor=2")
+    parser.add_argument("--rules", choices=presets(), help="default: from the mesh's shape")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
+    parser.add_argument("--hardware", default="h100", choices=list(zmath.HARDWARE))
+    args = parser.parse_args(argv)
+    sizes = parse_mesh(args.mesh)
+    config = preset(args.model, dtype=args.dtype, param_dtype=args.dtype)
+    rules_name = args.rules or default_rules(sizes)
+    hardware = zmath.HARDWARE[args.hardware]
+    print(
+        f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, {args.dtype}), "
+        f"rules {rules_name}, mesh {full_mesh(sizes)}, batch {args.batch} x seq {args.seq}, "
+        f"{hardware.name} ({hardware.interconnect / 1e9:.0f} GB/s link)"
+    )
+    p = plan(
+        config,
+        ShardingRules.preset(rules_name),
+        sizes,
+        batch=args.batch,
+        seq=args.seq,
+        hardware=hardware,
+    )
+    print(format_plan(p))
+
+
+if __name__ == "__main__":
+    main()

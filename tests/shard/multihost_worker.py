@@ -1,0 +1,59 @@
+"""A few sharded Adam steps of a tiny model, run by tests/shard/test_multihost.py in each of
+two processes (4 CPU devices each, joined by `jax.distributed.initialize`) and, for reference,
+in one process with 8 devices.
+
+    python tests/shard/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz
+"""
+
+import sys
+
+import jax
+import numpy as np
+
+STEPS = 3
+
+
+def train() -> tuple[list[float], list[np.ndarray]]:
+    """Losses of each step and the final parameters (whole, on the host) on a fsdp=4 x tensor=2
+    mesh over every device of every process."""
+    import equinox as eqx
+    import optax
+    from jax.experimental import multihost_utils
+
+    import shard
+    import zoo
+
+    config = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
+    rules, mesh = shard.ShardingRules.preset("fsdp_tp"), shard.mesh(fsdp=4, tensor=2)
+    model = shard.init_sharded(config, rules, mesh, jax.random.key(0))
+    optimizer = optax.adam(1e-2)
+    state = shard.init_opt_state(optimizer, model, rules, mesh)
+
+    def loss_fn(model, tokens):
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    step = shard.ShardedStep(loss_fn, optimizer, model, rules, mesh)
+    # One batch, seen every step, so the loss must fall.
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 9)).astype(np.int32)
+    batch = shard.shard_batch(tokens, rules, mesh)
+    losses = []
+    for _ in range(STEPS):
+        model, state, loss = step(model, state, batch)
+        losses.append(float(loss))
+    params = multihost_utils.process_allgather(eqx.filter(model, eqx.is_array), tiled=True)
+    return losses, [np.asarray(p) for p in jax.tree.leaves(params)]
+
+
+if __name__ == "__main__":
+    process_id, num_processes, port, out = sys.argv[1:]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}",
+        num_processes=int(num_processes),
+        process_id=int(process_id),
+    )
+    losses, params = train()
+    if jax.process_index() == 0:
+        np.savez(out, *params, losses=np.array(losses))
+    jax.distributed.shutdown()

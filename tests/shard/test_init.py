@@ -1,0 +1,64 @@
+"""Sharded init: the model is created in its shardings, each device computing only its own
+shards, and the values are those of the ordinary (unsharded) init."""
+
+import math
+import re
+
+import equinox as eqx
+import jax
+import numpy as np
+
+import shard
+import zoo
+from shard.params import sharded_initialiser
+
+CONFIG = zoo.preset("tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+
+
+def test_no_device_ever_holds_a_whole_parameter():
+    rules, mesh, key = shard.ShardingRules.preset("fsdp"), shard.mesh(fsdp=8), jax.random.key(0)
+    abstract = eqx.filter_eval_shape(zoo.Transformer, CONFIG, key=key)
+    shardings = shard.param_shardings(abstract, rules, mesh)
+    compiled = sharded_initialiser(zoo.Transformer, CONFIG, shardings).lower(key).compile()
+
+    params = jax.tree.leaves(eqx.filter(abstract, shard.axes.is_array_like))
+    specs = jax.tree.leaves(shardings)
+    largest_param = max(math.prod(p.shape) for p in params)
+    shard_sizes = [math.prod(s.shard_shape(p.shape)) for p, s in zip(params, specs, strict=True)]
+    # The largest parameters are split 8 ways.
+    assert max(shard_sizes) * 8 == largest_param
+
+    # No buffer of the per-device program (outputs, temporaries, RNG bits) is as large as the
+    # largest parameter: each device builds shards only.
+    sizes = [
+        math.prod(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"[a-z]+\d+\[([\d,]*)\]", compiled.as_text())
+    ]
+    assert max(sizes) <= max(shard_sizes) < largest_param
+    memory = compiled.memory_analysis()
+    # The outputs are the shards (plus the output tuple's table of 8-byte pointers).
+    shard_bytes = sum(4 * n for n in shard_sizes)
+    assert shard_bytes <= memory.output_size_in_bytes <= shard_bytes + 8 * (len(params) + 1)
+    assert memory.temp_size_in_bytes < 4 * largest_param
+
+
+def test_sharded_init_equals_unsharded_init():
+    rules, mesh = shard.ShardingRules.preset("fsdp_tp"), shard.mesh(fsdp=2, tensor=4)
+    sharded = shard.init_sharded(CONFIG, rules, mesh, jax.random.key(3))
+    plain = zoo.Transformer(CONFIG, key=jax.random.key(3))
+    assert sharded.blocks.mlp.up.weight.sharding.spec == jax.P(None, "fsdp", "tensor")
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(plain, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shard_model_places_an_existing_model():
+    rules, mesh = shard.ShardingRules.preset("tp"), shard.mesh(data=2, tensor=4)
+    plain = zoo.Transformer(CONFIG, key=jax.random.key(1))
+    placed = shard.shard_model(plain, rules, mesh)
+    assert placed.lm_head.weight.sharding.spec == jax.P(None, "tensor")
+    assert placed.blocks.attn.o_proj.weight.addressable_shards[0].data.shape == (2, 1, 16, 64)
+    np.testing.assert_array_equal(placed.lm_head.weight, plain.lm_head.weight)
