@@ -2,7 +2,17 @@
 
 from zoo import math
 from zoo.config import Config
+from zoo.output import ModelOutput, moe_aux_loss
 from zoo.presets import preset, presets
 from zoo.transformer import Block, Transformer
 
-__all__ = ["Block", "Config", "Transformer", "math", "preset", "presets"]
+__all__ = [
+    "Block",
+    "Config",
+    "ModelOutput",
+    "Transformer",
+    "math",
+    "moe_aux_loss",
+    "preset",
+    "presets",
+]
