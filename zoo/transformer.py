@@ -132,15 +132,11 @@ def run_stack(
 
 class BlockGroup(eqx.Module):
     """`moe_every - 1` dense blocks (stacked, scanned) then one MoE block: the unit that an
-    interleaved dense/MoE model stacks and scans, so compile time stays independent of depth."""
+    interleaved dense/MoE model stacks and scans, so compile time stays independent of depth.
+    Built by `make_blocks` from already stacked blocks (a leading `groups` axis on every leaf)."""
 
     dense: Block
     moe: Block
-
-    def __init__(self, config: Config, *, key: PRNGKeyArray):
-        keys = jax.random.split(key, config.moe_every)
-        self.dense = eqx.filter_vmap(lambda k: Block(config, key=k))(keys[:-1])
-        self.moe = Block(config, moe=True, key=keys[-1])
 
     def __call__(
         self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
@@ -154,14 +150,21 @@ def make_blocks(config: Config, key: PRNGKeyArray) -> tuple[Block | None, Block 
     MoE model has its `first_dense_layers` apart, then a stack of MoE Blocks (`moe_every == 1`)
     or of BlockGroups."""
     keys = jax.random.split(key, config.n_layers)
+    dense_stack = eqx.filter_vmap(lambda k: Block(config, key=k))
     if config.n_experts == 0:
-        return None, eqx.filter_vmap(lambda k: Block(config, key=k))(keys)
-    first = config.first_dense_layers
-    dense = eqx.filter_vmap(lambda k: Block(config, key=k))(keys[:first]) if first else None
-    if config.moe_every == 1:
-        return dense, eqx.filter_vmap(lambda k: Block(config, moe=True, key=k))(keys[first:])
-    groups = keys[first :: config.moe_every]
-    return dense, eqx.filter_vmap(lambda k: BlockGroup(config, key=k))(groups)
+        return None, dense_stack(keys)
+    first, every = config.first_dense_layers, config.moe_every
+    leading = dense_stack(keys[:first]) if first else None
+    moe_keys = keys[jnp.asarray(config.moe_layers)]
+    moe = eqx.filter_vmap(lambda k: Block(config, moe=True, key=k))(moe_keys)
+    if every == 1:
+        return leading, moe
+    # Dense layers between MoE layers: build them in one stack, then fold it into groups.
+    groups = len(config.moe_layers)
+    dense_keys = keys[first:].reshape(groups, every, *keys.shape[1:])[:, :-1]
+    dense = dense_stack(dense_keys.reshape(groups * (every - 1), *keys.shape[1:]))
+    dense = jax.tree.map(lambda w: w.reshape(groups, every - 1, *w.shape[1:]), dense)
+    return leading, BlockGroup(dense=dense, moe=moe)
 
 
 def positions_from_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
