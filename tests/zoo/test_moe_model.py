@@ -215,3 +215,17 @@ def base(**changes):
 def test_impossible_moe_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=f"Config.{field}"):
         base(**changes)
+
+
+def test_capacity_dispatch_flops():
+    config = zoo.preset("tiny-moe", moe_dispatch="capacity", capacity_factor=1.0)
+    seq = 64
+    # capacity = 64 x 2 / 4 = 32 slots per expert: 4 x 32 slots per 64 tokens = k, no padding;
+    # the dispatch and combine einsums each do experts x capacity x d_model MACs per token.
+    per_layer = 2 * (2 * 4 * 32 * config.d_model)
+    assert zoo.math.capacity_dispatch_flops_per_token(config, seq) == 2 * per_layer
+    padded = config.replace(capacity_factor=2.0)
+    expert_flops = 2 * 3 * config.d_model * config.expert_d_ff
+    extra = zoo.math.capacity_dispatch_flops_per_token(padded, seq)
+    assert extra == 2 * (2 * per_layer + 2 * expert_flops)
+    assert zoo.math.capacity_dispatch_flops_per_token(zoo.preset("tiny-llama"), seq) == 0
