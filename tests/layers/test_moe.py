@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from layers.moe import Capacity, Dropless, MoE, MoEStats, Router, aux_loss
 
@@ -228,3 +229,17 @@ def test_bad_inputs_say_what_is_wrong():
         make_moe(n_shared=-1)
     with pytest.raises(ValueError, match="capacity_factor"):
         Capacity(-1.0)
+
+
+def test_capacity_dispatch_runs_with_experts_sharded_over_devices():
+    # Every stacked expert weight split over 8 devices on its leading `experts` axis (the ep
+    # layout); tokens split over the batch. Same numbers as on one device.
+    moe = MoE(D, F, n_experts=8, n_experts_per_token=2, dispatch="capacity", key=jax.random.key(0))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
+    experts = jax.tree.map(
+        lambda w: jax.device_put(w, NamedSharding(mesh, PartitionSpec("expert"))), moe.experts
+    )
+    sharded = eqx.tree_at(lambda m: m.experts, moe, experts)
+    x = jax.device_put(x_input(), NamedSharding(mesh, PartitionSpec("data")))
+    y, _ = eqx.filter_jit(lambda m, x: m(x))(sharded, x)
+    np.testing.assert_allclose(y, moe(x_input())[0], rtol=1e-5, atol=1e-5)
