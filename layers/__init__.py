@@ -8,6 +8,7 @@ from layers.attention import Attention
 from layers.embedding import Embedding, LearnedPositions
 from layers.linear import Linear
 from layers.mlp import MLP, SwiGLU
+from layers.moe import MoE
 from layers.norm import LayerNorm, RMSNorm
 from layers.rotary import RopeScaling, apply_rotary, rotary_frequencies
 
@@ -18,6 +19,7 @@ __all__ = [
     "LayerNorm",
     "LearnedPositions",
     "Linear",
+    "MoE",
     "RMSNorm",
     "RopeScaling",
     "SwiGLU",

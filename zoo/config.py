@@ -15,6 +15,8 @@ MlpKind = Literal["gelu", "swiglu"]
 AttentionKernel = Literal["naive", "xla", "flash"]
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
+MoeDispatch = Literal["dropless", "capacity"]
+RouterScoring = Literal["softmax", "sigmoid"]
 
 
 # Runtime type checking is off for the config on purpose: `__post_init__` gives every bad field a
@@ -26,6 +28,12 @@ class Config:
 
     `n_kv_heads` defaults to `n_heads` (MHA); fewer gives GQA, 1 gives MQA. `head_dim` defaults to
     `d_model // n_heads`. `dtype` is the compute dtype; `param_dtype` the stored weights' dtype.
+
+    Mixture of experts (`n_experts > 0`): after `first_dense_layers` dense layers, every
+    `moe_every`-th layer's MLP is an MoE layer of `n_experts` SwiGLU experts of width `moe_d_ff`
+    (default `d_ff`), `n_experts_per_token` of them per token, plus `n_shared_experts` always-on
+    ones; the other layers stay dense with width `d_ff`. The `moe_*_weight`s scale the router's
+    auxiliary losses in the training loss (`zoo.moe_aux_loss`).
     """
 
     vocab_size: int
@@ -51,6 +59,18 @@ class Config:
     param_dtype: DType = "float32"
     remat: Remat = "none"
     scan_layers: bool = True
+    n_experts: int = 0
+    n_experts_per_token: int = 2
+    n_shared_experts: int = 0
+    moe_d_ff: int | None = None
+    moe_dispatch: MoeDispatch = "dropless"
+    capacity_factor: float = 1.25
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    router_scoring: RouterScoring = "softmax"
+    router_normalize: bool = True
+    moe_load_balancing_weight: float = 0.01
+    moe_z_loss_weight: float = 0.001
 
     def __post_init__(self):
         for name, kind in [
@@ -61,6 +81,8 @@ class Config:
             ("dtype", DType),
             ("param_dtype", DType),
             ("remat", Remat),
+            ("moe_dispatch", MoeDispatch),
+            ("router_scoring", RouterScoring),
         ]:
             value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
@@ -95,6 +117,43 @@ class Config:
             raise ValueError(
                 f"Config.sliding_window must be >= 1 or None, got {self.sliding_window}"
             )
+        self._check_moe()
+
+    def _check_moe(self):
+        if self.n_experts < 0:
+            raise ValueError(f"Config.n_experts must be >= 0 (0 = dense), got {self.n_experts}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"Config.capacity_factor must be > 0, got {self.capacity_factor}")
+        for name in ["moe_load_balancing_weight", "moe_z_loss_weight"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"Config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.n_experts == 0:
+            return
+        if not 1 <= self.n_experts_per_token <= self.n_experts:
+            raise ValueError(
+                f"Config.n_experts_per_token={self.n_experts_per_token} must be between 1 and "
+                f"n_experts={self.n_experts}"
+            )
+        if self.n_shared_experts < 0:
+            raise ValueError(f"Config.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.moe_d_ff is not None and self.moe_d_ff < 1:
+            raise ValueError(f"Config.moe_d_ff must be >= 1 or None, got {self.moe_d_ff}")
+        if self.mlp != "swiglu" or self.bias:
+            raise ValueError(
+                f"Config.mlp={self.mlp!r}, bias={self.bias}: MoE experts are SwiGLU without "
+                "biases; use mlp='swiglu' and bias=False with n_experts > 0"
+            )
+        if not 0 <= self.first_dense_layers < self.n_layers:
+            raise ValueError(
+                f"Config.first_dense_layers={self.first_dense_layers} must be in "
+                f"[0, n_layers={self.n_layers}) so that some layer is an MoE layer"
+            )
+        if self.moe_every < 1 or (self.n_layers - self.first_dense_layers) % self.moe_every:
+            raise ValueError(
+                f"Config.moe_every={self.moe_every} must be >= 1 and divide the "
+                f"{self.n_layers - self.first_dense_layers} layers after first_dense_layers "
+                "(each group of moe_every layers ends with one MoE layer)"
+            )
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -113,6 +172,20 @@ class Config:
     def kv_dim(self) -> int:
         """Width of all key (or value) heads together (n_kv_heads x head_dim)."""
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Width of one routed (or shared) expert."""
+        return self.moe_d_ff if self.moe_d_ff is not None else self.d_ff
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE layers (empty for a dense model): the last of each group of
+        `moe_every` layers after the `first_dense_layers`."""
+        if self.n_experts == 0:
+            return ()
+        start = self.first_dense_layers + self.moe_every - 1
+        return tuple(range(start, self.n_layers, self.moe_every))
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (and re-checked). A `head_dim` or `n_kv_heads` that was

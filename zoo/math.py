@@ -5,7 +5,11 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
   training costs 3x forward = 6 x (matmul parameters) per token, plus attention's score and
   value products, 4 x layers x seq x q_dim per token forward (half of that when causal
   masking skips the upper triangle);
-- embedding lookups cost no FLOPs, the LM head is a matmul (tied or not).
+- embedding lookups cost no FLOPs, the LM head is a matmul (tied or not);
+- an MoE layer (Shazeer et al. 2017) holds all its experts' parameters but each token only
+  multiplies by the router, its k routed experts and the shared ones: `param_count` counts all,
+  `active_param_count` and the FLOPs count what one token uses. Capacity dispatch spends more
+  (padding slots and one-hot einsums): `capacity_dispatch_flops_per_token`.
 """
 
 import dataclasses
@@ -14,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from layers.moe import expert_capacity
 from zoo.config import Config
 
 
@@ -21,19 +26,44 @@ def _norm_params(config: Config) -> int:
     return config.d_model * (2 if config.norm == "layernorm" and config.bias else 1)
 
 
-def layer_params(config: Config) -> int:
-    """Parameters of one transformer block."""
+def _attention_params(config: Config) -> int:
     c = config
     attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
     if c.bias:
         attn += c.q_dim + 2 * c.kv_dim + c.d_model
     if c.qk_norm:
         attn += 2 * c.head_dim
+    return attn
+
+
+def layer_params(config: Config) -> int:
+    """Parameters of one dense transformer block."""
+    c = config
     n_mats = 3 if c.mlp == "swiglu" else 2
     mlp = n_mats * c.d_model * c.d_ff
     if c.bias:
         mlp += (n_mats - 1) * c.d_ff + c.d_model
-    return attn + mlp + 2 * _norm_params(c)
+    return _attention_params(c) + mlp + 2 * _norm_params(c)
+
+
+def _moe_mlp_params(config: Config, n_routed: int) -> int:
+    """Router, `n_routed` SwiGLU experts and the shared experts (no biases)."""
+    c = config
+    experts = (n_routed + c.n_shared_experts) * 3 * c.d_model * c.expert_d_ff
+    return c.d_model * c.n_experts + experts
+
+
+def moe_layer_params(config: Config) -> int:
+    """Parameters of one MoE block: attention, norms, router, every expert."""
+    c = config
+    return _attention_params(c) + _moe_mlp_params(c, c.n_experts) + 2 * _norm_params(c)
+
+
+def moe_layer_active_params(config: Config) -> int:
+    """Parameters of one MoE block that one token uses: only k of the routed experts."""
+    c = config
+    mlp = _moe_mlp_params(c, c.n_experts_per_token)
+    return _attention_params(c) + mlp + 2 * _norm_params(c)
 
 
 def embedding_params(config: Config) -> int:
@@ -48,17 +78,35 @@ def embedding_params(config: Config) -> int:
 
 
 def param_count(config: Config) -> int:
-    """Exact number of parameters of `Transformer(config)`."""
-    return embedding_params(config) + config.n_layers * layer_params(config) + _norm_params(config)
+    """Exact number of parameters of `Transformer(config)` (every expert included)."""
+    n_moe = len(config.moe_layers)
+    blocks = (config.n_layers - n_moe) * layer_params(config)
+    if n_moe:
+        blocks += n_moe * moe_layer_params(config)
+    return embedding_params(config) + blocks + _norm_params(config)
+
+
+def active_param_count(config: Config) -> int:
+    """Parameters one token touches (Mixtral's "active parameters"): as `param_count` with each
+    MoE layer's routed experts cut to the k chosen; equal to `param_count` for a dense model."""
+    n_moe = len(config.moe_layers)
+    if not n_moe:
+        return param_count(config)
+    moe_saving = moe_layer_params(config) - moe_layer_active_params(config)
+    return param_count(config) - n_moe * moe_saving
 
 
 def matmul_params(config: Config) -> int:
     """Parameters that take part in a matmul per token: every block's projections and the LM head
     (tied or not). Norm scales, biases and lookups are left out: their FLOPs are negligible."""
     c = config
-    per_layer = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
-    per_layer += (3 if c.mlp == "swiglu" else 2) * c.d_model * c.d_ff
-    return c.n_layers * per_layer + c.d_model * c.vocab_size
+    attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    n_moe = len(c.moe_layers)
+    dense_mlp = (3 if c.mlp == "swiglu" else 2) * c.d_model * c.d_ff
+    mlps = (c.n_layers - n_moe) * dense_mlp
+    if n_moe:
+        mlps += n_moe * _moe_mlp_params(c, c.n_experts_per_token)
+    return c.n_layers * attn + mlps + c.d_model * c.vocab_size
 
 
 def attention_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
@@ -69,6 +117,21 @@ def attention_flops_per_token(config: Config, seq_len: int, *, causal: bool = Tr
 
 def forward_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
     return 2.0 * matmul_params(config) + attention_flops_per_token(config, seq_len, causal=causal)
+
+
+def capacity_dispatch_flops_per_token(config: Config, seq_len: int) -> float | int:
+    """Extra forward FLOPs per token of capacity dispatch over the model FLOPs: the experts also
+    run on the empty slots (experts x capacity slots instead of k per token) and the dispatch
+    and combine einsums cost 2 x experts x capacity x d_model each per token."""
+    c = config
+    n_moe = len(c.moe_layers)
+    if not n_moe:
+        return 0
+    capacity = expert_capacity(seq_len, c.n_experts_per_token, c.n_experts, c.capacity_factor)
+    slots_per_token = c.n_experts * capacity / seq_len
+    padding = (slots_per_token - c.n_experts_per_token) * 2 * 3 * c.d_model * c.expert_d_ff
+    einsums = 2 * 2 * c.n_experts * capacity * c.d_model
+    return n_moe * (padding + einsums)
 
 
 def training_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:

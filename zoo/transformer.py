@@ -1,5 +1,6 @@
 """The decoder-only transformer: embeddings, a scanned stack of pre-norm blocks, a final norm and
-the LM head. GPT-2 (Radford et al. 2019) and Llama (Touvron et al. 2023) are both configs of it."""
+the LM head. GPT-2 (Radford et al. 2019), Llama (Touvron et al. 2023), Mixtral (Jiang et al. 2024)
+and DeepSeek-MoE (Dai et al. 2024) are all configs of it."""
 
 import math
 
@@ -10,9 +11,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from layers import MLP, Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
 from layers.kernels import AttentionMask, causal_mask
+from layers.moe import MoE, MoEStats
 from layers.rotary import rotary_frequencies
 from shard import constrain
 from zoo.config import Config
+from zoo.output import ModelOutput
 
 Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
 
@@ -31,14 +34,15 @@ def make_norm(config: Config) -> LayerNorm | RMSNorm:
 
 
 class Block(eqx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with `moe=True` the
+    MLP is a mixture of experts, whose router statistics the block returns (None otherwise)."""
 
     attn_norm: LayerNorm | RMSNorm
     attn: Attention
     mlp_norm: LayerNorm | RMSNorm
-    mlp: MLP | SwiGLU
+    mlp: MLP | SwiGLU | MoE
 
-    def __init__(self, config: Config, *, key: PRNGKeyArray):
+    def __init__(self, config: Config, *, moe: bool = False, key: PRNGKeyArray):
         attn_key, mlp_key = jax.random.split(key)
         # GPT-2's scaled init of residual projections: std / sqrt(2 * n_layers).
         out_std = 1.0 / math.sqrt(config.d_model * 2 * config.n_layers)
@@ -57,6 +61,22 @@ class Block(eqx.Module):
             key=attn_key,
         )
         self.mlp_norm = make_norm(config)
+        if moe:
+            self.mlp = MoE(
+                config.d_model,
+                config.expert_d_ff,
+                n_experts=config.n_experts,
+                n_experts_per_token=config.n_experts_per_token,
+                n_shared=config.n_shared_experts,
+                dispatch=config.moe_dispatch,
+                capacity_factor=config.capacity_factor,
+                scoring=config.router_scoring,
+                normalize=config.router_normalize,
+                out_init_std=out_std,
+                dtype=config.weight_dtype,
+                key=mlp_key,
+            )
+            return
         mlp_cls = SwiGLU if config.mlp == "swiglu" else MLP
         self.mlp = mlp_cls(
             config.d_model,
@@ -69,12 +89,82 @@ class Block(eqx.Module):
 
     def __call__(
         self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
-    ) -> Float[Array, "batch seq embed"]:
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
         with jax.named_scope("attention"):
             x = x + self.attn(self.attn_norm(x), mask, rope)
+        stats = None
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, "batch seq embed")
+            if isinstance(self.mlp, MoE):
+                y, stats = self.mlp(self.mlp_norm(x))
+            else:
+                y = self.mlp(self.mlp_norm(x))
+            x = x + y
+        return constrain(x, "batch seq embed"), stats
+
+
+def run_stack(
+    stack: "Block | BlockGroup",
+    x: Float[Array, "batch seq embed"],
+    mask: AttentionMask,
+    rope: Rope | None,
+    *,
+    remat: str = "none",
+    scan: bool = True,
+) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
+    """Run layers whose weights are stacked on a leading axis, in order: a `lax.scan` (or a
+    Python loop over the same weights), each under the remat policy. Returns the output and the
+    layers' router statistics stacked on a leading axis (None for dense layers)."""
+    dynamic, static = eqx.partition(stack, eqx.is_array)
+
+    def layer(x, weights):
+        return eqx.combine(weights, static)(x, mask, rope)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[remat])
+    if scan:
+        return jax.lax.scan(layer, x, dynamic)
+    stats = []
+    for i in range(jax.tree.leaves(dynamic)[0].shape[0]):
+        x, layer_stats = layer(x, jax.tree.map(lambda w, i=i: w[i], dynamic))
+        stats.append(layer_stats)
+    return x, jax.tree.map(lambda *s: jnp.stack(s), *stats)
+
+
+class BlockGroup(eqx.Module):
+    """`moe_every - 1` dense blocks (stacked, scanned) then one MoE block: the unit that an
+    interleaved dense/MoE model stacks and scans, so compile time stays independent of depth.
+    Built by `make_blocks` from already stacked blocks (a leading `groups` axis on every leaf)."""
+
+    dense: Block
+    moe: Block
+
+    def __call__(
+        self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
+        x, _ = run_stack(self.dense, x, mask, rope)
+        return self.moe(x, mask, rope)
+
+
+def make_blocks(config: Config, key: PRNGKeyArray) -> tuple[Block | None, Block | BlockGroup]:
+    """(leading dense blocks or None, the main stack). A dense model is one stack of Blocks; an
+    MoE model has its `first_dense_layers` apart, then a stack of MoE Blocks (`moe_every == 1`)
+    or of BlockGroups."""
+    keys = jax.random.split(key, config.n_layers)
+    dense_stack = eqx.filter_vmap(lambda k: Block(config, key=k))
+    if config.n_experts == 0:
+        return None, dense_stack(keys)
+    first, every = config.first_dense_layers, config.moe_every
+    leading = dense_stack(keys[:first]) if first else None
+    moe_keys = keys[jnp.asarray(config.moe_layers)]
+    moe = eqx.filter_vmap(lambda k: Block(config, moe=True, key=k))(moe_keys)
+    if every == 1:
+        return leading, moe
+    # Dense layers between MoE layers: build them in one stack, then fold it into groups.
+    groups = len(config.moe_layers)
+    dense_keys = keys[first:].reshape(groups, every, *keys.shape[1:])[:, :-1]
+    dense = dense_stack(dense_keys.reshape(groups * (every - 1), *keys.shape[1:]))
+    dense = jax.tree.map(lambda w: w.reshape(groups, every - 1, *w.shape[1:]), dense)
+    return leading, BlockGroup(dense=dense, moe=moe)
 
 
 def positions_from_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
@@ -87,15 +177,18 @@ def positions_from_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, 
 
 
 class Transformer(eqx.Module):
-    """tokens `[batch, seq]` -> logits `[batch, seq, vocab]`.
+    """tokens `[batch, seq]` -> logits `[batch, seq, vocab]` (`forward` adds the MoE statistics).
 
     `blocks` holds every layer's weights stacked on a leading `layers` axis (built with
     `eqx.filter_vmap`) and is run with `lax.scan`, so compile time does not grow with depth.
+    In an MoE model `dense_blocks` holds the `first_dense_layers` and `blocks` the rest: MoE
+    Blocks, or BlockGroups of `moe_every` layers when dense and MoE layers alternate.
     """
 
     embed: Embedding
     positions: LearnedPositions | None
-    blocks: Block
+    dense_blocks: Block | None
+    blocks: Block | BlockGroup
     final_norm: LayerNorm | RMSNorm
     lm_head: Linear | None
     config: Config = eqx.field(static=True)
@@ -110,8 +203,7 @@ class Transformer(eqx.Module):
             if config.position == "learned"
             else None
         )
-        layer_keys = jax.random.split(blocks_key, config.n_layers)
-        self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(layer_keys)
+        self.dense_blocks, self.blocks = make_blocks(config, blocks_key)
         self.final_norm = make_norm(config)
         self.lm_head = (
             None
@@ -145,22 +237,14 @@ class Transformer(eqx.Module):
 
     def run_blocks(
         self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
-    ) -> Float[Array, "batch seq embed"]:
-        """Every block in order: a `lax.scan` over the stacked weights (or a Python loop over the
-        same weights when `config.scan_layers` is False), each under the remat policy."""
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def layer(x, weights):
-            return eqx.combine(weights, static)(x, mask, rope)
-
-        if self.config.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.config.remat])
-        if self.config.scan_layers:
-            x, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, dynamic)
-            return x
-        for i in range(self.config.n_layers):
-            x = layer(x, jax.tree.map(lambda w, i=i: w[i], dynamic))
-        return x
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats]:
+        """Every block in order (see `run_stack`), and the MoE layers' statistics stacked on a
+        leading axis (empty for a dense model)."""
+        c = self.config
+        if self.dense_blocks is not None:
+            x, _ = run_stack(self.dense_blocks, x, mask, rope, remat=c.remat, scan=c.scan_layers)
+        x, stats = run_stack(self.blocks, x, mask, rope, remat=c.remat, scan=c.scan_layers)
+        return x, MoEStats.empty(c.n_experts) if stats is None else stats
 
     def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and LM head (the tied embedding matrix when `tie_embeddings`)."""
@@ -176,8 +260,19 @@ class Transformer(eqx.Module):
         positions: Int[Array, "batch seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        """Logits for every position. With `segment_ids` (packed documents) attention stays inside
-        each document and positions restart per document unless given."""
+        """Logits for every position (`forward(...).logits`)."""
+        return self.forward(tokens, positions=positions, segment_ids=segment_ids).logits
+
+    def forward(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> ModelOutput:
+        """Logits for every position and the MoE layers' router statistics. With `segment_ids`
+        (packed documents) attention stays inside each document and positions restart per
+        document unless given."""
         seq = tokens.shape[1]
         if self.config.position == "learned" and seq > self.config.max_seq_len:
             raise ValueError(
@@ -192,5 +287,5 @@ class Transformer(eqx.Module):
             )
         mask = causal_mask(positions, segment_ids, sliding_window=self.config.sliding_window)
         x = self.embed_tokens(tokens, positions)
-        x = self.run_blocks(x, mask, self.rope(positions))
-        return self.logits(x)
+        x, aux = self.run_blocks(x, mask, self.rope(positions))
+        return ModelOutput(logits=self.logits(x), aux=aux)

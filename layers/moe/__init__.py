@@ -1,0 +1,21 @@
+"""Mixture of experts: router, stacked experts, dropless and capacity dispatch, aux losses."""
+
+from layers.moe.dispatch import Capacity, Dispatched, Dropless, expert_capacity
+from layers.moe.experts import Experts
+from layers.moe.layer import MoE
+from layers.moe.router import Router, Routing
+from layers.moe.stats import MoEStats, aux_loss, routing_stats
+
+__all__ = [
+    "Capacity",
+    "Dispatched",
+    "Dropless",
+    "Experts",
+    "MoE",
+    "MoEStats",
+    "Router",
+    "Routing",
+    "aux_loss",
+    "expert_capacity",
+    "routing_stats",
+]
