@@ -30,7 +30,9 @@ def is_offline() -> bool:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or Path(spec).suffix in _BUILDERS or os.sep in spec
+    """Hub names are `name` or `owner/name`; anything else with a slash or a file suffix is a path."""
+    starts = spec.startswith((".", "/", "~"))
+    return starts or Path(spec).suffix in _BUILDERS or spec.count("/") > 1
 
 
 def load_text(

@@ -58,7 +58,8 @@ def train_step(params, opt_state, batch: Batch, *, static, optimizer, accum: int
     (grads, nll), _ = jax.lax.scan(add_micro, (zeros, jnp.zeros((), jnp.float32)), micro)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": nll / total, "grad_norm": optax.global_norm(grads)}
+    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+    return params, opt_state, {"loss": nll / total, "grad_norm": grad_norm}
 
 
 def eval_step(params, batch: Batch, *, static):
