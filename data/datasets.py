@@ -30,7 +30,7 @@ def is_offline() -> bool:
 
 
 def _looks_like_path(spec: str) -> bool:
-    """Hub names are `name` or `owner/name`; anything else with a slash or a file suffix is a path."""
+    """Hub names are `name` or `owner/name`; more slashes or a file suffix mean a path."""
     starts = spec.startswith((".", "/", "~"))
     return starts or Path(spec).suffix in _BUILDERS or spec.count("/") > 1
 

@@ -52,7 +52,7 @@ def test_nan_loss_stops_and_keeps_checkpoints_then_corrupt_resume(tmp_path, tiny
 
     # An absurd learning rate (and no clipping) overflows the weights: the run must stop.
     argv = [*tiny_argv(run), "--resume", str(run), "--steps", "8", "--lr", "1e30", "--clip", "0"]
-    with pytest.raises(FloatingPointError, match="not finite.*last good checkpoint is kept"):
+    with pytest.raises(FloatingPointError, match=r"not finite.*last good checkpoint is kept"):
         train.main(argv)
     assert checkpoint.checkpoints(run) == kept
     assert (kept[-1] / "state.eqx").read_bytes() == state
