@@ -89,6 +89,15 @@ def load_data(args: Args):
     return encoding, train, val.in_order(args.eval_batches), entropy
 
 
+def check_vocab(n_vocab: int, config: Config, name: str) -> None:
+    """A token id the embedding table has no row for would be silently clipped by the lookup."""
+    if n_vocab > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {n_vocab} tokens but model {name!r} has vocab_size="
+            f"{config.vocab_size}: use a smaller --vocab-size or --override vocab_size={n_vocab}"
+        )
+
+
 def model_config(args: Args, n_vocab: int) -> Config:
     """The preset with the CLI's changes; refuses a tokenizer the model cannot embed."""
     changes = {"dtype": args.dtype, "remat": args.remat}
@@ -103,11 +112,7 @@ def model_config(args: Args, n_vocab: int) -> Config:
         except json.JSONDecodeError:
             changes[name] = value
     config = preset(args.model, **changes)
-    if n_vocab > config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {n_vocab} tokens but model {args.model!r} has vocab_size="
-            f"{config.vocab_size}: use a smaller --vocab-size or --override vocab_size={n_vocab}"
-        )
+    check_vocab(n_vocab, config, args.model)
     if config.position == "learned" and args.seq_len > config.max_seq_len:
         raise ValueError(
             f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
@@ -123,9 +128,9 @@ def evaluate(eval_fn, params, batches) -> float:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     run_dir = Path(args.resume or args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if args.resume:
         checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
+    run_dir.mkdir(parents=True, exist_ok=True)
     encoding, train_data, val_batches, entropy = load_data(args)
     say(
         f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         model = zoo.load_pretrained(args.init_from)
         config = model.config
+        check_vocab(encoding.n_vocab, config, args.init_from)
     else:
         config = model_config(args, encoding.n_vocab)
         model = Transformer(config, key=jax.random.fold_in(key, 0))

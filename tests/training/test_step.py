@@ -65,3 +65,20 @@ def test_weight_decay_skips_norms():
     mask = decay_mask(params)
     assert mask.embed.weight and mask.blocks.attn_norm.scale is False
     assert jax.tree.structure(mask) == jax.tree.structure(params)
+
+
+def test_mixed_precision_keeps_float32_master_weights_and_state():
+    model, batch = _setup()
+    config = model.config.replace(dtype="bfloat16", remat="full")
+    params, static = split_model(Transformer(config, key=jax.random.key(0)))
+    optimizer = adamw(learning_rate("cosine", peak=1e-2, steps=10, warmup=2))
+    state = optimizer.init(params)
+    run = jax.jit(train_step, static_argnames=("static", "optimizer", "accum"))
+    new, new_state, metrics = run(params, state, batch, static=static, optimizer=optimizer, accum=2)
+    floats = [x for x in jax.tree.leaves((new, new_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float32 for x in floats)
+    assert np.isfinite(float(metrics["loss"]))
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new), strict=True)
+    )
