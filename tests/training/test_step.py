@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from data.packing import Batch
@@ -29,7 +30,8 @@ def _setup():
 def test_grad_accumulation_equals_one_big_batch(accum: int = 4):
     model, batch = _setup()
     params, static = split_model(model)
-    optimizer = adamw(learning_rate("cosine", peak=1e-2, steps=10, warmup=2))
+    # Plain SGD: the new parameters are a linear function of the gradients being compared.
+    optimizer = optax.sgd(1.0)
     state = optimizer.init(params)
     run = jax.jit(train_step, static_argnames=("static", "optimizer", "accum"))
     one, _, m1 = run(params, state, batch, static=static, optimizer=optimizer, accum=1)
@@ -37,7 +39,8 @@ def test_grad_accumulation_equals_one_big_batch(accum: int = 4):
     np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-6)
     np.testing.assert_allclose(mk["grad_norm"], m1["grad_norm"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(jax.tree.leaves(one)[0], jax.tree.leaves(params)[0])
 
 
 def test_loss_ignores_masked_targets():
@@ -71,7 +74,7 @@ def test_mixed_precision_keeps_float32_master_weights_and_state():
     model, batch = _setup()
     config = model.config.replace(dtype="bfloat16", remat="full")
     params, static = split_model(Transformer(config, key=jax.random.key(0)))
-    optimizer = adamw(learning_rate("cosine", peak=1e-2, steps=10, warmup=2))
+    optimizer = adamw(optax.constant_schedule(1e-2))
     state = optimizer.init(params)
     run = jax.jit(train_step, static_argnames=("static", "optimizer", "accum"))
     new, new_state, metrics = run(params, state, batch, static=static, optimizer=optimizer, accum=2)
