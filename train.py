@@ -52,7 +52,8 @@ def load_data(args: Args):
     dataset = load_text(spec, column=args.text_column, streaming=args.streaming)
     if args.streaming:
         dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
-        val_docs, train_docs = dataset.take(64), dataset.skip(64)
+        n_val = args.eval_batches * args.batch_size  # documents held out from the stream's head
+        val_docs, train_docs = dataset.take(n_val), dataset.skip(n_val)
         sample = [d[args.text_column] for d in dataset.take(2000)]
     else:
         train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
@@ -76,7 +77,7 @@ def load_data(args: Args):
         val_tokens, val_segments, min(args.batch_size, len(val_tokens)), args.seed
     )
     if args.streaming:
-        train = packing.StreamBatches(ids(train_docs), args.seq_len, eot, args.batch_size)
+        train = packing.StreamBatches(lambda: ids(train_docs), args.seq_len, eot, args.batch_size)
         entropy = unigram_entropy(val_tokens)
     else:
         tokens, segments = packing.pack(ids(train_docs), args.seq_len, eot)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 say(
                     f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
-                    f"step {step_time * 1e3:.0f} ms | data wait {wait * 1e3:.2f} ms | "
+                    f"{step_time * 1e3:.0f} ms/step | data wait {wait * 1e3:.2f} ms | "
                     f"MFU {record['mfu']:.1%}"
                 )
                 summary.update(record)

@@ -10,7 +10,7 @@ every run, which is what makes an exact resume possible.
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -132,16 +132,26 @@ class Batches:
 
 @dataclasses.dataclass
 class StreamBatches:
-    """Sequential batches packed on the fly from a (streamed, already shuffled) token iterator.
+    """Sequential batches packed on the fly from a streamed corpus; `docs()` opens the stream
+    (already shuffled) from its start, and is opened again when it runs out (the next epoch).
     Resuming at batch `start` replays and skips the first `start` batches."""
 
-    docs: Iterable[Sequence[int]]
+    docs: Callable[[], Iterable[Sequence[int]]]
     seq_len: int
     eot: int
     batch_size: int
 
     def iterate(self, start: int = 0) -> Iterator[Batch]:
-        rows = pack_stream(self.docs, self.seq_len, self.eot)
+        def epochs() -> Iterator[Sequence[int]]:
+            while True:
+                empty = True
+                for doc in self.docs():
+                    empty = False
+                    yield doc
+                if empty:
+                    raise ValueError("the streamed training corpus is empty")
+
+        rows = pack_stream(epochs(), self.seq_len, self.eot)
         batches = (
             to_batch(*map(np.stack, zip(*chunk, strict=True)))
             for chunk in itertools.batched(rows, self.batch_size)

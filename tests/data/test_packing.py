@@ -1,5 +1,6 @@
 """Packing: separators, segment ids, masks, deterministic order, streaming == in-memory."""
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -68,9 +69,12 @@ def test_streaming_packs_the_same_rows():
     rows = list(pack_stream(iter(docs), seq_len=7, eot=EOT))
     np.testing.assert_array_equal(np.stack([r[0] for r in rows]), tokens)
     np.testing.assert_array_equal(np.stack([r[1] for r in rows]), segments)
-    stream = StreamBatches(docs, 7, EOT, batch_size=3)
+    stream = StreamBatches(lambda: iter(docs), 7, EOT, batch_size=3)
     third = next(stream.iterate(start=2))
     np.testing.assert_array_equal(third.inputs, to_batch(tokens[6:9], segments[6:9]).inputs)
+    # The stream is reopened when it runs out: more batches than one pass holds keep coming.
+    many = list(itertools.islice(stream.iterate(), 3 * len(tokens) // 3))
+    assert len(many) == 3 * len(tokens) // 3
 
 
 def test_validation_split_is_disjoint_and_seeded():
