@@ -1,1 +1,1 @@
-"""Data: tokenizers (tiktoken), datasets, packing."""
+"""Data: tokenizers (tiktoken), datasets loading, the stdlib corpus, packing, prefetch."""

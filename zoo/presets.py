@@ -107,6 +107,8 @@ _PRESETS: dict[str, Config] = {
         router_normalize=False,
         moe_load_balancing_weight=0.001,
     ),
+    # The default model of `python train.py`: trains in minutes on 2 CPU cores.
+    "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),
     "tiny-gpt2": _gpt2(2, 64, 4).replace(vocab_size=256, max_seq_len=128),
     "tiny-llama": Config(
         vocab_size=256,

@@ -1,0 +1,44 @@
+"""A tiny local corpus and tiny train.py settings shared by the training tests."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+
+def write_corpus(path: Path, n_docs: int = 24, chars: int = 1500) -> Path:
+    """The first `chars` characters of `n_docs` small stdlib files, as JSON lines."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > chars)[:n_docs]
+    with path.open("w") as f:
+        for file in files:
+            f.write(json.dumps({"text": file.read_text(encoding="utf-8")[:chars]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def tiny_argv(corpus, cache_dir):
+    """argv for train.main: a 2-layer Llama on the tiny corpus, a few steps, no measurement."""
+
+    def argv(out: Path, *extra: str, data: Path | None = None) -> list[str]:
+        return [
+            "--model", "tiny-llama", "--override", "vocab_size=320", "--vocab-size", "300",
+            "--data", str(data or corpus), "--seq-len", "16", "--batch-size", "4",
+            "--steps", "4", "--warmup", "1", "--lr", "1e-2", "--log-every", "1",
+            "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2",
+            "--cache-dir", str(cache_dir), "--out", str(out), "--no-progress",
+            "--peak-flops", "1e11", "--peak-bandwidth", "1e10", *extra,
+        ]  # fmt: skip
+
+    return argv

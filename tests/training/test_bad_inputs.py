@@ -1,0 +1,65 @@
+"""Every bad input named in the training issue gets a clear error and loses no checkpoint."""
+
+import json
+
+import pytest
+
+import train
+from training import checkpoint
+
+
+def test_missing_data_path(tmp_path, tiny_argv):
+    with pytest.raises(ValueError, match="does not exist"):
+        train.main(tiny_argv(tmp_path / "run", data=tmp_path / "nope.jsonl"))
+
+
+def test_hub_name_while_offline(tmp_path, tiny_argv):
+    argv = tiny_argv(tmp_path / "run")
+    argv[argv.index("--data") + 1] = "someone/some-dataset"
+    with pytest.raises(ValueError, match="HF_DATASETS_OFFLINE"):
+        train.main(argv)
+
+
+def test_missing_text_column(tmp_path, tiny_argv):
+    with pytest.raises(ValueError, match="no text column 'body'"):
+        train.main([*tiny_argv(tmp_path / "run"), "--text-column", "body"])
+
+
+def test_corpus_smaller_than_one_sequence(tmp_path, tiny_argv):
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "c d", "e f"]))
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        train.main(tiny_argv(tmp_path / "run", data=small))
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path, tiny_argv):
+    with pytest.raises(ValueError, match="vocab_size=256"):
+        train.main([*tiny_argv(tmp_path / "run"), "--override", "vocab_size=256"])
+
+
+def test_resume_from_directory_without_checkpoint(tmp_path, tiny_argv):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        train.main([*tiny_argv(tmp_path / "run"), "--resume", str(tmp_path / "empty")])
+
+
+def test_nan_loss_stops_and_keeps_checkpoints_then_corrupt_resume(tmp_path, tiny_argv):
+    run = tmp_path / "run"
+    train.main(tiny_argv(run))
+    kept = checkpoint.checkpoints(run)
+    assert [p.name for p in kept] == ["step_00000002", "step_00000004"]
+    state = (kept[-1] / "state.eqx").read_bytes()
+
+    # An absurd learning rate (and no clipping) overflows the weights: the run must stop.
+    argv = [*tiny_argv(run), "--resume", str(run), "--steps", "8", "--lr", "1e30", "--clip", "0"]
+    with pytest.raises(FloatingPointError, match=r"not finite.*last good checkpoint is kept"):
+        train.main(argv)
+    assert checkpoint.checkpoints(run) == kept
+    assert (kept[-1] / "state.eqx").read_bytes() == state
+
+    # Damage the newest checkpoint: resuming says it is corrupt, and names it.
+    damaged = bytearray(state)
+    damaged[len(damaged) // 2] ^= 0xFF
+    (kept[-1] / "state.eqx").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match="step_00000004 is corrupt"):
+        train.main([*tiny_argv(run), "--resume", str(run)])

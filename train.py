@@ -1,0 +1,255 @@
+"""Train a transformer from the zoo, top to bottom (in the spirit of nanoGPT's train.py).
+
+    python train.py                          # a small GPT on the stdlib's own source, no download
+    python train.py --model tiny-llama --override vocab_size=4096 --data corpus.jsonl
+    python train.py --resume runs/default --steps 800     # continue a run exactly
+    python train.py --help                   # every setting; --config FILE sets them from a file
+
+Every run writes `metrics.jsonl`, `checkpoints/` and `loss.png` into its run directory, prints
+the predicted (zoo.math roofline) next to the measured step time, and logs loss, tokens/s, step
+time, data-wait time and MFU.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from data import packing
+from data.corpus import write_stdlib_corpus
+from data.datasets import load_text, tokenize
+from data.prefetch import Prefetcher
+from data.tokenizers import get_tokenizer
+from training import checkpoint
+from training.args import Args, parse_args
+from training.optimizer import adamw, learning_rate
+from training.step import compile_steps, place, split_model
+from training.telemetry import Telemetry, hardware
+from zoo import Config, Transformer, preset
+
+
+def say(message: str) -> None:
+    tqdm.write(message, file=sys.stdout)
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy (nats/token) of the token frequencies: the loss of the best context-free model."""
+    p = np.bincount(tokens.ravel()).astype(np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def load_data(args: Args):
+    """Tokenizer, training batches, fixed validation batches and the unigram entropy."""
+    cache = Path(args.cache_dir).expanduser()
+    spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
+    dataset = load_text(spec, column=args.text_column, streaming=args.streaming)
+    if args.streaming:
+        dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
+        n_val = args.eval_batches * args.batch_size  # documents held out from the stream's head
+        val_docs, train_docs = dataset.take(n_val), dataset.skip(n_val)
+        sample = [d[args.text_column] for d in dataset.take(2000)]
+    else:
+        train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
+        train_docs, val_docs = dataset.select(train_idx), dataset.select(val_idx)
+        sample = train_docs[args.text_column]
+    if args.init_from and args.tokenizer == "bpe":
+        from data.pretrained_tokenizer import tokenizer_from_pretrained
+
+        encoding = tokenizer_from_pretrained(args.init_from)
+    else:
+        encoding = get_tokenizer(
+            args.tokenizer, texts=sample, vocab_size=args.vocab_size, cache_dir=cache, log=say
+        )
+    eot = encoding.eot_token
+
+    def ids(docs):
+        return (d["ids"] for d in tokenize(docs, encoding, column=args.text_column))
+
+    val_tokens, val_segments = packing.pack(ids(val_docs), args.seq_len, eot)
+    val = packing.Batches(
+        val_tokens, val_segments, min(args.batch_size, len(val_tokens)), args.seed
+    )
+    if args.streaming:
+        train = packing.StreamBatches(lambda: ids(train_docs), args.seq_len, eot, args.batch_size)
+        entropy = unigram_entropy(val_tokens)
+    else:
+        tokens, segments = packing.pack(ids(train_docs), args.seq_len, eot)
+        train = packing.Batches(tokens, segments, args.batch_size, args.seed)
+        entropy = unigram_entropy(tokens)
+        say(
+            f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
+            f"{val_tokens.size:,} held out"
+        )
+    return encoding, train, val.in_order(args.eval_batches), entropy
+
+
+def check_vocab(n_vocab: int, config: Config, name: str) -> None:
+    """A token id the embedding table has no row for would be silently clipped by the lookup."""
+    if n_vocab > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {n_vocab} tokens but model {name!r} has vocab_size="
+            f"{config.vocab_size}: use a smaller --vocab-size or --override vocab_size={n_vocab}"
+        )
+
+
+def model_config(args: Args, n_vocab: int) -> Config:
+    """The preset with the CLI's changes; refuses a tokenizer the model cannot embed."""
+    changes = {"dtype": args.dtype, "remat": args.remat}
+    if args.attention:
+        changes["attention"] = args.attention
+    for item in args.override:
+        name, sep, value = item.partition("=")
+        if not sep or name not in Config.__dataclass_fields__:
+            raise ValueError(f"--override {item!r} must be FIELD=VALUE with a zoo.Config field")
+        try:
+            changes[name] = json.loads(value)
+        except json.JSONDecodeError:
+            changes[name] = value
+    config = preset(args.model, **changes)
+    check_vocab(n_vocab, config, args.model)
+    if config.position == "learned" and args.seq_len > config.max_seq_len:
+        raise ValueError(
+            f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
+        )
+    return config
+
+
+def evaluate(eval_fn, params, batches) -> float:
+    totals = [eval_fn(params, b) for b in batches]
+    return float(sum(t[0] for t in totals) / sum(t[1] for t in totals))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    run_dir = Path(args.resume or args.out)
+    if args.resume:
+        checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
+    run_dir.mkdir(parents=True, exist_ok=True)
+    encoding, train_data, val_batches, entropy = load_data(args)
+    say(
+        f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
+    )
+
+    key = jax.random.key(args.seed)
+    if args.init_from:
+        import zoo
+
+        model = zoo.load_pretrained(args.init_from)
+        config = model.config
+        check_vocab(encoding.n_vocab, config, args.init_from)
+    else:
+        config = model_config(args, encoding.n_vocab)
+        model = Transformer(config, key=jax.random.fold_in(key, 0))
+    params, static = split_model(model)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    say(f"model: {args.model}, {n_params / 1e6:.2f}M parameters, compute {config.dtype}")
+    schedule = learning_rate(
+        args.schedule,
+        peak=args.lr,
+        steps=args.steps,
+        warmup=args.warmup,
+        min_ratio=args.min_lr_ratio,
+    )
+    optimizer = adamw(schedule, weight_decay=args.weight_decay, clip=args.clip)
+    opt_state = optimizer.init(params)
+    start, position, rng = 0, 0, key
+    if args.resume:
+        restored = checkpoint.restore(run_dir, params=params, opt_state=opt_state, config=config)
+        params, opt_state, start, position, rng, path = restored
+        say(f"resumed from {path} at step {start}")
+
+    params, opt_state = place(params), place(opt_state)
+    train_fn, eval_fn = compile_steps(static, optimizer, args.grad_accum)
+    val_batches = [place(b) for b in val_batches]
+    hw = hardware(args.peak_flops, args.peak_bandwidth, config.dtype)
+    telemetry = Telemetry(run_dir, config, args.batch_size, args.seq_len, hw)
+    batches = Prefetcher(train_data.iterate(position), place)
+    bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
+    window, window_wait, first_log, summary = [], batches.wait_s, True, {"val_loss": None}
+    try:
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            params, opt_state, metrics = train_fn(params, opt_state, batch)
+            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            step_s = time.perf_counter() - t0
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                last = checkpoint.checkpoints(run_dir)
+                raise FloatingPointError(
+                    f"loss {loss} / gradient norm {grad_norm} at step {step} is not finite: "
+                    f"stopping. The last good checkpoint is kept: "
+                    f"{last[-1] if last else 'none written yet'}. Try a lower --lr or --clip."
+                )
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if step == start + 1:
+                say(f"step {step}: compile + first step took {step_s:.1f} s")
+            else:
+                window.append(step_s)
+            if (step % args.log_every == 0 or step == args.steps) and window:
+                step_time = float(np.median(window))
+                wait = (batches.wait_s - window_wait) / len(window)
+                if first_log:
+                    say(telemetry.predicted_line(step_time))
+                    first_log = False
+                record = telemetry.log(
+                    step=step,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    lr=float(schedule(step - 1)),
+                    step_s=step_time,
+                    data_wait_s=wait,
+                    tokens_per_s=telemetry.tokens_per_step / step_time,
+                    mfu=telemetry.mfu(step_time),
+                )
+                say(
+                    f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+                    f"{step_time * 1e3:.0f} ms/step | data wait {wait * 1e3:.2f} ms | "
+                    f"MFU {record['mfu']:.1%}"
+                )
+                summary.update(record)
+                window, window_wait = [], batches.wait_s
+            if step % args.eval_every == 0 or step == args.steps:
+                val_loss = evaluate(eval_fn, params, val_batches)
+                telemetry.log(step=step, val_loss=val_loss)
+                say(
+                    f"step {step:5d} | validation loss {val_loss:.4f} "
+                    f"(unigram entropy {entropy:.3f})"
+                )
+                summary["val_loss"] = val_loss
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                checkpoint.save(
+                    run_dir,
+                    params=params,
+                    opt_state=opt_state,
+                    step=step,
+                    data_position=position + step - start,
+                    rng=rng,
+                    config=config,
+                    keep=args.keep,
+                )
+            summary.update(step=step, loss=loss)
+    finally:
+        batches.close()
+        bar.close()
+    plot = telemetry.plot(run_dir / "loss.png", entropy)
+    summary.update(
+        unigram_entropy=entropy, run_dir=str(run_dir), params=eqx.combine(params, static)
+    )
+    if summary["val_loss"] is not None:
+        say(
+            f"done: validation loss {summary['val_loss']:.3f} nats vs unigram entropy "
+            f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
+        )
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Run telemetry, the "profile" step: metrics to JSON lines, MFU, predicted vs measured step time
+and a loss-curve PNG.
+
+MFU (Chowdhery et al. 2022, PaLM appendix B) = model FLOPs per second / the device's peak, with
+model FLOPs from `zoo.math.training_flops_per_token` (6N plus attention, no remat recompute) and
+the peak from the datasheet table for known accelerators or measured once at start-up on a CPU.
+"""
+
+import json
+import time
+from pathlib import Path
+
+from zoo import Config
+from zoo import math as zmath
+
+
+def hardware(peak_flops: float = 0.0, bandwidth: float = 0.0, dtype: str = "float32"):
+    """The device's ceilings: given numbers when both are set, else detected/measured."""
+    if peak_flops > 0 and bandwidth > 0:
+        return zmath.Hardware(name="given", flops={dtype: peak_flops}, bandwidth=bandwidth)
+    return zmath.detect_hardware()
+
+
+class Telemetry:
+    """Writes `metrics.jsonl` in the run directory and turns step timings into MFU."""
+
+    def __init__(self, run_dir: Path, config: Config, batch: int, seq_len: int, hw: zmath.Hardware):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tokens_per_step = batch * seq_len
+        self.flops_per_token = zmath.training_flops_per_token(config, seq_len)
+        self.peak = hw.peak_flops(config.dtype)
+        self.hardware = hw
+        self.predicted = zmath.training_step_roofline(config, batch, seq_len, hw)
+        self.records: list[dict] = []
+        self.start = time.time()
+
+    def mfu(self, step_s: float) -> float:
+        return self.flops_per_token * self.tokens_per_step / step_s / self.peak
+
+    def log(self, **record) -> dict:
+        record = {"time": round(time.time() - self.start, 3), **record}
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
+    def predicted_line(self, measured_s: float) -> str:
+        p = self.predicted
+        return (
+            f"step time: predicted {p.time_s * 1e3:.1f} ms ({p.bound}-bound roofline at "
+            f"{self.peak / 1e9:.0f} GFLOP/s, {self.hardware.bandwidth / 1e9:.0f} GB/s on "
+            f"{self.hardware.name}) vs measured {measured_s * 1e3:.1f} ms"
+        )
+
+    def plot(self, path: Path, entropy: float | None = None) -> Path:
+        """Training and validation loss against step, with the unigram entropy as a line."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        train = [(r["step"], r["loss"]) for r in self.records if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in self.records if "val_loss" in r]
+        for points, label in [(train, "train"), (val, "validation")]:
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True),
+                    label=label,
+                    marker="." if label != "train" else None,
+                )
+        if entropy is not None:
+            ax.axhline(entropy, color="gray", linestyle="--", label="unigram entropy")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
