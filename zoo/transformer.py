@@ -15,6 +15,7 @@ from shard import constrain
 from zoo.config import Config
 
 Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
+LayerKV = Float[Array, "batch kv_heads kv_seq head_dim"]
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -28,6 +29,37 @@ def make_norm(config: Config) -> LayerNorm | RMSNorm:
     if config.norm == "layernorm":
         return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.bias, dtype=dtype)
     return RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
+
+
+class LayerCache(eqx.Module):
+    """One layer's keys and values (`[batch, kv_heads, kv_seq, head_dim]`, the layout decode reads
+    fastest on CPU) and the slot where this step's tokens go. infer/ owns the cache; this is the
+    part a block needs. Writing touches only the new slots: a donated cache is updated in place."""
+
+    k: LayerKV
+    v: LayerKV
+    slot: Int[Array, ""]
+
+    def write(
+        self,
+        k: Float[Array, "batch seq kv_heads head_dim"],
+        v: Float[Array, "batch seq kv_heads head_dim"],
+    ) -> tuple[
+        "LayerCache",
+        Float[Array, "batch kv_seq kv_heads head_dim"],
+        Float[Array, "batch kv_seq kv_heads head_dim"],
+    ]:
+        """Store this step's k, v at `slot`; return the cache and all its k, v in the kernels'
+        layout (XLA folds the transposes into the attention products)."""
+        start = (0, 0, self.slot, 0)
+        new_k = jax.lax.dynamic_update_slice(
+            self.k, k.transpose(0, 2, 1, 3).astype(self.k.dtype), start
+        )
+        new_v = jax.lax.dynamic_update_slice(
+            self.v, v.transpose(0, 2, 1, 3).astype(self.v.dtype), start
+        )
+        cache = LayerCache(new_k, new_v, self.slot)
+        return cache, new_k.transpose(0, 2, 1, 3), new_v.transpose(0, 2, 1, 3)
 
 
 class Block(eqx.Module):
@@ -68,13 +100,26 @@ class Block(eqx.Module):
         )
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
-    ) -> Float[Array, "batch seq embed"]:
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: Rope | None,
+        cache: LayerCache | None = None,
+    ) -> Float[Array, "batch seq embed"] | tuple[Float[Array, "batch seq embed"], LayerCache]:
+        """With a `cache`, this step's keys and values are written into it and attention runs over
+        every cached slot (the mask hides the empty ones); the updated cache is returned too."""
         with jax.named_scope("attention"):
-            x = x + self.attn(self.attn_norm(x), mask, rope)
+            h = self.attn_norm(x)
+            if cache is None:
+                x = x + self.attn(h, mask, rope)
+            else:
+                q, k, v = self.attn.project(h, rope)
+                cache, k, v = cache.write(k, v)
+                x = x + self.attn.attend(q, k, v, mask)
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, "batch seq embed")
+        x = constrain(x, "batch seq embed")
+        return x if cache is None else (x, cache)
 
 
 def positions_from_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
@@ -91,11 +136,13 @@ class Transformer(eqx.Module):
 
     `blocks` holds every layer's weights stacked on a leading `layers` axis (built with
     `eqx.filter_vmap`) and is run with `lax.scan`, so compile time does not grow with depth.
+    `unstack_layers()` gives the same model with a tuple of per-layer blocks instead, which decode
+    on CPU wants (slicing stacked weights inside a step copies them; see infer/).
     """
 
     embed: Embedding
     positions: LearnedPositions | None
-    blocks: Block
+    blocks: Block | tuple[Block, ...]
     final_norm: LayerNorm | RMSNorm
     lm_head: Linear | None
     config: Config = eqx.field(static=True)
@@ -125,6 +172,20 @@ class Transformer(eqx.Module):
             )
         )
 
+    def unstack_layers(self) -> "Transformer":
+        """The same model with `blocks` as a tuple of per-layer Blocks (a copy of the weights)."""
+        return eqx.tree_at(lambda m: m.blocks, self, self.layers())
+
+    def layers(self) -> tuple[Block, ...]:
+        """Each layer's Block: the tuple itself, or slices of the stacked weights."""
+        if isinstance(self.blocks, tuple):
+            return self.blocks
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        return tuple(
+            eqx.combine(jax.tree.map(lambda w, i=i: w[i], dynamic), static)
+            for i in range(self.config.n_layers)
+        )
+
     def rope(self, positions: Int[Array, "batch seq"]) -> Rope | None:
         """cos/sin for these positions, shared by every layer (None for learned positions)."""
         if self.config.position != "rope":
@@ -147,20 +208,37 @@ class Transformer(eqx.Module):
         self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
     ) -> Float[Array, "batch seq embed"]:
         """Every block in order: a `lax.scan` over the stacked weights (or a Python loop over the
-        same weights when `config.scan_layers` is False), each under the remat policy."""
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        layers when `config.scan_layers` is False or the layers are unstacked), each under the
+        remat policy."""
 
-        def layer(x, weights):
-            return eqx.combine(weights, static)(x, mask, rope)
+        def layer(x, block):
+            return block(x, mask, rope)
 
         if self.config.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.config.remat])
-        if self.config.scan_layers:
-            x, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, dynamic)
+        if self.config.scan_layers and not isinstance(self.blocks, tuple):
+            dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+            step = lambda h, w: (layer(h, eqx.combine(w, static)), None)  # noqa: E731
+            x, _ = jax.lax.scan(step, x, dynamic)
             return x
-        for i in range(self.config.n_layers):
-            x = layer(x, jax.tree.map(lambda w, i=i: w[i], dynamic))
+        for block in self.layers():
+            x = layer(x, block)
         return x
+
+    def run_blocks_cached(
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: Rope | None,
+        caches: tuple[LayerCache, ...],
+    ) -> tuple[Float[Array, "batch seq embed"], tuple[LayerCache, ...]]:
+        """Every block with its layer's KV cache, as a Python loop over the layers (decode on CPU:
+        measured faster than `lax.scan`, fastest with `unstack_layers()`; see infer/step.py)."""
+        new_caches = []
+        for block, cache in zip(self.layers(), caches, strict=True):
+            x, cache = block(x, mask, rope, cache)
+            new_caches.append(cache)
+        return x, tuple(new_caches)
 
     def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and LM head (the tied embedding matrix when `tie_embeddings`)."""
