@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 
 from infer.cache import init_cache
 from infer.sampling import Sampler
@@ -45,7 +45,9 @@ _STREAMS: dict[int, _Stream] = {}
 _stream_ids = itertools.count()
 
 
-def _emit(stream_id: np.ndarray, out: np.ndarray, n: np.ndarray) -> None:
+def _emit(
+    stream_id: Int[ArrayLike, ""], out: Int[ArrayLike, "batch new"], n: Int[ArrayLike, ""]
+) -> None:
     stream = _STREAMS.get(int(stream_id))
     if stream is not None:
         stream.emit(np.asarray(out), int(n))
@@ -66,10 +68,10 @@ def _generate(
 ) -> tuple[Int[Array, "batch new"], Int[Array, ""]]:
     batch = tokens.shape[0]
 
-    def stream(out, n):
+    def stream(out, n):  # n tokens written so far
         if chunk_size is not None:
             jax.lax.cond(
-                n % chunk_size == 0,
+                (n - 1) % chunk_size == 0,
                 lambda: jax.debug.callback(_emit, stream_id, out, n),
                 lambda: None,
             )
@@ -121,7 +123,8 @@ def generate(
 
     Prompts of different lengths share one batch, left-padded; padding is invisible and each row's
     positions start at 0 at its first real token. `on_tokens(new_tokens_per_row)` is called from
-    the device loop every `chunk_size` tokens (and once at the end for the rest). The KV cache holds
+    the device loop with the first token (right after the prefill), then every `chunk_size` tokens,
+    and once at the end for the rest. The KV cache holds
     `max_len` tokens (default: longest prompt + max_new_tokens). Bad input is a ValueError before
     anything compiles.
     """

@@ -1,0 +1,1 @@
+"""Benchmarks that print predicted (zoo.math) next to measured."""
