@@ -20,7 +20,7 @@ def naive_greedy(model, prompt, n, width=16):
     tokens = list(prompt)
     for _ in range(n):
         padded = jnp.array([tokens + [0] * (width - len(tokens))])
-        tokens.append(int(jnp.argmax(last_logits(model, padded, len(tokens)))))
+        tokens.append(int(jnp.argmax(last_logits(model, padded, jnp.int32(len(tokens))))))
     return tokens[len(prompt) :]
 
 
