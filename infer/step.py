@@ -3,10 +3,10 @@ modules (`Transformer.embed_tokens`, `rope`, `run_blocks_cached`, `logits`), jit
 donated: the cache is returned, never copied.
 
 Layers run as a Python loop (`Transformer.run_blocks_cached`), never `lax.scan`. Measured on this
-CPU (bench/RESULTS.md), a 12-layer float32 matrix-vector stack: per-layer weight arrays 48 ms,
-`lax.scan` over stacked weights 98 ms, an unrolled loop slicing the stacked weights 600 ms (each
-slice is copied). So pass `model.unstack_layers()` (made once) for repeated steps; `generate` does
-that itself.
+CPU (bench/decode_layout.py, bench/RESULTS.md), a float32 matrix-vector stack runs 2.3x slower as
+a `lax.scan` over stacked weights and 10x slower as an unrolled loop slicing them than with
+per-layer weight arrays (each slice is copied). So pass `model.unstack_layers()` (made once) for
+repeated steps; `generate` does that itself.
 """
 
 import functools
