@@ -33,6 +33,40 @@ def make_norm(config: Config) -> LayerNorm | RMSNorm:
     return RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
 
 
+LayerKV = Float[Array, "batch kv_heads kv_seq head_dim"]
+
+
+class LayerCache(eqx.Module):
+    """One layer's keys and values (`[batch, kv_heads, kv_seq, head_dim]`, the layout decode reads
+    fastest on CPU) and the slot where this step's tokens go. infer/ owns the cache; this is the
+    part a block needs. Writing touches only the new slots: a donated cache is updated in place."""
+
+    k: LayerKV
+    v: LayerKV
+    slot: Int[Array, ""]
+
+    def write(
+        self,
+        k: Float[Array, "batch seq kv_heads head_dim"],
+        v: Float[Array, "batch seq kv_heads head_dim"],
+    ) -> tuple[
+        "LayerCache",
+        Float[Array, "batch kv_seq kv_heads head_dim"],
+        Float[Array, "batch kv_seq kv_heads head_dim"],
+    ]:
+        """Store this step's k, v at `slot`; return the cache and all its k, v in the kernels'
+        layout (XLA folds the transposes into the attention products)."""
+        start = (0, 0, self.slot, 0)
+        new_k = jax.lax.dynamic_update_slice(
+            self.k, k.transpose(0, 2, 1, 3).astype(self.k.dtype), start
+        )
+        new_v = jax.lax.dynamic_update_slice(
+            self.v, v.transpose(0, 2, 1, 3).astype(self.v.dtype), start
+        )
+        cache = LayerCache(new_k, new_v, self.slot)
+        return cache, new_k.transpose(0, 2, 1, 3), new_v.transpose(0, 2, 1, 3)
+
+
 class Block(eqx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with `moe=True` the
     MLP is a mixture of experts, whose router statistics the block returns (None otherwise)."""
@@ -88,10 +122,23 @@ class Block(eqx.Module):
         )
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
-    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: Rope | None,
+        cache: LayerCache | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, LayerCache | None]:
+        """(output, router statistics or None, updated cache or None). With a `cache`, this
+        step's keys and values are written into it and attention runs over every cached slot
+        (the mask hides the empty ones)."""
         with jax.named_scope("attention"):
-            x = x + self.attn(self.attn_norm(x), mask, rope)
+            h = self.attn_norm(x)
+            if cache is None:
+                x = x + self.attn(h, mask, rope)
+            else:
+                q, k, v = self.attn.project(h, rope)
+                cache, k, v = cache.write(k, v)
+                x = x + self.attn.attend(q, k, v, mask)
         stats = None
         with jax.named_scope("mlp"):
             if isinstance(self.mlp, MoE):
@@ -99,7 +146,7 @@ class Block(eqx.Module):
             else:
                 y = self.mlp(self.mlp_norm(x))
             x = x + y
-        return constrain(x, "batch seq embed"), stats
+        return constrain(x, "batch seq embed"), stats, cache
 
 
 def run_stack(
@@ -117,7 +164,8 @@ def run_stack(
     dynamic, static = eqx.partition(stack, eqx.is_array)
 
     def layer(x, weights):
-        return eqx.combine(weights, static)(x, mask, rope)
+        x, stats, _ = eqx.combine(weights, static)(x, mask, rope)
+        return x, stats
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[remat])
@@ -140,9 +188,24 @@ class BlockGroup(eqx.Module):
 
     def __call__(
         self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
-    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, None]:
         x, _ = run_stack(self.dense, x, mask, rope)
         return self.moe(x, mask, rope)
+
+    def layers(self) -> tuple[Block, ...]:
+        """Each layer's Block in order: the dense ones of every group, then its MoE block."""
+        moe = unstack(self.moe)
+        dense = [unstack(group) for group in unstack(self.dense)]
+        return tuple(
+            block for group, last in zip(dense, moe, strict=True) for block in (*group, last)
+        )
+
+
+def unstack(stack: Block | BlockGroup) -> tuple:
+    """Slices of weights stacked on a leading axis, as separate modules (copies of the weights)."""
+    dynamic, static = eqx.partition(stack, eqx.is_array)
+    n = jax.tree.leaves(dynamic)[0].shape[0]
+    return tuple(eqx.combine(jax.tree.map(lambda w, i=i: w[i], dynamic), static) for i in range(n))
 
 
 def make_blocks(config: Config, key: PRNGKeyArray) -> tuple[Block | None, Block | BlockGroup]:
@@ -183,12 +246,14 @@ class Transformer(eqx.Module):
     `eqx.filter_vmap`) and is run with `lax.scan`, so compile time does not grow with depth.
     In an MoE model `dense_blocks` holds the `first_dense_layers` and `blocks` the rest: MoE
     Blocks, or BlockGroups of `moe_every` layers when dense and MoE layers alternate.
+    `unstack_layers()` gives the same model with `blocks` as a tuple of per-layer Blocks, which
+    decode on CPU wants (slicing stacked weights inside a step copies them; see infer/).
     """
 
     embed: Embedding
     positions: LearnedPositions | None
     dense_blocks: Block | None
-    blocks: Block | BlockGroup
+    blocks: Block | BlockGroup | tuple[Block, ...]
     final_norm: LayerNorm | RMSNorm
     lm_head: Linear | None
     config: Config = eqx.field(static=True)
@@ -235,16 +300,57 @@ class Transformer(eqx.Module):
             x = x + self.positions(positions, dtype=dtype)
         return constrain(x, "batch seq embed")
 
+    def layers(self) -> tuple[Block, ...]:
+        """Each layer's Block in order (slices of the stacked weights, or the unstacked tuple)."""
+        if isinstance(self.blocks, tuple):
+            return self.blocks
+        leading = () if self.dense_blocks is None else unstack(self.dense_blocks)
+        if isinstance(self.blocks, BlockGroup):
+            return leading + self.blocks.layers()
+        return leading + unstack(self.blocks)
+
+    def unstack_layers(self) -> "Transformer":
+        """The same model with `blocks` as a tuple of per-layer Blocks (a copy of the weights)."""
+        return eqx.tree_at(
+            lambda m: (m.dense_blocks, m.blocks),
+            self,
+            (None, self.layers()),
+            is_leaf=lambda node: node is None,
+        )
+
     def run_blocks(
         self, x: Float[Array, "batch seq embed"], mask: AttentionMask, rope: Rope | None
     ) -> tuple[Float[Array, "batch seq embed"], MoEStats]:
-        """Every block in order (see `run_stack`), and the MoE layers' statistics stacked on a
-        leading axis (empty for a dense model)."""
+        """Every block in order (see `run_stack`; a Python loop for unstacked layers), and the
+        MoE layers' statistics stacked on a leading axis (empty for a dense model)."""
         c = self.config
+        if isinstance(self.blocks, tuple):
+            stats = []
+            for block in self.blocks:
+                x, layer_stats, _ = block(x, mask, rope)
+                stats += [] if layer_stats is None else [layer_stats]
+            if not stats:
+                return x, MoEStats.empty(c.n_experts)
+            return x, jax.tree.map(lambda *s: jnp.stack(s), *stats)
         if self.dense_blocks is not None:
             x, _ = run_stack(self.dense_blocks, x, mask, rope, remat=c.remat, scan=c.scan_layers)
         x, stats = run_stack(self.blocks, x, mask, rope, remat=c.remat, scan=c.scan_layers)
         return x, MoEStats.empty(c.n_experts) if stats is None else stats
+
+    def run_blocks_cached(
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: Rope | None,
+        caches: tuple[LayerCache, ...],
+    ) -> tuple[Float[Array, "batch seq embed"], tuple[LayerCache, ...]]:
+        """Every block with its layer's KV cache, as a Python loop over the layers (decode on CPU:
+        measured faster than `lax.scan`, fastest with `unstack_layers()`; see infer/step.py)."""
+        new_caches = []
+        for block, cache in zip(self.layers(), caches, strict=True):
+            x, _, cache = block(x, mask, rope, cache)
+            new_caches.append(cache)
+        return x, tuple(new_caches)
 
     def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and LM head (the tied embedding matrix when `tie_embeddings`)."""

@@ -1,0 +1,82 @@
+"""Every bad input gets a ValueError naming the problem, before anything compiles."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import infer
+import infer.generation
+import zoo
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.Transformer(zoo.preset("tiny-llama"), key=jax.random.key(0))
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Fails the test if generate reaches its compiled program."""
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("generate compiled before rejecting its input")
+
+    monkeypatch.setattr(infer.generation, "_generate", compiled)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kwargs", "message"),
+    [
+        ([[1, 2, 3, 4]], {"max_new_tokens": 3, "max_len": 5}, "exceeds the KV cache max_len=5"),
+        ([[1, 2], []], {"max_new_tokens": 3}, "prompt 1 is empty"),
+        ([], {"max_new_tokens": 3}, "prompts is empty"),
+        ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ([[1, 2]], {"max_new_tokens": -2}, "max_new_tokens must be >= 1, got -2"),
+        (
+            [[1, 256]],
+            {"max_new_tokens": 3},
+            r"prompt 0 holds token id 256 outside the vocabulary \[0, 256\)",
+        ),
+        ([[1, -1]], {"max_new_tokens": 3}, "token id -1 outside the vocabulary"),
+        ([[1]], {"max_new_tokens": 3, "stop_tokens": (999,)}, "stop_tokens holds token id 999"),
+    ],
+)
+def test_generate_rejects_bad_input(llama, no_compile, prompts, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        infer.generate(llama, prompts, sampler=infer.Greedy(), key=jax.random.key(0), **kwargs)
+
+
+def test_prompt_longer_than_learned_positions(no_compile):
+    gpt2 = zoo.Transformer(zoo.preset("tiny-gpt2"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"exceeds Config\.max_seq_len=128"):
+        infer.generate(
+            gpt2, [[1] * 120], max_new_tokens=9, sampler=infer.Greedy(), key=jax.random.key(0)
+        )
+
+
+def test_prefill_and_decode_step_reject_bad_input(llama):
+    cache = infer.init_cache(llama.config, 1, 4)
+    with pytest.raises(ValueError, match="do not fit the KV cache"):
+        infer.prefill(llama, jnp.ones((1, 5), jnp.int32), cache)
+    with pytest.raises(ValueError, match="empty prompt"):
+        infer.prefill(llama, jnp.ones((1, 0), jnp.int32), cache)
+    with pytest.raises(ValueError, match="token id 300 outside the vocabulary"):
+        infer.decode_step(llama, jnp.array([300]), cache)
+    with pytest.raises(ValueError, match=r"max_len=200 exceeds Config\.max_seq_len=128"):
+        infer.init_cache(zoo.preset("tiny-gpt2"), 1, 200)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: infer.TopP(p=0.0), r"top-p\) must be in \(0, 1\], got 0.0"),
+        (lambda: infer.TopP(p=1.5), r"top-p\) must be in \(0, 1\], got 1.5"),
+        (lambda: infer.Temperature(temperature=-0.5), "temperature must be >= 0"),
+        (lambda: infer.TopK(k=5, temperature=-1.0), "temperature must be >= 0"),
+        (lambda: infer.TopK(k=0), "TopK.k must be >= 1"),
+        (lambda: infer.MinP(p=2.0), r"min-p\) must be in \[0, 1\]"),
+    ],
+)
+def test_samplers_reject_bad_settings(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

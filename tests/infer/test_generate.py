@@ -1,0 +1,92 @@
+"""generate: greedy == a naive loop over the full forward; ragged rows == each prompt alone;
+stop tokens, streaming, seeded sampling."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import infer
+
+
+@eqx.filter_jit
+def last_logits(model, tokens, length):
+    return model(tokens)[0, length - 1]
+
+
+def naive_greedy(model, prompt, n, width=16):
+    """Re-run the whole forward pass for every new token (the specification). Tokens are
+    right-padded to a fixed width so it compiles once; causal attention ignores the padding."""
+    tokens = list(prompt)
+    for _ in range(n):
+        padded = jnp.array([tokens + [0] * (width - len(tokens))])
+        tokens.append(int(jnp.argmax(last_logits(model, padded, jnp.int32(len(tokens))))))
+    return tokens[len(prompt) :]
+
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [2, 7], [1, 8, 2, 8]]
+
+
+def test_ragged_greedy_batch_equals_naive_loop_per_prompt(model):
+    out = infer.generate(
+        model, PROMPTS, max_new_tokens=6, sampler=infer.Greedy(), key=jax.random.key(0)
+    )
+    assert out == [naive_greedy(model, p, 6) for p in PROMPTS]
+
+
+def test_stop_token_ends_a_row_and_all_rows_stop_early(model):
+    full = infer.generate(
+        model, PROMPTS[:2], max_new_tokens=6, sampler=infer.Greedy(), key=jax.random.key(0)
+    )
+    stop = full[0][2]
+    out = infer.generate(
+        model,
+        PROMPTS[:2],
+        max_new_tokens=6,
+        sampler=infer.Greedy(),
+        key=jax.random.key(0),
+        stop_tokens=(stop,),
+    )
+    assert out[0] == full[0][:3]
+    first_stop = full[1].index(stop) + 1 if stop in full[1] else 6
+    assert out[1] == full[1][:first_stop]
+    # Both rows stopping ends the loop: every row stops at the same token here.
+    both = infer.generate(
+        model,
+        [PROMPTS[0], PROMPTS[0]],
+        max_new_tokens=6,
+        sampler=infer.Greedy(),
+        key=jax.random.key(0),
+        stop_tokens=(full[0][0],),
+    )
+    assert both == [full[0][:1], full[0][:1]]
+
+
+def test_streamed_chunks_add_up_to_the_result(model):
+    chunks = []
+    out = infer.generate(
+        model,
+        PROMPTS[:2],
+        max_new_tokens=7,
+        sampler=infer.Greedy(),
+        key=jax.random.key(0),
+        on_tokens=chunks.append,
+        chunk_size=3,
+    )
+    assert [len(c[0]) for c in chunks] == [1, 3, 3]
+    streamed = [[t for c in chunks for t in c[row]] for row in range(2)]
+    assert streamed == out
+
+
+def test_sampling_is_seeded(model):
+    sampler = infer.TopK(k=20, temperature=1.0)
+
+    def run(seed):
+        return infer.generate(
+            model, PROMPTS[:2], max_new_tokens=8, sampler=sampler, key=jax.random.key(seed)
+        )
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
+    np.testing.assert_array_less(np.array(first), model.config.vocab_size)
