@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 import zoo
 from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
+from tests.zoo.random_model import random_model
 
 VOCAB = 97
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).tolist()
@@ -89,19 +90,6 @@ forward = eqx.filter_jit(lambda model, tokens: model(tokens))
 
 def relative_error(ours, reference) -> float:
     return float(np.max(np.abs(np.asarray(ours) - reference)) / np.max(np.abs(reference)))
-
-
-def random_model(config: zoo.Config, seed: int) -> zoo.Transformer:
-    """Random weights (std 0.1), norm scales around 1, biases nonzero so that each matters.
-    Drawn with NumPy on the model's abstract shapes: no JAX compilation per shape."""
-    skeleton = eqx.filter_eval_shape(zoo.Transformer, config, key=jax.random.key(0))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, like):
-        offset = 1.0 if jax.tree_util.keystr(path).endswith(".scale") else 0.0
-        return jnp.asarray(offset + 0.1 * rng.standard_normal(like.shape, np.float32))
-
-    return jax.tree_util.tree_map_with_path(draw, skeleton)
 
 
 @pytest.fixture(scope="session")
