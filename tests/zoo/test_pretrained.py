@@ -83,7 +83,9 @@ ZOO_CONFIGS = {
         rope_theta=500_000.0,
         rope_scaling=RopeScaling(factor=4.0, original_max_seq_len=16),
     ),
-    "zoo-mixtral": zoo.preset("tiny-moe", **_SMALL, d_ff=48, moe_d_ff=None, n_experts_per_token=3),
+    "zoo-mixtral-window": zoo.preset(
+        "tiny-moe", **_SMALL, d_ff=48, moe_d_ff=None, n_experts_per_token=3, sliding_window=4
+    ),
 }
 forward = eqx.filter_jit(lambda model, tokens: model(tokens))
 
