@@ -38,7 +38,10 @@ def tiny(job: dict) -> None:
 
 
 def build(job: dict) -> None:
-    """Each model: random init (seeded), save_pretrained to out/name, logits to out/name.npz."""
+    """Each model: random init (seeded), save_pretrained to out/name, logits to out/name.npz.
+    A spec with "fused": true then overwrites the weights with the model's own state dict, which
+    in transformers >= 5 stacks MoE experts (`mlp.experts.gate_up_proj`) where save_pretrained
+    writes them one by one."""
     for spec in job["models"]:
         torch.manual_seed(spec.get("seed", 0))
         config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
@@ -46,6 +49,11 @@ def build(job: dict) -> None:
         randomize(model)
         path = os.path.join(job["out"], spec["name"])
         model.save_pretrained(path, max_shard_size=spec.get("max_shard_size", "5GB"))
+        if spec.get("fused"):
+            from safetensors.torch import save_file
+
+            state = {name: w.contiguous() for name, w in model.state_dict().items()}
+            save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         np.savez(path + ".npz", logits=logits(model, job["tokens"]))
 
 

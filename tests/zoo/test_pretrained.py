@@ -1,5 +1,8 @@
-"""Tiny random GPT-2 and Llama checkpoints made by HF transformers: zoo.load_pretrained matches
-transformers' logits, and zoo.save_pretrained writes directories transformers loads back."""
+"""Tiny random GPT-2, Llama and Mixtral checkpoints made by HF transformers: zoo.load_pretrained
+matches transformers' logits, and zoo.save_pretrained writes directories transformers loads back.
+
+One reference job (one subprocess) serves the whole session; forwards are jitted once per config.
+"""
 
 import shutil
 
@@ -13,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 import zoo
 from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
+from tests.zoo.random_model import random_model
 
 VOCAB = 97
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).tolist()
@@ -27,6 +31,8 @@ _LLAMA = {
     "max_position_embeddings": 64,
 }
 TIED, UNTIED = {"tie_word_embeddings": True}, {"tie_word_embeddings": False}
+# Sliding window 5 < 12 tokens, so the window matters.
+_MIXTRAL = _LLAMA | {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}
 MODELS = [
     {"name": "gpt2", "model_type": "gpt2", "config": _GPT2},
     {"name": "gpt2-untied", "model_type": "gpt2", "config": _GPT2 | UNTIED},
@@ -56,6 +62,9 @@ MODELS = [
         "model_type": "llama",
         "config": _LLAMA | {"attention_bias": True, "mlp_bias": True, "rope_theta": 1000.0},
     },
+    {"name": "mixtral", "model_type": "mixtral", "config": _MIXTRAL},
+    # The same weights (same seed) with the experts stacked as transformers 5 holds them.
+    {"name": "mixtral-fused", "model_type": "mixtral", "config": _MIXTRAL, "fused": True},
 ]
 NAMES = [m["name"] for m in MODELS]
 # Models made by the zoo (random, every weight perturbed), written with save_pretrained.
@@ -74,20 +83,15 @@ ZOO_CONFIGS = {
         rope_theta=500_000.0,
         rope_scaling=RopeScaling(factor=4.0, original_max_seq_len=16),
     ),
+    "zoo-mixtral-window": zoo.preset(
+        "tiny-moe", **_SMALL, d_ff=48, moe_d_ff=None, n_experts_per_token=3, sliding_window=4
+    ),
 }
+forward = eqx.filter_jit(lambda model, tokens: model(tokens))
 
 
 def relative_error(ours, reference) -> float:
     return float(np.max(np.abs(np.asarray(ours) - reference)) / np.max(np.abs(reference)))
-
-
-def random_model(config: zoo.Config, seed: int) -> zoo.Transformer:
-    """Random weights, with norms and biases moved off their 1 / 0 init so that each matters."""
-    model = zoo.Transformer(config, key=jax.random.key(seed))
-    leaves, treedef = jax.tree.flatten(model)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    noisy = [w + 0.1 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys, strict=True)]
-    return jax.tree.unflatten(treedef, noisy)
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +118,7 @@ def loaded(reference):
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers(reference, loaded, name):
     reference = np.load(reference / f"{name}.npz")["logits"]
-    ours = loaded[name](jnp.asarray(TOKENS))
+    ours = forward(loaded[name], jnp.asarray(TOKENS))
     assert ours.shape == reference.shape
     assert relative_error(ours, reference) < 1e-4
 
@@ -130,6 +134,9 @@ def test_config_is_read_from_the_checkpoint(loaded):
     assert (llama.n_kv_heads, llama.head_dim, llama.rope_theta) == (1, 16, 500_000.0)
     assert llama.rope_scaling.factor == 4.0 and llama.rope_scaling.original_max_seq_len == 16
     assert not llama.tie_embeddings and loaded["llama-bias"].config.bias
+    mixtral = loaded["mixtral"].config
+    assert (mixtral.n_experts, mixtral.n_experts_per_token, mixtral.sliding_window) == (4, 2, 5)
+    assert (mixtral.router_scoring, mixtral.router_normalize) == ("softmax", True)
 
 
 def test_sharded_checkpoint_was_sharded(reference):
@@ -139,7 +146,7 @@ def test_sharded_checkpoint_was_sharded(reference):
 @pytest.mark.parametrize("name", list(ZOO_CONFIGS))
 def test_save_pretrained_reloads_in_transformers(zoo_models, reference, name):
     reloaded = np.load(reference / f"{name}.npz")["logits"]
-    assert relative_error(reloaded, zoo_models[name](jnp.asarray(TOKENS))) < 1e-4
+    assert relative_error(reloaded, forward(zoo_models[name], jnp.asarray(TOKENS))) < 1e-4
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -158,7 +165,10 @@ def test_base_model_files_without_prefix_load(reference, tmp_path):
     renamed = {name.removeprefix("transformer."): w for name, w in tensors.items()}
     save_file(renamed, tmp_path / "model.safetensors")
     reference = np.load(reference / "gpt2.npz")["logits"]
-    assert relative_error(zoo.load_pretrained(tmp_path)(jnp.asarray(TOKENS)), reference) < 1e-4
+    assert (
+        relative_error(forward(zoo.load_pretrained(tmp_path), jnp.asarray(TOKENS)), reference)
+        < 1e-4
+    )
 
 
 def test_dtype_sets_params_and_compute(reference):

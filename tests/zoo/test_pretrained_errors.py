@@ -10,6 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import zoo
+from tests.zoo.random_model import random_model
 
 CONFIG = zoo.preset("tiny-llama", vocab_size=64, d_model=32, d_ff=48, max_seq_len=32)
 
@@ -18,7 +19,7 @@ CONFIG = zoo.preset("tiny-llama", vocab_size=64, d_model=32, d_ff=48, max_seq_le
 def checkpoint(tmp_path):
     """A valid tiny Llama directory; tests damage it."""
     path = tmp_path / "llama"
-    zoo.save_pretrained(zoo.Transformer(CONFIG, key=jax.random.key(0)), path)
+    zoo.save_pretrained(random_model(CONFIG, 0), path)
     return path
 
 
@@ -110,7 +111,7 @@ def test_unsupported_dtype(checkpoint):
 
 
 def test_config_without_an_hf_architecture_cannot_be_saved(tmp_path):
-    model = zoo.Transformer(CONFIG.replace(qk_norm=True), key=jax.random.key(0))
+    model = random_model(CONFIG.replace(qk_norm=True), 0)
     with pytest.raises(ValueError, match="no HF architecture holds this Config"):
         zoo.save_pretrained(model, tmp_path)
 
@@ -152,3 +153,56 @@ def test_sharded_checkpoints_and_a_missing_shard(checkpoint):
     (checkpoint / "other.safetensors").unlink()
     with pytest.raises(ValueError, match=r"lists the shard other\.safetensors, which is not in"):
         zoo.load_pretrained(checkpoint)
+
+
+MIXTRAL = zoo.preset("tiny-moe", vocab_size=64, d_model=32, d_ff=48, moe_d_ff=None, max_seq_len=32)
+
+
+@pytest.fixture
+def mixtral(tmp_path):
+    """A valid tiny Mixtral directory (per-expert layout); tests damage it."""
+    path = tmp_path / "mixtral"
+    zoo.save_pretrained(random_model(MIXTRAL, 0), path)
+    return path
+
+
+def fuse_experts(tensors: dict) -> None:
+    """Per-expert Mixtral tensors -> transformers 5's stacked layout, in place."""
+    for i in range(MIXTRAL.n_layers):
+        old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+        w = {
+            k: np.stack([tensors.pop(f"{old}experts.{e}.{k}.weight") for e in range(4)])
+            for k in ("w1", "w2", "w3")
+        }
+        tensors[f"{new}experts.gate_up_proj"] = np.concatenate([w["w1"], w["w3"]], axis=1)
+        tensors[f"{new}experts.down_proj"] = w["w2"]
+        tensors[f"{new}gate.weight"] = tensors.pop(f"{old}gate.weight")
+
+
+def test_fused_mixtral_loads_the_same_weights(mixtral):
+    per_expert = zoo.load_pretrained(mixtral)
+    rewrite(mixtral, fuse_experts)
+    fused = zoo.load_pretrained(mixtral)
+    for a, b in zip(jax.tree.leaves(per_expert), jax.tree.leaves(fused), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_missing_expert_tensor_is_named(mixtral):
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    rewrite(mixtral, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor.*MixtralForCausalLM.*{name}"):
+        zoo.load_pretrained(mixtral)
+
+
+def test_missing_fused_expert_tensor_is_named(mixtral):
+    name = "model.layers.1.mlp.experts.down_proj"
+    rewrite(mixtral, lambda t: (fuse_experts(t), t.pop(name)))
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor.*{name}"):
+        zoo.load_pretrained(mixtral)
+
+
+def test_mixtral_expert_count_is_checked_against_config(mixtral):
+    edit_config(mixtral, num_local_experts=3)
+    # Expert 3 of each layer is more than a 3-expert config.json has.
+    with pytest.raises(ValueError, match=r"has 6 tensor.*does not: .*experts\.3\.w1\.weight"):
+        zoo.load_pretrained(mixtral)

@@ -1,12 +1,12 @@
 """The registry of HF architectures the zoo reads and writes, keyed by the class name that
-config.json lists under `architectures`. Adding one (e.g. Mixtral) is one module with the five
-functions below and one entry here."""
+config.json lists under `architectures`. Adding one is one module with the five functions
+below (and `read_tensors` where checkpoints come in more than one layout) and one entry here."""
 
 import dataclasses
 from collections.abc import Callable
 
 from zoo.config import Config
-from zoo.pretrained import gpt2, llama
+from zoo.pretrained import gpt2, llama, mixtral
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -17,7 +17,9 @@ class Architecture:
     `prefix` starts the names of the base model's tensors ("transformer." for GPT-2, "model." for
     Llama); files saved from the base model alone lack it. `ignored(config)` lists regular
     expressions of checkpoint tensors that hold no weights of ours (buffers, a repeated tied head);
-    any other unknown tensor is an error.
+    any other unknown tensor is an error. `tensors(config)` is the layout `save_pretrained`
+    writes; `read_tensors(config, names)`, where given, picks the layout of a checkpoint holding
+    the tensors `names` (Mixtral's experts stored apart or fused).
     """
 
     name: str
@@ -27,6 +29,13 @@ class Architecture:
     exports: Callable[[Config], bool]
     tensors: Callable[[Config], list[TensorGroup]]
     ignored: Callable[[Config], tuple[str, ...]]
+    read_tensors: Callable[[Config, set[str]], list[TensorGroup]] | None = None
+
+    def tensors_in(self, config: Config, names: set[str]) -> list[TensorGroup]:
+        """The groups to read from a checkpoint whose tensors are called `names`."""
+        if self.read_tensors is None:
+            return self.tensors(config)
+        return self.read_tensors(config, names)
 
 
 def _from_module(name: str, prefix: str, module) -> Architecture:
@@ -38,12 +47,14 @@ def _from_module(name: str, prefix: str, module) -> Architecture:
         exports=module.exports,
         tensors=module.tensors,
         ignored=module.ignored,
+        read_tensors=getattr(module, "read_tensors", None),
     )
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", "transformer.", gpt2),
     "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
+    "MixtralForCausalLM": _from_module("MixtralForCausalLM", "model.", mixtral),
 }
 
 
@@ -62,6 +73,7 @@ def architecture_for(config: Config) -> Architecture:
         if arch.exports(config):
             return arch
     raise ValueError(
-        "no HF architecture holds this Config (qk_norm, sliding_window or a mix of GPT-2 and "
-        f"Llama features); known: {', '.join(ARCHITECTURES)}"
+        "no HF architecture holds this Config (qk_norm, sliding_window without experts, shared "
+        "experts or interleaved dense/MoE layers, or a mix of GPT-2 and Llama features); known: "
+        f"{', '.join(ARCHITECTURES)}"
     )

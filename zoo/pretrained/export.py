@@ -14,8 +14,9 @@ from zoo.transformer import Transformer
 
 
 def save_pretrained(model: Transformer, directory: str | os.PathLike) -> None:
-    """Write `model` in the HF layout of the architecture that holds its config (GPT-2 or Llama),
-    weights in their own dtype. Gathers the weights on the host (one copy of the model)."""
+    """Write `model` in the HF layout of the architecture that holds its config (GPT-2, Llama or
+    Mixtral), weights in their own dtype. Gathers the weights on the host (one copy of the
+    model)."""
     config = model.config
     arch = architecture_for(config)
     tensors: dict[str, np.ndarray] = {}

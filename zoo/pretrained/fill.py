@@ -1,6 +1,8 @@
 """Build the model's skeleton without allocating it (`eqx.filter_eval_shape`) and fill each leaf
 from a checkpoint, tensor by tensor: per-layer tensors are stacked into the scanned
-`[layers, ...]` arrays, and every array goes to its device through `place`."""
+`[layers, ...]` arrays, and every array goes to its device through `place` (straight into its
+shard of a mesh when the caller gives sharding rules, so no device ever holds a whole weight it
+should only hold a shard of)."""
 
 import re
 from typing import Protocol, runtime_checkable
@@ -8,7 +10,9 @@ from typing import Protocol, runtime_checkable
 import equinox as eqx
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from shard import ShardingRules, param_shardings
 from zoo.config import Config
 from zoo.pretrained.architectures import Architecture
 from zoo.pretrained.tensor_map import TensorGroup, hf_names, leaf
@@ -86,12 +90,22 @@ def _read_layer(source: TensorSource, group: TensorGroup, layer: int | None) -> 
     return group.to_zoo(*arrays)
 
 
-def load_weights(source: TensorSource, arch: Architecture, config: Config) -> Transformer:
-    """A Transformer of `config` whose every weight comes from `source`."""
+def load_weights(
+    source: TensorSource,
+    arch: Architecture,
+    config: Config,
+    *,
+    sharding: tuple[Mesh, ShardingRules] | None = None,
+) -> Transformer:
+    """A Transformer of `config` whose every weight comes from `source`, each placed in its
+    sharding under `sharding = (mesh, rules)` (`shard.param_shardings`), else on the default
+    device."""
     skeleton = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    # Checked before any tensor is read: a dim that does not divide by its mesh axes fails here.
+    shardings = None if sharding is None else param_shardings(skeleton, sharding[1], sharding[0])
     if not any(name.startswith(arch.prefix) for name in source.names()):
         source = _Prefixed(source, arch.prefix)
-    groups = arch.tensors(config)
+    groups = arch.tensors_in(config, source.names())
     _check_tensor_names(source, arch, groups, config)
     paths, arrays = [], []
     for group in groups:
@@ -107,7 +121,7 @@ def load_weights(source: TensorSource, arch: Architecture, config: Config) -> Tr
             if buffer.shape != like.shape:
                 raise AssertionError(f"{arch.name} mapping gave {path} shape {buffer.shape}")
             paths.append(path)
-            arrays.append(place(buffer, like))
+            arrays.append(place(buffer, like, None if shardings is None else leaf(shardings, path)))
         del buffers
     n_leaves = len(jax.tree.leaves(skeleton))
     if len(paths) != n_leaves:

@@ -99,21 +99,34 @@ def exports(config: Config) -> bool:
         and config.mlp == "swiglu"
         and not config.qk_norm
         and config.sliding_window is None
+        and config.n_experts == 0
     )
 
 
 def tensors(c: Config) -> list[TensorGroup]:
-    d, f = c.d_model, c.d_ff
+    d, f, m = c.d_model, c.d_ff, "model.layers.{i}.mlp."
+    mlp = [
+        ("mlp.gate", m + "gate_proj", (d,), (f,)),
+        ("mlp.up", m + "up_proj", (d,), (f,)),
+        ("mlp.down", m + "down_proj", (f,), (d,)),
+    ]
+    return tensors_around_mlp(c, mlp)
+
+
+def tensors_around_mlp(
+    c: Config, mlp: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]
+) -> list[TensorGroup]:
+    """Every group but the feed-forward ones, plus the projections `mlp` (ours, theirs, in, out):
+    shared with Mixtral, whose layers differ from Llama's only in the MLP."""
+    d = c.d_model
     q, kv = (c.n_heads, c.head_dim), (c.n_kv_heads, c.head_dim)
-    a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    a = "model.layers.{i}.self_attn."
     projections = [
         ("attn.q_proj", a + "q_proj", (d,), q),
         ("attn.k_proj", a + "k_proj", (d,), kv),
         ("attn.v_proj", a + "v_proj", (d,), kv),
         ("attn.o_proj", a + "o_proj", q, (d,)),
-        ("mlp.gate", m + "gate_proj", (d,), (f,)),
-        ("mlp.up", m + "up_proj", (d,), (f,)),
-        ("mlp.down", m + "down_proj", (f,), (d,)),
+        *mlp,
     ]
     groups = [
         same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),

@@ -3,8 +3,10 @@
 import os
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
+from shard import ShardingRules
 from zoo.pretrained import gguf
 from zoo.pretrained.fill import load_weights
 from zoo.pretrained.hf_config import DTYPES, config_from_hf, declared_dtype, read_hf_config
@@ -21,7 +23,22 @@ def _dtype_name(dtype: DTypeLike | None, default: str) -> str:
     return name
 
 
-def load_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None) -> Transformer:
+def _sharding(mesh: Mesh | None, rules: ShardingRules | None) -> tuple[Mesh, ShardingRules] | None:
+    if (mesh is None) != (rules is None):
+        raise ValueError(
+            "load_pretrained needs both mesh and rules to shard the weights (e.g. "
+            "mesh=shard.mesh(fsdp=8), rules=ShardingRules.preset('fsdp')), or neither"
+        )
+    return None if mesh is None else (mesh, rules)
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: DTypeLike | None = None,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+) -> Transformer:
     """The model stored at `path`: an HF directory (config.json + model.safetensors or a sharded
     model.safetensors.index.json) or a llama-architecture `.gguf` file.
 
@@ -29,8 +46,11 @@ def load_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None) 
     loaded weights and of the compute (`Config.param_dtype` and `Config.dtype`); by default the
     dtype config.json declares (float32 if none), and float32 for GGUF (quantized tensors are
     dequantized to float32).
-    Weights are read one tensor at a time; no second copy of the checkpoint is held.
+    Weights are read one tensor at a time; no second copy of the checkpoint is held. With a
+    `mesh` and sharding `rules` (`shard.mesh`, `shard.ShardingRules.preset`), each weight goes
+    straight into its sharding (`shard.param_shardings`) as it is read.
     """
+    sharding = _sharding(mesh, rules)
     path = os.fspath(path)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
@@ -38,7 +58,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None) 
         reader = gguf.open_gguf(path)
         hf = gguf.hf_config(reader)
         arch, config = config_from_hf(hf, dtype=_dtype_name(dtype, "float32"))
-        return load_weights(gguf.GGUFSource(reader, hf), arch, config)
+        return load_weights(gguf.GGUFSource(reader, hf), arch, config, sharding=sharding)
     if not os.path.isdir(path):
         raise ValueError(
             f"{path!r} is neither an HF model directory nor a .gguf file; pass a directory with "
@@ -46,4 +66,4 @@ def load_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None) 
         )
     hf = read_hf_config(path)
     arch, config = config_from_hf(hf, dtype=_dtype_name(dtype, declared_dtype(hf)))
-    return load_weights(SafetensorsSource(path), arch, config)
+    return load_weights(SafetensorsSource(path), arch, config, sharding=sharding)
