@@ -12,7 +12,7 @@ import shard
 import zoo
 from shard.params import sharded_initialiser
 
-CONFIG = zoo.preset("tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
 
 
 def test_no_device_ever_holds_a_whole_parameter():
