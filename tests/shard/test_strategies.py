@@ -3,7 +3,10 @@ loss and gradients, each parameter's shard has the expected shape, and the compi
 the collectives its strategy promises (and no others that would defeat it). Expert parallelism
 runs a mixture-of-experts model with capacity dispatch (all-to-all) and with dropless dispatch.
 
-One layer everywhere: depth changes none of these properties (the layers are scanned)."""
+One layer everywhere: depth changes none of these properties (the layers are scanned). Compiled
+without LLVM's optimisations (FAST_COMPILE): they cost most of the CPU compile time of these tiny
+programs, and the partitioning (collectives) is done before them; floats may differ in the last
+bit."""
 
 import re
 
@@ -26,6 +29,8 @@ MOE = zoo.preset("tiny-moe", n_layers=1, attention="naive", moe_dispatch="capaci
 TOKENS = np.random.default_rng(0).integers(0, DENSE.vocab_size, (8, 17)).astype(np.int32)
 # Slots per expert and sequence of MOE (16 tokens per sequence).
 CAPACITY = expert_capacity(16, MOE.n_experts_per_token, MOE.n_experts, MOE.capacity_factor)
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # Config, preset, mesh, and by how much it should split each named parameter dim (written out
 # by hand, independently of the rules' code).
@@ -66,17 +71,30 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
     return [(op, shape) for shape, op in re.findall(pattern, hlo)]
 
 
+def reference(config):
+    """Unsharded model (on one device), loss and gradients. Jitted: one fast compile costs less
+    than running the initialiser and the gradient op by op."""
+    key = jax.random.key(0)
+    static = eqx.partition(eqx.filter_eval_shape(zoo.Transformer, config, key=key), eqx.is_array)[1]
+
+    def init(key):
+        return eqx.filter(zoo.Transformer(config, key=key), eqx.is_array)
+
+    def value_and_grad(params, tokens):
+        return jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), tokens))(params)
+
+    params = jax.jit(init).lower(key).compile(FAST_COMPILE)(key)
+    tokens = jnp.asarray(TOKENS)
+    loss, grads = (
+        jax.jit(value_and_grad).lower(params, tokens).compile(FAST_COMPILE)(params, tokens)
+    )
+    return eqx.combine(params, static), loss, grads
+
+
 @pytest.fixture(scope="module")
 def references():
-    """Unsharded model, loss and gradients of each config, computed once."""
-    out = {}
-    for config in {case[0] for case in CASES.values()}:
-        model = zoo.Transformer(config, key=jax.random.key(0))
-        # Jitted: one compile costs less than running the gradient op by op.
-        value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
-        loss, grads = value_and_grad(model, jnp.asarray(TOKENS))
-        out[config] = model, loss, grads
-    return out
+    """The reference of each config, computed once."""
+    return {config: reference(config) for config in {case[0] for case in CASES.values()}}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -92,7 +110,7 @@ def run(request, references):
     state = shard.init_opt_state(optimizer, model, rules, mesh)
     batch = shard.shard_batch(TOKENS, rules, mesh)
     step = shard.ShardedStep(loss_fn, optimizer, model, rules, mesh)
-    compiled = step.compile(model, state, batch)
+    compiled = step.compile(model, state, batch, compiler_options=FAST_COMPILE)
     params, _, loss = compiled(eqx.filter(model, eqx.is_array), state, batch)
     return name, eqx.combine(params, step.static), loss, compiled.as_text()
 
