@@ -7,7 +7,13 @@ table). Needs no devices: the mesh is just its axis sizes.
 
 Collective costs are the ring algorithm's bytes sent per device (Patarasuk & Yuan 2009):
 all-gather and reduce-scatter of a full array of S bytes over n devices send S (n-1)/n,
-all-reduce sends twice that. Time = bytes / the hardware's interconnect bandwidth.
+all-reduce sends twice that; an all-to-all of the S bytes a device holds sends S (n-1)/n too.
+Time = bytes / the hardware's interconnect bandwidth.
+
+Mixture of experts: the expert weights' bytes per device are listed apart; with the experts
+split over a mesh axis and capacity dispatch, each MoE layer moves its `[experts, batch,
+capacity, embed]` buffer by all-to-all to the experts and back (GShard), forward and backward,
+each beside the routed experts' matmul time it would have to hide under.
 """
 
 import argparse
@@ -17,6 +23,7 @@ import math
 import equinox as eqx
 import jax
 
+from layers.moe import expert_capacity
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
 from shard.rules import MESH_AXES, ShardingRules, check_divisible, presets, shard_count
@@ -52,6 +59,7 @@ class Plan:
     cache) and the step's collectives, for one config, rules and mesh shape."""
 
     params: int
+    expert_params: int
     grads: int
     adam_state: int
     activations: dict[str, float]
@@ -74,22 +82,37 @@ def _shard_bytes(what: str, shape, names, spec, sizes: dict[str, int], itemsize:
     return math.prod(shape) // pieces * itemsize
 
 
-def param_bytes_per_device(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> int:
+@dataclasses.dataclass(frozen=True)
+class ParamBytes:
+    """Bytes of parameter shards one device holds: all of them, those of the stacked layers
+    (names starting with `layers`), and those of the routed experts (`experts ... mlp`)."""
+
+    total: int
+    layers: int
+    experts: int
+
+
+def param_bytes(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> ParamBytes:
     """Bytes of the parameter shards one device holds (from the model's own logical axes)."""
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     arrays = jax.tree_util.tree_leaves_with_path(eqx.filter(abstract, is_array_like))
     axes = jax.tree.leaves(logical_axes(abstract), is_leaf=lambda x: isinstance(x, LogicalAxes))
-    return sum(
-        _shard_bytes(
-            jax.tree_util.keystr(path),
-            leaf.shape,
-            names.names,
-            rules.param_spec(names.names),
-            sizes,
-            leaf.dtype.itemsize,
+    total = layers = experts = 0
+    for (path, leaf), axes_of in zip(arrays, axes, strict=True):
+        names = axes_of.names
+        spec = rules.param_spec(names)
+        n = _shard_bytes(
+            jax.tree_util.keystr(path), leaf.shape, names, spec, sizes, leaf.dtype.itemsize
         )
-        for (path, leaf), names in zip(arrays, axes, strict=True)
-    )
+        total += n
+        layers += n if names[0] == "layers" else 0
+        experts += n if {"experts", "mlp"} <= set(names) else 0
+    return ParamBytes(total, layers, experts)
+
+
+def param_bytes_per_device(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> int:
+    """Bytes of the parameter shards one device holds."""
+    return param_bytes(config, rules, sizes).total
 
 
 def kv_cache_bytes_per_device(
@@ -150,7 +173,7 @@ def plan(
         raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
     tokens = batch * seq // batch_shards
-    params = param_bytes_per_device(config, rules, sizes)
+    held = param_bytes(config, rules, sizes)
     activations = {
         remat: tokens * zmath.activation_bytes_per_token(config, seq, remat=remat) / tensor
         for remat in ("none", "dots", "full")
@@ -158,83 +181,103 @@ def plan(
 
     peak = hardware.peak_flops(config.dtype)
     link = hardware.interconnect
-    layer_params = zmath.layer_params(config) * zmath.bytes_per_element(config.param_dtype)
     layer_matmul_flops = (
         zmath.forward_flops_per_token(config, seq) - 2 * config.d_model * config.vocab_size
     ) / config.n_layers
     layer_fwd_s = tokens * layer_matmul_flops / tensor / peak
+    # One layer's parameter shards on a device, on average (MoE layers hold their experts'
+    # shards); the routed experts apart, since their replicas differ under expert parallelism.
+    layer_held = held.layers / config.n_layers
+    layer_experts = held.experts / config.n_layers
     collectives = []
+
+    def add(name, axes, why, count, sent, compute):
+        label = _label(axes, sizes) if isinstance(axes, set) else axes
+        collectives.append(Collective(name, label, why, count, sent, sent / link, compute))
+
     gather_axes = _targets(rules.param_mapping, "embed")
     if (fsdp := _axes_size(sizes, gather_axes)) > 1:
-        shard = layer_params / tensor
-        for why, count, compute in [
-            ("weights, forward", 1, layer_fwd_s),
-            ("weights, backward", 1, 2 * layer_fwd_s),
-        ]:
-            sent = _ring("all-gather", shard, fsdp)
-            collectives.append(
-                Collective(
-                    "all-gather",
-                    _label(gather_axes, sizes),
-                    why,
-                    count * config.n_layers,
-                    sent,
-                    sent / link,
-                    compute,
-                )
-            )
-        sent = _ring("reduce-scatter", shard, fsdp)
-        collectives.append(
-            Collective(
-                "reduce-scatter",
-                _label(gather_axes, sizes),
-                "gradients",
-                config.n_layers,
-                sent,
-                sent / link,
-                2 * layer_fwd_s,
-            )
-        )
+        gathered = layer_held * fsdp
+        sent = _ring("all-gather", gathered, fsdp)
+        add("all-gather", gather_axes, "weights, forward", config.n_layers, sent, layer_fwd_s)
+        add("all-gather", gather_axes, "weights, backward", config.n_layers, sent, 2 * layer_fwd_s)
+        sent = _ring("reduce-scatter", gathered, fsdp)
+        add("reduce-scatter", gather_axes, "gradients", config.n_layers, sent, 2 * layer_fwd_s)
     replica_axes = batch_axes - gather_axes
-    if (replicas := _axes_size(sizes, replica_axes)) > 1:
-        sent = _ring("all-reduce", layer_params / tensor / fsdp, replicas)
-        collectives.append(
-            Collective(
-                "all-reduce",
-                _label(replica_axes, sizes),
-                "gradients",
-                config.n_layers,
-                sent,
-                sent / link,
-                2 * layer_fwd_s,
-            )
-        )
+    expert_replica_axes = replica_axes - _targets(rules.param_mapping, "experts")
+    sent = _ring("all-reduce", layer_held - layer_experts, _axes_size(sizes, replica_axes))
+    sent += _ring("all-reduce", layer_experts, _axes_size(sizes, expert_replica_axes))
+    if sent:
+        add("all-reduce", replica_axes, "gradients", config.n_layers, sent, 2 * layer_fwd_s)
     if tensor > 1:
         activation = tokens * config.d_model * zmath.bytes_per_element(config.dtype)
         sent = _ring("all-reduce", activation, tensor)
         # Megatron: one all-reduce after attention and one after the MLP, forward and backward.
-        collectives.append(
-            Collective(
-                "all-reduce",
-                "tensor",
-                "activations (attn + mlp), fwd + bwd",
-                4 * config.n_layers,
-                sent,
-                sent / link,
-                layer_fwd_s / 2,
-            )
+        add(
+            "all-reduce",
+            "tensor",
+            "activations (attn + mlp), fwd + bwd",
+            4 * config.n_layers,
+            sent,
+            layer_fwd_s / 2,
         )
+    collectives += _expert_all_to_alls(
+        config, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
+    )
     step_flops = zmath.training_flops_per_token(config, seq) * batch * seq / devices
     return Plan(
-        params=params,
-        grads=params,
+        params=held.total,
+        expert_params=held.experts,
+        grads=held.total,
         # Adam's two moments in the parameters' dtype and shardings, plus its int32 step count.
-        adam_state=2 * params + 4,
+        adam_state=2 * held.total + 4,
         activations=activations,
         kv_cache=kv_cache_bytes_per_device(config, rules, sizes, batch, context or seq),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
     )
+
+
+def _expert_all_to_alls(
+    config: Config,
+    rules: ShardingRules,
+    sizes: dict[str, int],
+    *,
+    batch: int,
+    seq: int,
+    peak: float | int,
+    link: float | int,
+) -> list[Collective]:
+    """Capacity dispatch with the experts split over mesh axes: per MoE layer the buffer goes
+    to the experts and back by all-to-all, forward and backward. Each device holds the
+    buffer's slice of its own sequences, `experts x capacity x embed` per sequence, and keeps
+    1/n of it. The compute beside it is the routed experts' matmuls on that device: zoo.math's
+    active expert FLOPs per token (k experts) plus capacity dispatch's padding slots and
+    one-hot einsums."""
+    c = config
+    expert_axes = _targets(rules.mapping, "experts")
+    n = _axes_size(sizes, expert_axes)
+    n_moe = len(c.moe_layers)
+    if not n_moe or c.moe_dispatch != "capacity" or n == 1:
+        return []
+    sequences = batch // _axes_size(sizes, _targets(rules.mapping, "batch"))
+    capacity = expert_capacity(seq, c.n_experts_per_token, c.n_experts, c.capacity_factor)
+    itemsize = zmath.bytes_per_element(c.dtype)
+    buffer = sequences * c.n_experts * capacity * c.d_model * itemsize
+    sent = buffer * (n - 1) / n
+    tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
+    # Active routed-expert FLOPs of one token in one MoE layer: k SwiGLU experts (3 matmuls).
+    active = 2 * c.n_experts_per_token * 3 * c.d_model * c.expert_d_ff
+    padding = zmath.capacity_dispatch_flops_per_token(c, seq) / n_moe
+    expert_fwd_s = sequences * seq * (active + padding) / tensor / peak
+    axis = _label(expert_axes, sizes)
+    return [
+        Collective("all-to-all", axis, why, 2 * n_moe, sent, sent / link, compute)
+        for why, compute in [
+            ("tokens to experts and back, forward", expert_fwd_s),
+            ("tokens to experts and back, backward", 2 * expert_fwd_s),
+        ]
+    ]
 
 
 def _gib(n: float | int) -> str:
@@ -245,6 +288,7 @@ def format_plan(p: Plan) -> str:
     lines = ["bytes per device"]
     lines += [
         f"  parameters          {_gib(p.params)}",
+        f"    routed experts    {_gib(p.expert_params)}",
         f"  gradients           {_gib(p.grads)}",
         f"  Adam state          {_gib(p.adam_state)}",
     ]
@@ -285,13 +329,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
     parser.add_argument("--hardware", default="h100", choices=list(zmath.HARDWARE))
+    parser.add_argument(
+        "--moe-dispatch", choices=["dropless", "capacity"], help="MoE models: default the preset's"
+    )
     args = parser.parse_args(argv)
     sizes = parse_mesh(args.mesh)
-    config = preset(args.model, dtype=args.dtype, param_dtype=args.dtype)
+    overrides = {"moe_dispatch": args.moe_dispatch} if args.moe_dispatch else {}
+    config = preset(args.model, dtype=args.dtype, param_dtype=args.dtype, **overrides)
     rules_name = args.rules or default_rules(sizes)
     hardware = zmath.HARDWARE[args.hardware]
     print(
-        f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, {args.dtype}), "
+        f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, "
+        f"{zmath.active_param_count(config) / 1e9:.2f}B active, {args.dtype}), "
         f"rules {rules_name}, mesh {full_mesh(sizes)}, batch {args.batch} x seq {args.seq}, "
         f"{hardware.name} ({hardware.interconnect / 1e9:.0f} GB/s link)"
     )
@@ -304,6 +353,12 @@ def main(argv: list[str] | None = None) -> None:
         hardware=hardware,
     )
     print(format_plan(p))
+    if config.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:
+        print(
+            "(dropless dispatch sorts all tokens together: under jit XLA replicates the routed "
+            "rows instead of an all-to-all; plan with --moe-dispatch capacity for expert "
+            "parallelism)"
+        )
 
 
 if __name__ == "__main__":

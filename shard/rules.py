@@ -4,6 +4,13 @@
 Parameters and activations get separate mappings because FSDP shards both a weight's `embed` dim
 and the activations' `batch` dim over the same mesh axis, and one array may not use a mesh axis
 twice. `params=None` means "same as the activation mapping".
+
+Two names exist only for the capacity-dispatch buffer of a mixture of experts,
+`[experts, expert_batch, capacity, embed]`: `capacity` (an expert's slots per sequence) and
+`expert_batch` (its sequences). Under expert parallelism `batch` and `experts` share the `expert`
+mesh axis, so the buffer cannot call its sequence dim `batch`; unless the rules map it,
+`expert_batch` takes `batch`'s mesh axes minus those of `experts`. Moving tokens from the
+`batch`-sharded layout to that one is the all-to-all of GShard.
 """
 
 import contextlib
@@ -27,6 +34,8 @@ LOGICAL_AXES = (
     "vocab",
     "experts",
     "layers",
+    "expert_batch",
+    "capacity",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -126,13 +135,23 @@ class ShardingRules:
     def param_mapping(self) -> Mapping:
         return self.mapping if self.params is None else self.params
 
+    @property
+    def activation_mapping(self) -> Mapping:
+        """`mapping` plus the derived `expert_batch` entry (see the module docstring)."""
+        table = dict(self.mapping)
+        if "expert_batch" in table:
+            return self.mapping
+        experts = set(_as_tuple(table.get("experts")))
+        rest = tuple(a for a in _as_tuple(table.get("batch")) if a not in experts)
+        return (*self.mapping, ("expert_batch", rest or None))
+
     def mesh_axes(self, logical: str) -> Target:
         """Mesh axes of an activation dim called `logical`."""
-        return dict(self.mapping).get(logical)
+        return dict(self.activation_mapping).get(logical)
 
     def partition_spec(self, names: tuple[str, ...]) -> PartitionSpec:
         """The PartitionSpec for an activation (or cache) whose dims are called `names`."""
-        return _spec(self.mapping, names)
+        return _spec(self.activation_mapping, names)
 
     def param_spec(self, names: tuple[str, ...]) -> PartitionSpec:
         """The PartitionSpec for a parameter whose dims are called `names`."""

@@ -94,8 +94,17 @@ class ShardedStep:
         params, opt_state, loss = self.jitted(eqx.filter(model, eqx.is_array), opt_state, batch)
         return eqx.combine(params, self.static), opt_state, loss
 
-    def compile(self, model: PyTree, opt_state: PyTree, batch: PyTree) -> jax.stages.Compiled:
-        """The step compiled ahead of time for these shapes: `.as_text()` is the optimised
-        per-device HLO (which collectives it runs), `.memory_analysis()` its buffers; calling
-        it takes `eqx.filter(model, eqx.is_array)` in place of the model."""
-        return self.jitted.lower(eqx.filter(model, eqx.is_array), opt_state, batch).compile()
+    def compile(
+        self,
+        model: PyTree,
+        opt_state: PyTree,
+        batch: PyTree,
+        *,
+        compiler_options: dict[str, str | bool | int | float] | None = None,
+    ) -> jax.stages.Compiled:
+        """The step compiled ahead of time for these shapes (with XLA `compiler_options`, e.g.
+        {"xla_backend_optimization_level": 0}): `.as_text()` is the optimised per-device HLO
+        (which collectives it runs), `.memory_analysis()` its buffers; calling it takes
+        `eqx.filter(model, eqx.is_array)` in place of the model."""
+        lowered = self.jitted.lower(eqx.filter(model, eqx.is_array), opt_state, batch)
+        return lowered.compile(compiler_options)

@@ -7,7 +7,9 @@
 - `Capacity` (GShard, Lepikhin et al. 2020; Switch): each expert takes at most `capacity` tokens
   of each sequence; one-hot dispatch/combine einsums move tokens into a dense
   `[experts, batch, capacity, embed]` buffer and back. Static shapes: with `experts` sharded over
-  one mesh axis and `batch` over another, the dispatch einsum becomes an all-to-all. Assignments
+  one mesh axis and `batch` over another, the dispatch einsum becomes an all-to-all (the
+  `shard.constrain` calls name the two layouts; the buffer's sequence dim is `expert_batch`,
+  see shard/rules.py). Assignments
   beyond an expert's capacity are dropped (the token keeps only its residual path for that
   expert) and reported in `kept`.
 """
@@ -20,6 +22,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from layers.moe.experts import Experts
+from shard.rules import constrain
+
+# The capacity buffer's layout: experts split over their mesh axis, sequences over the rest.
+BUFFER = "experts expert_batch capacity embed"
 
 
 class Dispatched(eqx.Module):
@@ -77,6 +83,7 @@ class Capacity(eqx.Module):
         weights: Float[Array, "batch seq topk"],
     ) -> Dispatched:
         batch, seq, _ = x.shape
+        x = constrain(x, "batch seq embed")
         k, n_experts = expert_ids.shape[-1], experts.n_experts
         capacity = expert_capacity(seq, k, n_experts, self.capacity_factor)
         chosen = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.int32)  # [b, s, k, e]
@@ -90,7 +97,9 @@ class Capacity(eqx.Module):
         chosen = chosen.astype(x.dtype)
         dispatch = jnp.einsum("bske,bskc->bsec", chosen, slot)
         combine = jnp.einsum("bske,bskc,bsk->bsec", chosen, slot, weights.astype(x.dtype))
-        expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
-        expert_out = experts.batched(expert_in)
-        y = jnp.einsum("bsec,ebcd->bsd", combine, expert_out)
+        # All-to-all in: each device keeps its own experts' slots of more sequences.
+        expert_in = constrain(jnp.einsum("bsec,bsd->ebcd", dispatch, x), BUFFER)
+        expert_out = constrain(experts.batched(expert_in), BUFFER)
+        # All-to-all out: the results go back to their tokens' devices.
+        y = constrain(jnp.einsum("bsec,ebcd->bsd", combine, expert_out), "batch seq embed")
         return Dispatched(y=y, kept=kept)

@@ -1,6 +1,6 @@
 """A few sharded Adam steps of a tiny model, run by tests/shard/test_multihost.py in each of
 two processes (4 CPU devices each, joined by `jax.distributed.initialize`) and, for reference,
-in one process with 8 devices.
+in one process with 8 devices (NUM_PROCESSES 1: no distributed runtime).
 
     python tests/shard/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz
 """
@@ -47,13 +47,16 @@ def train() -> tuple[list[float], list[np.ndarray]]:
 
 if __name__ == "__main__":
     process_id, num_processes, port, out = sys.argv[1:]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"localhost:{port}",
-        num_processes=int(num_processes),
-        process_id=int(process_id),
-    )
+    distributed = int(num_processes) > 1
+    if distributed:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"localhost:{port}",
+            num_processes=int(num_processes),
+            process_id=int(process_id),
+        )
     losses, params = train()
     if jax.process_index() == 0:
         np.savez(out, *params, losses=np.array(losses))
-    jax.distributed.shutdown()
+    if distributed:
+        jax.distributed.shutdown()

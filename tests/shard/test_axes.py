@@ -6,6 +6,7 @@ import pytest
 
 import zoo
 from shard import LogicalAxes, ShardingRules, constrain, logical_axes
+from shard.axes import is_array_like
 
 VOCABULARY = {
     "batch",
@@ -22,12 +23,13 @@ VOCABULARY = {
 }
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-deepseek-moe"])
 def test_every_parameter_is_named(name):
-    model = zoo.Transformer(
-        zoo.preset(name, qk_norm=True, tie_embeddings=False), key=jax.random.key(0)
+    # Abstract (no weights computed): the names depend on shapes only.
+    model = eqx.filter_eval_shape(
+        zoo.Transformer, zoo.preset(name, qk_norm=True, tie_embeddings=False), key=jax.random.key(0)
     )
-    params = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    params = jax.tree.leaves(eqx.filter(model, is_array_like))
     axes = jax.tree.leaves(logical_axes(model), is_leaf=lambda x: isinstance(x, LogicalAxes))
     assert len(axes) == len(params)
     for array, names in zip(params, axes, strict=True):
@@ -35,6 +37,30 @@ def test_every_parameter_is_named(name):
         assert set(names.names) <= VOCABULARY
     stacked = logical_axes(model).blocks.attn.q_proj.weight
     assert stacked.names == ("layers", "embed", "heads", "head_dim")
+    if model.config.n_experts:
+        experts = logical_axes(model).blocks.mlp.experts
+        assert experts.gate.names == ("layers", "experts", "embed", "mlp")
+        assert experts.down.names == ("layers", "experts", "mlp", "embed")
+
+
+def test_expert_buffer_takes_batch_axes_left_by_experts():
+    # Under ep, `batch` and `experts` share the `expert` mesh axis: one activation cannot carry
+    # both, so the capacity buffer names its sequence dim `expert_batch`.
+    ep = ShardingRules.preset("ep")
+    with pytest.raises(ValueError, match="'experts' and 'batch' both map to mesh axis 'expert'"):
+        ep.partition_spec(("experts", "batch", "capacity", "embed"))
+    buffer = ("experts", "expert_batch", "capacity", "embed")
+    assert ep.partition_spec(buffer) == jax.P("expert", ("data", "fsdp"), None, None)
+    # Without expert parallelism the buffer keeps the batch's sharding (no communication).
+    assert ShardingRules.preset("fsdp").partition_spec(buffer) == jax.P(
+        None, ("data", "fsdp", "expert"), None, None
+    )
+    # Rules may map it themselves; an empty remainder is replicated.
+    assert ShardingRules((("batch", "expert"), ("experts", "expert"))).partition_spec(
+        buffer
+    ) == jax.P("expert", None, None, None)
+    own = ShardingRules((("experts", "expert"), ("expert_batch", "data")))
+    assert own.partition_spec(buffer) == jax.P("expert", "data", None, None)
 
 
 def test_rules_refuse_two_axes_on_one_mesh_axis():

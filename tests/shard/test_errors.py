@@ -9,7 +9,7 @@ import zoo
 from shard.plan import plan
 from zoo.math import HARDWARE
 
-CONFIG = zoo.preset("tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
 
 
 def test_mesh_size_must_match_device_count():

@@ -7,20 +7,40 @@ import re
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 
 import shard
 import zoo
 from shard.params import sharded_initialiser
 
-CONFIG = zoo.preset("tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+KEY = jax.random.key(3)
+
+CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+# Without LLVM's optimisations: most of the CPU compile time, the same buffers. Floats can differ
+# in the last bit from an optimised build (multiply-adds fused or not): compare like with like.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def test_no_device_ever_holds_a_whole_parameter():
-    rules, mesh, key = shard.ShardingRules.preset("fsdp"), shard.mesh(fsdp=8), jax.random.key(0)
+def one_device_init(key):
+    """The ordinary initialiser on one device, jitted (cheaper than running it op by op)."""
+    init = jax.jit(lambda key: eqx.filter(zoo.Transformer(CONFIG, key=key), eqx.is_array))
+    params = init.lower(key).compile(FAST_COMPILE)(key)
+    static = eqx.partition(eqx.filter_eval_shape(zoo.Transformer, CONFIG, key=key), eqx.is_array)
+    return eqx.combine(params, static[1])
+
+
+@pytest.fixture(scope="module")
+def initialiser():
+    """The fsdp_tp initialiser of CONFIG (every large parameter split 8 ways), compiled once."""
+    rules, mesh, key = shard.ShardingRules.preset("fsdp_tp"), shard.mesh(fsdp=2, tensor=4), KEY
     abstract = eqx.filter_eval_shape(zoo.Transformer, CONFIG, key=key)
     shardings = shard.param_shardings(abstract, rules, mesh)
-    compiled = sharded_initialiser(zoo.Transformer, CONFIG, shardings).lower(key).compile()
+    lowered = sharded_initialiser(zoo.Transformer, CONFIG, shardings).lower(key)
+    return abstract, shardings, lowered.compile(FAST_COMPILE)
 
+
+def test_no_device_ever_holds_a_whole_parameter(initialiser):
+    abstract, shardings, compiled = initialiser
     params = jax.tree.leaves(eqx.filter(abstract, shard.axes.is_array_like))
     specs = jax.tree.leaves(shardings)
     largest_param = max(math.prod(p.shape) for p in params)
@@ -42,10 +62,14 @@ def test_no_device_ever_holds_a_whole_parameter():
     assert memory.temp_size_in_bytes < 4 * largest_param
 
 
-def test_sharded_init_equals_unsharded_init():
-    rules, mesh = shard.ShardingRules.preset("fsdp_tp"), shard.mesh(fsdp=2, tensor=4)
-    sharded = shard.init_sharded(CONFIG, rules, mesh, jax.random.key(3))
-    plain = zoo.Transformer(CONFIG, key=jax.random.key(3))
+def test_sharded_init_equals_unsharded_init(initialiser):
+    # `init_sharded` is this initialiser (compiled without the test's options) combined with
+    # the static fields; tests/shard/test_multihost.py runs it across processes.
+    abstract, _, compiled = initialiser
+    static = eqx.partition(abstract, shard.axes.is_array_like)[1]
+    sharded = eqx.combine(compiled(KEY), static)
+    plain = one_device_init(KEY)
+    assert plain.blocks.mlp.up.weight.sharding.num_devices == 1
     assert sharded.blocks.mlp.up.weight.sharding.spec == jax.P(None, "fsdp", "tensor")
     for a, b in zip(
         jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
@@ -57,8 +81,8 @@ def test_sharded_init_equals_unsharded_init():
 
 def test_shard_model_places_an_existing_model():
     rules, mesh = shard.ShardingRules.preset("tp"), shard.mesh(data=2, tensor=4)
-    plain = zoo.Transformer(CONFIG, key=jax.random.key(1))
+    plain = one_device_init(jax.random.key(1))
     placed = shard.shard_model(plain, rules, mesh)
     assert placed.lm_head.weight.sharding.spec == jax.P(None, "tensor")
-    assert placed.blocks.attn.o_proj.weight.addressable_shards[0].data.shape == (2, 1, 16, 64)
+    assert placed.blocks.attn.o_proj.weight.addressable_shards[0].data.shape == (1, 1, 16, 64)
     np.testing.assert_array_equal(placed.lm_head.weight, plain.lm_head.weight)

@@ -1,5 +1,6 @@
 """The plan printer's bytes per device equal those of the real shardings of a tiny model."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
@@ -7,14 +8,17 @@ import pytest
 
 import shard
 import zoo
+from shard.axes import is_array_like
 from shard.plan import main, plan
 from zoo.math import HARDWARE
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
 CONFIG = zoo.preset(
-    "tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
+    "tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
 )
+MOE = zoo.preset("tiny-moe", attention="naive", moe_dispatch="capacity")
 MESHES = {"fsdp": {"fsdp": 8}, "tp": {"data": 2, "tensor": 4}, "fsdp_tp": {"fsdp": 2, "tensor": 4}}
+EP_MESH = {"fsdp": 2, "expert": 4}
 
 
 def bytes_per_device(tree) -> int:
@@ -26,19 +30,35 @@ def bytes_per_device(tree) -> int:
     return max(held.values())
 
 
-@pytest.mark.parametrize("name", list(MESHES))
-def test_plan_bytes_match_real_shardings(name):
-    rules, mesh_shape = shard.ShardingRules.preset(name), MESHES[name]
-    mesh = shard.mesh(**mesh_shape)
-    p = plan(CONFIG, rules, mesh_shape, batch=8, seq=16, hardware=HARDWARE["h100"])
+def zeros_in_shardings(config, rules, mesh):
+    """A model of zeros, each parameter a real array in its sharding: bytes are what count
+    here, and zeros compile and run faster than the initialiser (tests/shard/test_init.py
+    covers init_sharded)."""
+    abstract = eqx.filter_eval_shape(zoo.Transformer, config, key=jax.random.key(0))
+    params, static = eqx.partition(abstract, is_array_like)
+    zeros = jax.jit(
+        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params),
+        out_shardings=shard.param_shardings(abstract, rules, mesh),
+    )()
+    return eqx.combine(zeros, static)
 
-    # Placed rather than created sharded, to save a compile (tests/shard/test_init.py
-    # covers init_sharded).
-    model = shard.shard_model(zoo.Transformer(CONFIG, key=jax.random.key(0)), rules, mesh)
+
+@pytest.mark.parametrize("name", [*MESHES, "ep"])
+def test_plan_bytes_match_real_shardings(name):
+    config, mesh_shape = (MOE, EP_MESH) if name == "ep" else (CONFIG, MESHES[name])
+    rules, mesh = shard.ShardingRules.preset(name), shard.mesh(**mesh_shape)
+    p = plan(config, rules, mesh_shape, batch=8, seq=16, hardware=HARDWARE["h100"])
+
+    model = zeros_in_shardings(config, rules, mesh)
     assert p.params == bytes_per_device(model)
+    if name == "ep":
+        assert p.expert_params == bytes_per_device(model.blocks.mlp.experts)
+        assert p.expert_params * 8 == 4 * 3 * MOE.n_layers * MOE.n_experts * 64 * 64
+    else:
+        assert p.expert_params == 0
     state = shard.init_opt_state(optax.adam(1e-3), model, rules, mesh)
     assert p.adam_state == bytes_per_device(state)
-    k = jnp.zeros((CONFIG.n_layers, 8, CONFIG.n_kv_heads, 16, CONFIG.head_dim))
+    k = jnp.zeros((config.n_layers, 8, config.n_kv_heads, 16, config.head_dim))
     sharding = shard.named_sharding("layers batch kv_heads kv_seq head_dim", rules, mesh)
     assert p.kv_cache == 2 * bytes_per_device(jax.device_put(k, sharding))
 
@@ -60,7 +80,31 @@ def test_plan_lists_each_strategys_collectives():
     }
 
 
+def test_plan_moves_the_capacity_buffer_by_all_to_all():
+    rules, h100 = shard.ShardingRules.preset("ep"), HARDWARE["h100"]
+    p = plan(MOE, rules, EP_MESH, batch=8, seq=16, hardware=h100)
+    a2a = [c for c in p.collectives if c.name == "all-to-all"]
+    assert {c.axis for c in a2a} == {"expert"}
+    # Dispatch and combine, forward and backward, in each of the 2 MoE layers.
+    assert sum(c.count for c in a2a) == 4 * 2
+    # Each device holds 1 of the 8 sequences: 4 experts x 10 slots x 64 floats of it, and
+    # keeps its own quarter (4 devices on the expert axis).
+    assert all(c.bytes_per_device == 4 * 10 * 64 * 4 * 3 / 4 for c in a2a)
+    # The compute beside it: at least the routed experts' matmuls of this device's 16 tokens
+    # (2 experts of 3 [64, 64] matmuls each; capacity adds padding slots), twice that backward.
+    forward, backward = sorted(a2a, key=lambda c: c.compute_s)
+    assert forward.compute_s >= 16 * 2 * 2 * 3 * 64 * 64 / h100.peak_flops(MOE.dtype)
+    assert backward.compute_s == 2 * forward.compute_s
+    dropless = plan(
+        MOE.replace(moe_dispatch="dropless"), rules, EP_MESH, batch=8, seq=16, hardware=h100
+    )
+    assert not [c for c in dropless.collectives if c.name == "all-to-all"]
+
+
 def test_cli_prints_the_table(capsys):
     main(["--model", "tiny-llama", "--mesh", "fsdp=4,tensor=2", "--batch", "8", "--seq", "64"])
     out = capsys.readouterr().out
     assert "rules fsdp_tp" in out and "reduce-scatter" in out and "hides?" in out
+    main(["--model", "tiny-moe", "--mesh", "fsdp=2,expert=4", "--moe-dispatch", "capacity"])
+    out = capsys.readouterr().out
+    assert "rules ep" in out and "active" in out and "routed experts" in out and "all-to-all" in out

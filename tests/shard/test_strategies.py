@@ -1,6 +1,12 @@
 """Every preset on 8 fake CPU devices: the sharded training step computes the unsharded model's
 loss and gradients, each parameter's shard has the expected shape, and the compiled step runs
-the collectives its strategy promises (and no others that would defeat it)."""
+the collectives its strategy promises (and no others that would defeat it). Expert parallelism
+runs a mixture-of-experts model with capacity dispatch (all-to-all) and with dropless dispatch.
+
+One layer everywhere: depth changes none of these properties (the layers are scanned). Compiled
+without LLVM's optimisations (FAST_COMPILE): they cost most of the CPU compile time of these tiny
+programs, and the partitioning (collectives) is done before them; floats may differ in the last
+bit."""
 
 import re
 
@@ -13,30 +19,50 @@ import pytest
 
 import shard
 import zoo
+from layers.moe import expert_capacity
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
-CONFIG = zoo.preset(
-    "tiny-llama", n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
+DENSE = zoo.preset(
+    "tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
 )
-TOKENS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, 17)).astype(np.int32)
+MOE = zoo.preset("tiny-moe", n_layers=1, attention="naive", moe_dispatch="capacity")
+TOKENS = np.random.default_rng(0).integers(0, DENSE.vocab_size, (8, 17)).astype(np.int32)
+# Slots per expert and sequence of MOE (16 tokens per sequence).
+CAPACITY = expert_capacity(16, MOE.n_experts_per_token, MOE.n_experts, MOE.capacity_factor)
 
-# Mesh of each preset, and by how much it should split each named parameter dim (written out
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+# Config, preset, mesh, and by how much it should split each named parameter dim (written out
 # by hand, independently of the rules' code).
 CASES = {
-    "dp": ({"data": 8}, {}),
-    "fsdp": ({"fsdp": 8}, {"embed": 8}),
-    "tp": ({"data": 2, "tensor": 4}, {"heads": 4, "kv_heads": 4, "mlp": 4, "vocab": 4}),
+    "dp": (DENSE, "dp", {"data": 8}, {}),
+    "fsdp": (DENSE, "fsdp", {"fsdp": 8}, {"embed": 8}),
+    "tp": (
+        DENSE,
+        "tp",
+        {"data": 2, "tensor": 4},
+        {"heads": 4, "kv_heads": 4, "mlp": 4, "vocab": 4},
+    ),
     "fsdp_tp": (
+        DENSE,
+        "fsdp_tp",
         {"fsdp": 2, "tensor": 4},
         {"embed": 2, "heads": 4, "kv_heads": 4, "mlp": 4, "vocab": 4},
     ),
-    "ep": ({"fsdp": 2, "expert": 4}, {"embed": 2}),
+    "ep": (MOE, "ep", {"fsdp": 2, "expert": 4}, {"embed": 2, "experts": 4}),
+    "ep-dropless": (
+        MOE.replace(moe_dispatch="dropless"),
+        "ep",
+        {"fsdp": 2, "expert": 4},
+        {"embed": 2, "experts": 4},
+    ),
 }
 
 
 def loss_fn(model, tokens):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    out = model.forward(tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:]).mean()
+    return ce + zoo.moe_aux_loss(out.aux, model.config)
 
 
 def collectives(hlo: str) -> list[tuple[str, str]]:
@@ -45,34 +71,53 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
     return [(op, shape) for shape, op in re.findall(pattern, hlo)]
 
 
+def reference(config):
+    """Unsharded model (on one device), loss and gradients. Jitted: one fast compile costs less
+    than running the initialiser and the gradient op by op."""
+    key = jax.random.key(0)
+    static = eqx.partition(eqx.filter_eval_shape(zoo.Transformer, config, key=key), eqx.is_array)[1]
+
+    def init(key):
+        return eqx.filter(zoo.Transformer(config, key=key), eqx.is_array)
+
+    def value_and_grad(params, tokens):
+        return jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), tokens))(params)
+
+    params = jax.jit(init).lower(key).compile(FAST_COMPILE)(key)
+    tokens = jnp.asarray(TOKENS)
+    loss, grads = (
+        jax.jit(value_and_grad).lower(params, tokens).compile(FAST_COMPILE)(params, tokens)
+    )
+    return eqx.combine(params, static), loss, grads
+
+
 @pytest.fixture(scope="module")
-def reference():
-    model = zoo.Transformer(CONFIG, key=jax.random.key(0))
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, jnp.asarray(TOKENS))
-    return model, loss, grads
+def references():
+    """The reference of each config, computed once."""
+    return {config: reference(config) for config in {case[0] for case in CASES.values()}}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def run(request, reference):
-    """One SGD step (lr 1, so new = old - grad) of each preset, compiled once."""
+def run(request, references):
+    """One SGD step (lr 1, so new = old - grad) of each case, compiled once."""
     name = request.param
-    mesh_shape, _ = CASES[name]
-    rules, mesh = shard.ShardingRules.preset(name), shard.mesh(**mesh_shape)
+    config, preset, mesh_shape, _ = CASES[name]
+    rules, mesh = shard.ShardingRules.preset(preset), shard.mesh(**mesh_shape)
     # Placed rather than created sharded, to save a compile (tests/shard/test_init.py
     # covers init_sharded).
-    model = shard.shard_model(reference[0], rules, mesh)
+    model = shard.shard_model(references[config][0], rules, mesh)
     optimizer = optax.sgd(1.0)
     state = shard.init_opt_state(optimizer, model, rules, mesh)
     batch = shard.shard_batch(TOKENS, rules, mesh)
     step = shard.ShardedStep(loss_fn, optimizer, model, rules, mesh)
-    compiled = step.compile(model, state, batch)
+    compiled = step.compile(model, state, batch, compiler_options=FAST_COMPILE)
     params, _, loss = compiled(eqx.filter(model, eqx.is_array), state, batch)
     return name, eqx.combine(params, step.static), loss, compiled.as_text()
 
 
-def test_loss_and_gradients_match_unsharded(run, reference):
-    _, new_model, loss, _ = run
-    ref_model, ref_loss, ref_grads = reference
+def test_loss_and_gradients_match_unsharded(run, references):
+    name, new_model, loss, _ = run
+    ref_model, ref_loss, ref_grads = references[CASES[name][0]]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     expected = jax.tree.map(lambda p, g: p - g, eqx.filter(ref_model, eqx.is_array), ref_grads)
     got = eqx.filter(new_model, eqx.is_array)
@@ -82,7 +127,7 @@ def test_loss_and_gradients_match_unsharded(run, reference):
 
 def test_each_device_holds_the_expected_shard(run):
     name, new_model, _, _ = run
-    divisors = CASES[name][1]
+    divisors = CASES[name][3]
     params = jax.tree.leaves(eqx.filter(new_model, eqx.is_array))
     axes = jax.tree.leaves(
         shard.logical_axes(new_model), is_leaf=lambda x: isinstance(x, shard.LogicalAxes)
@@ -101,6 +146,15 @@ def test_compiled_step_runs_the_strategys_collectives(run):
     ops = collectives(hlo)
     kinds = {op for op, _ in ops}
     gathered = {shape.split("{")[0] for op, shape in ops if op == "all-gather"}
+    if name == "dp":
+        assert "all-reduce" in kinds and "all-gather" not in kinds
+    if name in ("fsdp", "fsdp_tp", "ep"):
+        # Weights gathered before use. Gradients are reduce-scattered: XLA:CPU has no
+        # reduce-scatter creator pass, so there it is an all-reduce then a dynamic-slice.
+        assert "all-gather" in kinds
+        assert "reduce-scatter" in kinds or ("all-reduce" in kinds and "dynamic-slice" in hlo)
+    if name in ("ep", "ep-dropless"):
+        return
     block = new_model.blocks
     # Full (one layer's) shapes of the weights TP splits and FSDP gathers.
     weights = [
@@ -110,16 +164,31 @@ def test_compiled_step_runs_the_strategys_collectives(run):
         block.mlp.down.weight,
     ]
     full = {f"f32[{','.join(map(str, w.shape[1:]))}]" for w in weights}
-    if name == "dp":
-        assert "all-reduce" in kinds and "all-gather" not in kinds
-    if name in ("fsdp", "fsdp_tp", "ep"):
-        # Weights gathered before use. Gradients are reduce-scattered: XLA:CPU has no
-        # reduce-scatter creator pass, so there it is an all-reduce then a dynamic-slice.
-        assert "all-gather" in kinds
-        assert "reduce-scatter" in kinds or ("all-reduce" in kinds and "dynamic-slice" in hlo)
     if name == "fsdp":
         assert full <= gathered, f"expected every weight gathered whole, got {gathered}"
     if name in ("tp", "fsdp_tp"):
         assert "all-reduce" in kinds
         whole = full & gathered
         assert not whole, f"TP weights gathered whole: {whole}"
+
+
+def buffer_all_to_alls(hlo: str) -> list[str]:
+    """All-to-alls that move pieces of the capacity buffer: their operands have a `capacity`
+    dim and an `embed` dim (other all-to-alls, e.g. of attention activations, have neither)."""
+    found = []
+    for op, shape in collectives(hlo):
+        dims = [set(map(int, d.split(","))) for d in re.findall(r"\[([\d,]+)\]", shape)]
+        if op == "all-to-all" and dims and all({CAPACITY, MOE.d_model} <= d for d in dims):
+            found.append(shape)
+    return found
+
+
+def test_expert_parallel_capacity_dispatch_is_an_all_to_all(run):
+    name, _, _, hlo = run
+    moved = buffer_all_to_alls(hlo)
+    if name == "ep":
+        # Dispatch and combine, forward and backward: tokens travel to their experts' devices.
+        assert len(moved) >= 4, collectives(hlo)
+    else:
+        # Dropless dispatch (and dense models) have no capacity buffer to move.
+        assert not moved
