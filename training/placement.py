@@ -41,7 +41,10 @@ class Placement:
         try:
             device_mesh = shard.mesh(**sizes)
         except ValueError as error:
-            raise ValueError(f"--mesh {mesh!r}: {error}") from error
+            hint = ""
+            if jax.devices()[0].platform == "cpu":
+                hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N)"
+            raise ValueError(f"--mesh {mesh!r}: {error}{hint}") from error
         return cls(device_mesh, ShardingRules.preset(rules or default_rules(sizes)))
 
     @property

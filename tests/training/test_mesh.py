@@ -19,27 +19,28 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in lines if "loss" in r}
 
 
-def test_sharded_run_matches_one_device_and_resumes(tmp_path, tiny_argv):
+def test_sharded_run_matches_one_device_and_resumes(tmp_path, tiny_argv, full_run):
     assert len(jax.devices()) == 8
-    plain = train.main(tiny_argv(tmp_path / "plain"))
-    sharded = train.main(tiny_argv(tmp_path / "mesh", "--mesh", "fsdp=4,tensor=2"))
+    plain_dir, plain = full_run
+    argv = tiny_argv(tmp_path / "mesh", "--steps", "6", "--checkpoint-every", "3")
+    sharded = train.main([*argv, "--mesh", "fsdp=4,tensor=2"])
     params = jax.tree.leaves(sharded["params"])
     assert any(len(p.sharding.device_set) == 8 and not p.is_fully_replicated for p in params)
-    a, b = _losses(tmp_path / "plain"), _losses(tmp_path / "mesh")
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    a, b = _losses(plain_dir), _losses(tmp_path / "mesh")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=1e-4)
     np.testing.assert_allclose(sharded["val_loss"], plain["val_loss"], rtol=1e-4)
 
-    # Resume the sharded run from its step-2 checkpoint (saved gathered, placed back sharded).
+    # Resume the sharded run from its step-3 checkpoint (saved gathered, placed back sharded).
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(
-        tmp_path / "mesh/checkpoints/step_00000002", resumed / "checkpoints/step_00000002"
+        tmp_path / "mesh/checkpoints/step_00000003", resumed / "checkpoints/step_00000003"
     )
-    train.main(tiny_argv(tmp_path / "x", "--mesh", "fsdp=4,tensor=2", "--resume", str(resumed)))
+    train.main([*argv, "--mesh", "fsdp=4,tensor=2", "--resume", str(resumed)])
     again = _losses(resumed)
-    assert sorted(again) == [3, 4]
-    np.testing.assert_allclose([again[3], again[4]], [b[3], b[4]], rtol=1e-6)
+    assert sorted(again) == [4, 5, 6]
+    np.testing.assert_allclose([again[s] for s in (4, 5, 6)], [b[4], b[5], b[6]], rtol=1e-6)
 
 
 def test_mesh_of_the_wrong_size_fails_before_loading(tmp_path, tiny_argv):
