@@ -3,6 +3,9 @@
     python train.py                          # a small GPT on the stdlib's own source, no download
     python train.py --model tiny-llama --override vocab_size=4096 --data corpus.jsonl
     python train.py --resume runs/default --steps 800     # continue a run exactly
+    python train.py --model tiny-moe --override vocab_size=2048   # MoE: logs expert load
+    python train.py --mesh fsdp=4,tensor=2 --rules fsdp_tp        # sharded over 8 devices
+    python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
     python train.py --help                   # every setting; --config FILE sets them from a file
 
 Every run writes `metrics.jsonl`, `checkpoints/` and `loss.png` into its run directory, prints
@@ -29,7 +32,8 @@ from data.tokenizers import get_tokenizer
 from training import checkpoint
 from training.args import Args, parse_args
 from training.optimizer import adamw, learning_rate
-from training.step import compile_steps, place, split_model
+from training.placement import Placement
+from training.step import compile_steps, split_model
 from training.telemetry import Telemetry, hardware
 from zoo import Config, Transformer, preset
 
@@ -126,8 +130,29 @@ def evaluate(eval_fn, params, batches) -> float:
     return float(sum(t[0] for t in totals) / sum(t[1] for t in totals))
 
 
+def moe_line(moe) -> str:
+    """Per-expert share of the token->expert assignments (averaged over MoE layers; 1/n each
+    when balanced) and the fraction of assignments dropped by capacity dispatch."""
+    load = np.asarray(moe.expert_load).mean(axis=0)
+    dropped = float(np.asarray(moe.dropped_fraction).mean())
+    return f"expert load [{' '.join(f'{x:.2f}' for x in load)}] | dropped {dropped:.1%}"
+
+
+def build_model(args: Args, placement: Placement, n_vocab: int, key) -> tuple[Transformer, str]:
+    """(model in its placement, its name): a pretrained checkpoint or a fresh preset."""
+    if args.init_from:
+        import zoo
+
+        model = zoo.load_pretrained(args.init_from)
+        check_vocab(n_vocab, model.config, args.init_from)
+        return placement.place_model(model), args.init_from
+    config = model_config(args, n_vocab)
+    return placement.init_model(config, jax.random.fold_in(key, 0)), args.model
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     run_dir = Path(args.resume or args.out)
     if args.resume:
         checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
@@ -138,18 +163,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     key = jax.random.key(args.seed)
-    if args.init_from:
-        import zoo
-
-        model = zoo.load_pretrained(args.init_from)
-        config = model.config
-        check_vocab(encoding.n_vocab, config, args.init_from)
-    else:
-        config = model_config(args, encoding.n_vocab)
-        model = Transformer(config, key=jax.random.fold_in(key, 0))
+    model, name = build_model(args, placement, encoding.n_vocab, key)
+    config = model.config
     params, static = split_model(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    say(f"model: {args.model}, {n_params / 1e6:.2f}M parameters, compute {config.dtype}")
+    say(
+        f"model: {name}, {n_params / 1e6:.2f}M parameters, compute {config.dtype}, on "
+        f"{placement.describe()}"
+    )
     schedule = learning_rate(
         args.schedule,
         peak=args.lr,
@@ -158,27 +179,39 @@ def main(argv: list[str] | None = None) -> dict:
         min_ratio=args.min_lr_ratio,
     )
     optimizer = adamw(schedule, weight_decay=args.weight_decay, clip=args.clip)
-    opt_state = optimizer.init(params)
+    opt_state = placement.init_opt_state(optimizer, model)
     start, position, rng = 0, 0, key
     if args.resume:
         restored = checkpoint.restore(run_dir, params=params, opt_state=opt_state, config=config)
-        params, opt_state, start, position, rng, path = restored
-        say(f"resumed from {path} at step {start}")
+        shardings = placement.shardings(optimizer, model)
+        params, opt_state = placement.put(
+            (restored.params, restored.opt_state), shardings and shardings[:2]
+        )
+        start, position, rng = restored.step, restored.data_position, restored.rng
+        say(f"resumed from {restored.path} at step {start}")
 
-    params, opt_state = place(params), place(opt_state)
-    train_fn, eval_fn = compile_steps(static, optimizer, args.grad_accum)
-    val_batches = [place(b) for b in val_batches]
+    train_fn, eval_fn = compile_steps(
+        static, optimizer, args.grad_accum, placement=placement, model=model
+    )
+    del model  # its arrays are `params`, which the step donates
+    val_batches = [placement.batch(b) for b in val_batches]
     hw = hardware(args.peak_flops, args.peak_bandwidth, config.dtype)
     telemetry = Telemetry(run_dir, config, args.batch_size, args.seq_len, hw)
-    batches = Prefetcher(train_data.iterate(position), place)
+    summary = {"val_loss": None, "initial_val_loss": None}
+    if args.init_from and not args.resume:
+        val_loss = evaluate(eval_fn, params, val_batches)
+        telemetry.log(step=0, val_loss=val_loss)
+        say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
+        summary["initial_val_loss"] = val_loss
+    batches = Prefetcher(train_data.iterate(position), placement.batch)
     bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
-    window, window_wait, first_log, summary = [], batches.wait_s, True, {"val_loss": None}
+    window, window_wait, first_log = [], batches.wait_s, True
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
             batch = next(batches)
             params, opt_state, metrics = train_fn(params, opt_state, batch)
-            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
             step_s = time.perf_counter() - t0
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 last = checkpoint.checkpoints(run_dir)
@@ -189,8 +222,18 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
+            moe = {}
+            if config.n_experts:
+                moe = {
+                    "aux_loss": float(metrics.aux_loss),
+                    "expert_load": np.asarray(metrics.moe.expert_load).tolist(),
+                    "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
+                }
+                summary["moe"] = metrics.moe
             if step == start + 1:
-                say(f"step {step}: compile + first step took {step_s:.1f} s")
+                # The first step's loss is the starting point (e.g. the pretrained model's).
+                telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
+                say(f"step {step}: loss {loss:.4f}; compile + first step took {step_s:.1f} s")
             else:
                 window.append(step_s)
             if (step % args.log_every == 0 or step == args.steps) and window:
@@ -208,12 +251,15 @@ def main(argv: list[str] | None = None) -> dict:
                     data_wait_s=wait,
                     tokens_per_s=telemetry.tokens_per_step / step_time,
                     mfu=telemetry.mfu(step_time),
+                    **moe,
                 )
                 say(
                     f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
                     f"{step_time * 1e3:.0f} ms/step | data wait {wait * 1e3:.2f} ms | "
                     f"MFU {record['mfu']:.1%}"
                 )
+                if config.n_experts:
+                    say(f"           | aux loss {moe['aux_loss']:.4f} | {moe_line(metrics.moe)}")
                 summary.update(record)
                 window, window_wait = [], batches.wait_s
             if step % args.eval_every == 0 or step == args.steps:
@@ -241,7 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
         bar.close()
     plot = telemetry.plot(run_dir / "loss.png", entropy)
     summary.update(
-        unigram_entropy=entropy, run_dir=str(run_dir), params=eqx.combine(params, static)
+        unigram_entropy=entropy,
+        run_dir=str(run_dir),
+        params=eqx.combine(params, static),
+        encoding=encoding,
     )
     if summary["val_loss"] is not None:
         say(

@@ -65,7 +65,17 @@ class Args:
         "continue the run in this directory from its latest checkpoint", default=None
     )
     init_from: str | None = _help(
-        "start from a pretrained checkpoint (HF directory or .gguf) for fine-tuning", default=None
+        "start from a pretrained checkpoint (HF directory or .gguf) for fine-tuning: model and "
+        "tokenizer come from it (--model, --override and --tokenizer bpe are ignored)",
+        default=None,
+    )
+    mesh: str | None = _help(
+        "shard over a device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, tensor, expert; the "
+        "sizes must multiply to the device count). Default: one device",
+        default=None,
+    )
+    rules: Literal["dp", "fsdp", "tp", "fsdp_tp", "ep"] | None = _help(
+        "sharding preset for --mesh (default: the one the mesh's shape suggests)", default=None
     )
     eval_every: int = _help("evaluate on held-out data every N steps", default=100)
     eval_batches: int = _help("held-out batches per evaluation", default=8)

@@ -79,7 +79,10 @@ def save(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     state = tmp / "state.eqx"
-    eqx.tree_serialise_leaves(state, (params, opt_state, jax.random.key_data(rng)))
+    # Gathered to the host first: a sharded array is written whole (one host holds every
+    # shard); `restore` returns host arrays that the caller puts back into its shardings.
+    host = jax.device_get((params, opt_state, jax.random.key_data(rng)))
+    eqx.tree_serialise_leaves(state, host)
     meta = {
         "step": step,
         "data_position": data_position,

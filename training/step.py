@@ -1,8 +1,9 @@
-"""The jitted train and eval steps, and where state and batches are placed on devices.
+"""The jitted train and eval steps: one implementation, on one device or sharded over a mesh.
 
-`place` and `compile_steps` are the two places sharding will plug into (a mesh gives shardings
-for the parameters, optimizer state and batch; the jit gets in/out shardings). Today they put
-everything on the default device.
+`compile_steps(static, optimizer, accum, placement=..., model=...)` jits the same `train_step`
+either plainly or, with a mesh, with the parameters', optimizer state's and batch's shardings in
+and out and the sharding rules active while it is traced (so `shard.constrain` places the
+activations; XLA's SPMD partitioner inserts the all-gathers, reduce-scatters and all-reduces).
 
 Mixed precision: the model holds `Config.param_dtype` weights (float32 master weights, so the
 AdamW state is float32 too) and computes in `Config.dtype` (e.g. bfloat16); gradients arrive in
@@ -10,7 +11,9 @@ the parameters' dtype. Remat follows `Config.remat` inside the model's scanned b
 
 Gradient accumulation splits the batch into `accum` micro-batches and sums their gradients in a
 `lax.scan`; dividing every micro-batch's loss sum by the whole batch's token count makes the
-result equal to one step on the whole batch.
+cross-entropy gradient equal to one step on the whole batch. Micro-batch i takes rows
+i, i + accum, ... so that, with the batch split over devices, each micro-batch stays spread over
+all of them. The MoE auxiliary loss is averaged over micro-batches (see training/loss.py).
 """
 
 from collections.abc import Callable
@@ -20,10 +23,26 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
 
 from data.packing import Batch
+from layers.moe import MoEStats
 from training.loss import loss_terms
+from training.placement import Placement
 from zoo import Transformer
+
+
+class StepMetrics(eqx.Module):
+    """What one optimizer step reports. `loss` is the mean cross-entropy (comparable with the
+    validation loss); `aux_loss` the weighted MoE terms added to it for the gradient; `moe` the
+    router statistics per MoE layer (empty arrays for a dense model), averaged over
+    micro-batches: `moe.expert_load` [layers, experts], `moe.dropped_fraction` [layers]."""
+
+    loss: Float[Array, ""]
+    grad_norm: Float[Array, ""]
+    aux_loss: Float[Array, ""]
+    moe: MoEStats
 
 
 def split_model(model: Transformer) -> tuple[Any, Any]:
@@ -31,35 +50,41 @@ def split_model(model: Transformer) -> tuple[Any, Any]:
     return eqx.partition(model, eqx.is_inexact_array)
 
 
-def place(tree: Any) -> Any:
-    """Put a pytree (parameters, optimizer state or a batch) on the device(s)."""
-    return jax.device_put(tree)
-
-
-def train_step(params, opt_state, batch: Batch, *, static, optimizer, accum: int):
-    """One optimizer step on `batch` ([batch, seq] arrays) in `accum` micro-batches."""
+def micro_batches(batch: Batch, accum: int) -> Batch:
+    """[batch, ...] arrays -> [accum, batch / accum, ...], micro-batch i holding rows i::accum."""
     if batch.inputs.shape[0] % accum:
         raise ValueError(
             f"--batch-size {batch.inputs.shape[0]} is not divisible by --grad-accum {accum}"
         )
-    micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+    return jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def train_step(
+    params, opt_state, batch: Batch, *, static, optimizer, accum: int
+) -> tuple[Any, Any, StepMetrics]:
+    """One optimizer step on `batch` ([batch, seq] arrays) in `accum` micro-batches."""
+    micro = micro_batches(batch, accum)
     total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
 
     def objective(p, mb: Batch):
         terms = loss_terms(eqx.combine(p, static), mb)
-        return terms.nll_sum / total, terms.nll_sum
+        return terms.nll_sum / total + terms.aux_loss / accum, terms
 
     def add_micro(carry, mb: Batch):
-        grads, nll = carry
-        (_, nll_mb), g = jax.value_and_grad(objective, has_aux=True)(params, mb)
-        return (jax.tree.map(jnp.add, grads, g), nll + nll_mb), None
+        (_, terms), g = jax.value_and_grad(objective, has_aux=True)(params, mb)
+        return jax.tree.map(jnp.add, carry, g), terms
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, nll), _ = jax.lax.scan(add_micro, (zeros, jnp.zeros((), jnp.float32)), micro)
+    grads, terms = jax.lax.scan(add_micro, zeros, micro)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-    return params, opt_state, {"loss": nll / total, "grad_norm": grad_norm}
+    metrics = StepMetrics(
+        loss=jnp.sum(terms.nll_sum) / total,
+        grad_norm=optax.tree.norm(grads),
+        aux_loss=jnp.mean(terms.aux_loss),
+        moe=jax.tree.map(lambda x: jnp.mean(x, axis=0), terms.moe),
+    )
+    return params, opt_state, metrics
 
 
 def eval_step(params, batch: Batch, *, static):
@@ -69,15 +94,39 @@ def eval_step(params, batch: Batch, *, static):
 
 
 def compile_steps(
-    static, optimizer: optax.GradientTransformation, accum: int = 1
+    static,
+    optimizer: optax.GradientTransformation,
+    accum: int = 1,
+    *,
+    placement: Placement | None = None,
+    model: Transformer | None = None,
 ) -> tuple[Callable, Callable]:
     """The jitted (train_step, eval_step). Parameters and optimizer state are donated: the step
-    updates them in place instead of holding two copies."""
+    updates them in place instead of holding two copies. With a sharded `placement`, `model`
+    (real or abstract) gives the shardings."""
+    placement = placement or Placement()
 
     def train(params, opt_state, batch):
-        return train_step(params, opt_state, batch, static=static, optimizer=optimizer, accum=accum)
+        with placement.context():
+            return train_step(
+                params, opt_state, batch, static=static, optimizer=optimizer, accum=accum
+            )
 
     def evaluate(params, batch):
-        return eval_step(params, batch, static=static)
+        with placement.context():
+            return eval_step(params, batch, static=static)
 
-    return jax.jit(train, donate_argnums=(0, 1)), jax.jit(evaluate)
+    if not placement.sharded:
+        return jax.jit(train, donate_argnums=(0, 1)), jax.jit(evaluate)
+    if model is None:
+        raise ValueError("compile_steps with a mesh needs the model to read its shardings from")
+    params_s, state_s, batch_s = placement.shardings(optimizer, model)
+    replicated = NamedSharding(placement.mesh, PartitionSpec())
+    train_jit = jax.jit(
+        train,
+        in_shardings=(params_s, state_s, batch_s),
+        out_shardings=(params_s, state_s, replicated),
+        donate_argnums=(0, 1),
+    )
+    eval_jit = jax.jit(evaluate, in_shardings=(params_s, batch_s), out_shardings=replicated)
+    return train_jit, eval_jit

@@ -27,8 +27,7 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.fixture
-def tiny_argv(corpus, cache_dir):
+def make_argv(corpus: Path, cache_dir: Path):
     """argv for train.main: a 2-layer Llama on the tiny corpus, a few steps, no measurement."""
 
     def argv(out: Path, *extra: str, data: Path | None = None) -> list[str]:
@@ -42,3 +41,19 @@ def tiny_argv(corpus, cache_dir):
         ]  # fmt: skip
 
     return argv
+
+
+@pytest.fixture
+def tiny_argv(corpus, cache_dir):
+    return make_argv(corpus, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def full_run(corpus, cache_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """(run directory, summary) of one uninterrupted 6-step one-device run with checkpoints at
+    steps 3 and 6: the reference for the resume and --mesh tests."""
+    import train
+
+    out = tmp_path_factory.mktemp("full")
+    argv = make_argv(corpus, cache_dir)(out, "--steps", "6", "--checkpoint-every", "3")
+    return out, train.main(argv)

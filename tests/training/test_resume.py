@@ -15,17 +15,17 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in lines if "loss" in r}
 
 
-def test_resume_is_bit_for_bit(tmp_path, tiny_argv):
-    full = train.main(tiny_argv(tmp_path / "full", "--steps", "6", "--checkpoint-every", "3"))
+def test_resume_is_bit_for_bit(tmp_path, tiny_argv, full_run):
+    full_dir, full = full_run
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(
-        tmp_path / "full/checkpoints/step_00000003", resumed_dir / "checkpoints/step_00000003"
+        full_dir / "checkpoints/step_00000003", resumed_dir / "checkpoints/step_00000003"
     )
     resumed = train.main(tiny_argv(tmp_path / "x", "--steps", "6", "--resume", str(resumed_dir)))
 
-    full_losses, resumed_losses = _losses(tmp_path / "full"), _losses(resumed_dir)
-    assert sorted(resumed_losses) == [5, 6]  # step 4 is the compile step, not logged
+    full_losses, resumed_losses = _losses(full_dir), _losses(resumed_dir)
+    assert sorted(resumed_losses) == [4, 5, 6]
     for step, loss in resumed_losses.items():
         assert loss == full_losses[step]
     a = jax.tree.leaves(eqx.filter(full["params"], eqx.is_array))

@@ -36,8 +36,8 @@ def test_grad_accumulation_equals_one_big_batch(accum: int = 4):
     run = jax.jit(train_step, static_argnames=("static", "optimizer", "accum"))
     one, _, m1 = run(params, state, batch, static=static, optimizer=optimizer, accum=1)
     many, _, mk = run(params, state, batch, static=static, optimizer=optimizer, accum=accum)
-    np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-6)
-    np.testing.assert_allclose(mk["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(mk.loss, m1.loss, rtol=1e-6)
+    np.testing.assert_allclose(mk.grad_norm, m1.grad_norm, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not np.array_equal(jax.tree.leaves(one)[0], jax.tree.leaves(params)[0])
@@ -80,7 +80,7 @@ def test_mixed_precision_keeps_float32_master_weights_and_state():
     new, new_state, metrics = run(params, state, batch, static=static, optimizer=optimizer, accum=2)
     floats = [x for x in jax.tree.leaves((new, new_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and all(x.dtype == jnp.float32 for x in floats)
-    assert np.isfinite(float(metrics["loss"]))
+    assert np.isfinite(float(metrics.loss))
     assert any(
         not np.array_equal(a, b)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new), strict=True)

@@ -1,0 +1,91 @@
+"""MoE training: the router's auxiliary loss enters the gradient, gradient accumulation stays
+exact for the cross-entropy, and train.py logs per-expert load and dropped tokens."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import train
+import zoo
+from data.packing import Batch
+from training.step import split_model, train_step
+
+
+def _setup(**changes):
+    config = zoo.preset("tiny-moe", n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, **changes)
+    model = zoo.Transformer(config, key=jax.random.key(1))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, (8, 9))
+    segments = np.ones((8, 8), np.int32)
+    mask = np.ones((8, 8), np.float32)
+    mask[:2, :5] = 0
+    batch = Batch(tokens[:, :-1], tokens[:, 1:], segments, mask)
+    return model, jax.tree.map(jnp.asarray, batch)
+
+
+_run = jax.jit(train_step, static_argnames=("static", "optimizer", "accum"))
+
+
+def test_grad_accumulation_exact_without_aux_loss():
+    model, batch = _setup(moe_load_balancing_weight=0.0, moe_z_loss_weight=0.0)
+    params, static = split_model(model)
+    sgd = optax.sgd(1.0)
+    one, _, m1 = _run(params, sgd.init(params), batch, static=static, optimizer=sgd, accum=1)
+    two, _, m2 = _run(params, sgd.init(params), batch, static=static, optimizer=sgd, accum=2)
+    np.testing.assert_allclose(m2.loss, m1.loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_is_the_mean_over_micro_batches_and_moves_the_router():
+    model, batch = _setup(moe_load_balancing_weight=0.5, moe_z_loss_weight=0.1)
+    params, static = split_model(model)
+    sgd = optax.sgd(1.0)
+    _, _, metrics = _run(params, sgd.init(params), batch, static=static, optimizer=sgd, accum=2)
+    expected = []
+    for i in range(2):  # micro-batch i holds rows i::2
+        rows = jax.tree.map(lambda x, i=i: x[i::2], batch)
+        out = model.forward(rows.inputs, segment_ids=rows.segment_ids)
+        expected.append(float(zoo.moe_aux_loss(out.aux, model.config)))
+    np.testing.assert_allclose(float(metrics.aux_loss), np.mean(expected), rtol=1e-5)
+    assert metrics.moe.expert_load.shape == (2, model.config.n_experts)
+    np.testing.assert_allclose(metrics.moe.expert_load.sum(-1), 1.0, rtol=1e-5)
+
+    # With the cross-entropy masked out entirely, only the aux loss gives a gradient.
+    silent = batch._replace(loss_mask=jnp.zeros_like(batch.loss_mask))
+    new, _, _ = _run(params, sgd.init(params), silent, static=static, optimizer=sgd, accum=1)
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, new)
+    assert any(jax.tree.leaves(changed))
+
+
+def test_dense_model_reports_no_experts():
+    config = zoo.preset("tiny-llama", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1)
+    params, static = split_model(zoo.Transformer(config, key=jax.random.key(0)))
+    _, batch = _setup()
+    sgd = optax.sgd(0.1)
+    _, _, metrics = _run(params, sgd.init(params), batch, static=static, optimizer=sgd, accum=2)
+    assert float(metrics.aux_loss) == 0.0 and metrics.moe.dropped_fraction.shape == (0,)
+
+
+def test_train_py_logs_expert_load_and_drops(tmp_path, tiny_argv):
+    argv = tiny_argv(tmp_path / "run", "--model", "tiny-moe")
+    argv += ["--override", "moe_dispatch=capacity", "--override", "capacity_factor=0.5"]
+    train.main(argv)
+    records = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "expert_load" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    for r in logged:
+        load = np.asarray(r["expert_load"])
+        assert load.shape == (2, 4)  # tiny-moe: 2 MoE layers, 4 experts
+        np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-5)
+        # Capacity 0.5 holds half of the assignments a balanced router would send per expert.
+        assert all(0.4 <= d < 1 for d in r["dropped_fraction"]) and r["aux_loss"] > 0
+
+
+def test_dense_run_logs_no_expert_fields(tmp_path, tiny_argv):
+    train.main(tiny_argv(tmp_path / "run", "--steps", "2"))
+    text = (tmp_path / "run/metrics.jsonl").read_text()
+    assert "expert_load" not in text and "aux_loss" not in text
