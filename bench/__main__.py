@@ -13,7 +13,7 @@ import importlib
 import time
 from pathlib import Path
 
-from bench import harness, profile
+from bench import harness, trace_reading
 
 BENCHMARKS = {
     "train": "bench.train",
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> None:
         run = importlib.import_module(BENCHMARKS[name]).run
         if args.profile:
             trace_dir = (args.out or Path("bench-profile")) / "profile" / name
-            with profile.trace(trace_dir):
+            with trace_reading.trace(trace_dir):
                 tables.append(run(ceilings))
-            readings.append(profile.summary(trace_dir))
+            readings.append(trace_reading.summary(trace_dir))
             print("\n" + readings[-1], flush=True)
         else:
             tables.append(run(ceilings))

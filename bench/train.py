@@ -49,7 +49,7 @@ def sizes() -> list[tuple[str, Config, int, int]]:
     if not on_gpu():
         return [
             ("gpt-mini", preset("gpt-mini"), 8, 128),
-            ("gpt2-style 6L d384", preset("gpt2-124m", n_layers=6, d_model=384, n_heads=6), 4, 256),
+            ("gpt2-style 6L d384", preset("gpt2-124m", n_layers=6, d_model=384, n_heads=6), 2, 128),
         ]
     config = preset("llama3-1b", dtype="bfloat16", attention="flash", max_seq_len=GPU_SEQ)
     remat, batch = fit_remat_and_batch(config, GPU_SEQ, device_memory_bytes() or 80e9)
