@@ -1,5 +1,5 @@
 """Prefill and decode of infer.generate beside the memory-bandwidth roofline (zoo.math: weights +
-KV cache read once per step, over the copy bandwidth measured in this run) and, on CPU, HF
+KV cache read once per step, over the bandwidth measured in this run) and, on CPU, HF
 transformers' `generate` on the same shapes in the same run (bench/hf_decode.py under the
 reference venv).
 
@@ -90,7 +90,8 @@ def run(ceilings: Ceilings) -> Table:
         "Prefill and decode (infer.generate)",
         [
             f"Prompt {prompt_len} tokens, {new_tokens} new; median of {repeats} after a warm-up. "
-            f"Ceiling: copy bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run; predicted = "
+            f"Ceiling: bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run "
+            "(copy or matvec, the larger); predicted = "
             "zoo.math.decode_step_roofline (weights + KV cache bytes, or FLOPs, whichever binds)."
         ],
     )

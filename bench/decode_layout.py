@@ -119,7 +119,8 @@ def run(ceilings: Ceilings) -> Table:
         "layout",
         "Decode layouts (weights and KV cache, float32)",
         [
-            f"Ceiling: copy bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run; predicted = "
+            f"Ceiling: bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run "
+            "(copy or matvec, the larger); predicted = "
             "bytes read / ceiling."
         ],
     )
