@@ -97,7 +97,8 @@ def run(ceilings: Ceilings) -> Table:
     )
     steps = new_tokens - 1
     for name, config, batch in todo:
-        model = zoo.Transformer(config, key=jax.random.key(0))
+        # Per-layer weights once, as examples/sample.py does: generate skips its per-call copy.
+        model = zoo.Transformer(config, key=jax.random.key(0)).unstack_layers()
         prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 1, 1000).tolist()
 
         def generate(n, model=model, prompts=prompts):
