@@ -1,5 +1,6 @@
 """`--profile`: a jax.profiler trace of a benchmark and the course's reading of it, the ops that
-took the most device time grouped as matmul/fusion vs collectives vs everything else.
+took the most device time grouped as matmul fusions vs collectives vs everything else
+(elementwise fusions, copies).
 
 The trace is written with `create_perfetto_trace=True`, whose `*.trace.json.gz` (Chrome trace
 events) is parsed here, so no TensorBoard/xprof install is needed. Op events are the complete
@@ -26,17 +27,20 @@ COLLECTIVES = (
     "allreduce",
     "allgather",
 )
+# Matmul-bearing ops: XLA's dots and GEMM fusions, cuBLAS/cuDNN/CUTLASS/Triton kernels, the Pallas
+# flash kernel, and XLA:CPU's `ynn_fusion` (a dot fused with its neighbours, run by YNNPACK).
+# Plain loop fusions (elementwise, copies, transposes) count as "other".
 MATMUL_FUSION = (
     "dot",
     "gemm",
     "matmul",
-    "fusion",
     "convolution",
     "cublas",
     "cutlass",
     "triton",
     "cudnn",
     "flash",
+    "ynn_fusion",
 )
 
 
