@@ -1,95 +1,66 @@
-"""Decode and prefill tokens/s of infer.generate on GPT-2 124M and SmolLM2-135M shapes (random
-float32 weights) at batch 1 and 8, beside the memory-bandwidth limit (zoo.math.decode_step_bytes
-over the bandwidth measured now) and HF transformers' `generate` in the same run.
+"""Prefill and decode of infer.generate beside the memory-bandwidth roofline (zoo.math: weights +
+KV cache read once per step, over the bandwidth measured in this run) and, on CPU, HF
+transformers' `generate` on the same shapes in the same run (bench/hf_decode.py under the
+reference venv).
 
-    python -m bench.decode [--new-tokens 17] [--prompt-len 64] [--repeats 2]
+    python -m bench decode
+
+CPU: GPT-2 124M and SmolLM2-135M shapes, float32 random weights, batch 1 and 8. GPU: Llama 3.2
+1B shapes in bfloat16 at batch 1 and 32 (no HF peer: the GPU machine has no torch).
 
 Timing: generate with 1 new token is the prefill (plus one sample); generate with N new tokens
-adds N - 1 decode steps, so decode tokens/s = batch x (N - 1) / (t_N - t_1). HF is timed the same
-way. Each timing is a median after a warm-up.
+adds N - 1 decode steps, so one step = (t_N - t_1) / (N - 1). HF is timed the same way.
 """
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 import infer
 import zoo
+from bench.harness import Ceilings, Table, median_seconds, on_gpu, roofline_cells
 
 HF_PYTHON = "/work/main/.venv-ref/bin/python"
 
 
-def hf_config(name: str) -> tuple[str, dict]:
-    """The HF config with the same shapes as our preset."""
-    c = zoo.preset(name)
-    if c.position == "learned":
+def hf_config(config: zoo.Config) -> tuple[str, dict]:
+    """The HF config with the same shapes as `config`."""
+    if config.position == "learned":
         return "gpt2", {
-            "vocab_size": c.vocab_size,
-            "n_positions": c.max_seq_len,
-            "n_embd": c.d_model,
-            "n_layer": c.n_layers,
-            "n_head": c.n_heads,
+            "vocab_size": config.vocab_size,
+            "n_positions": config.max_seq_len,
+            "n_embd": config.d_model,
+            "n_layer": config.n_layers,
+            "n_head": config.n_heads,
         }
     return "llama", {
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.d_model,
-        "intermediate_size": c.d_ff,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "max_position_embeddings": c.max_seq_len,
-        "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_embeddings,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "max_position_embeddings": config.max_seq_len,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_embeddings,
     }
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matvec_bandwidth(rows: int = 4096, cols: int = 8192) -> float:
-    """Bytes/s of a float32 matrix-vector product (the decode ceiling: weights streamed once)."""
-    w = jnp.ones((rows, cols), jnp.float32)
-    x = jnp.ones((1, rows), jnp.float32)
-    f = jax.jit(jnp.matmul)
-    return w.nbytes / median_seconds(lambda: jax.block_until_ready(f(x, w)), 10)
-
-
-def ours(name: str, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> tuple:
-    model = zoo.Transformer(zoo.preset(name), key=jax.random.key(0)).unstack_layers()
-    prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 1, 1000).tolist()
-
-    def run(n):
-        return lambda: infer.generate(
-            model, prompts, max_new_tokens=n, sampler=infer.Greedy(), key=jax.random.key(0)
-        )
-
-    return median_seconds(run(1), repeats), median_seconds(run(new_tokens), repeats)
-
-
-def hf_seconds(name: str, batch: int, args: argparse.Namespace) -> dict:
-    """HF's generate timings for one case, from bench/hf_decode.py under the reference venv."""
-    arch, config = hf_config(name)
+def hf_seconds(config: zoo.Config, batch: int, prompt_len: int, new_tokens: int, repeats: int):
+    """(prefill seconds, generate seconds) of HF's generate, or None without the reference venv."""
+    if not Path(HF_PYTHON).exists():
+        return None
+    arch, hf = hf_config(config)
     case = {
         "arch": arch,
-        "config": config,
+        "config": hf,
         "batch": batch,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
     }
     out = subprocess.run(
         [HF_PYTHON, str(Path(__file__).with_name("hf_decode.py")), json.dumps([case])],
@@ -98,42 +69,61 @@ def hf_seconds(name: str, batch: int, args: argparse.Namespace) -> dict:
         check=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     ).stdout
-    return next(json.loads(line) for line in out.splitlines() if line.startswith("{"))
+    result = next(json.loads(line) for line in out.splitlines() if line.startswith("{"))
+    return result["prefill_s"], result["generate_s"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=17)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-    cases = [(name, batch) for name in ["gpt2-124m", "smollm2-135m"] for batch in [1, 8]]
+def cases() -> tuple[list[tuple[str, zoo.Config, int]], int, int, int]:
+    """(model name, config, batch) cases, prompt length, new tokens, repeats for this device."""
+    if on_gpu():
+        config = zoo.preset("llama3-1b", dtype="bfloat16", param_dtype="bfloat16")
+        return [("llama3-1b", config, b) for b in (1, 32)], 512, 129, 5
+    names = ["gpt2-124m", "smollm2-135m"]
+    return [(n, zoo.preset(n), b) for n in names for b in (1, 8)], 32, 9, 1
 
-    print(
-        "| model | batch | prefill tok/s ours / HF | decode tok/s ours | HF | ours / HF "
-        "| bandwidth GB/s matvec / copy | limit tok/s matvec / copy | ours / matvec limit |"
+
+def run(ceilings: Ceilings) -> Table:
+    todo, prompt_len, new_tokens, repeats = cases()
+    bandwidth = ceilings.bandwidth()
+    table = Table(
+        "decode",
+        "Prefill and decode (infer.generate)",
+        [
+            f"Prompt {prompt_len} tokens, {new_tokens} new; median of {repeats} after a warm-up. "
+            f"Ceiling: bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run "
+            "(copy or matvec, the larger); predicted = "
+            "zoo.math.decode_step_roofline (weights + KV cache bytes, or FLOPs, whichever binds)."
+        ],
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, batch in cases:
-        # HF, the ceilings, then ours, case by case: the machine is shared and its load drifts.
-        ref = hf_seconds(name, batch, args)
-        copy_bw, matvec_bw = zoo.math.measure_copy_bandwidth(), matvec_bandwidth()
-        t1, tn = ours(name, batch, args.prompt_len, args.new_tokens, args.repeats)
-        steps = args.new_tokens - 1
-        decode = batch * steps / (tn - t1)
-        hf_decode = batch * steps / (ref["generate_s"] - ref["prefill_s"])
-        prefill = batch * args.prompt_len / t1
-        hf_prefill = batch * args.prompt_len / ref["prefill_s"]
-        config = zoo.preset(name)
-        step_bytes = zoo.math.decode_step_bytes(config, batch, args.prompt_len + steps // 2)
-        limit_mv, limit_copy = batch * matvec_bw / step_bytes, batch * copy_bw / step_bytes
-        print(
-            f"| {name} | {batch} | {prefill:.0f} / {hf_prefill:.0f} | {decode:.1f} | "
-            f"{hf_decode:.1f} | {decode / hf_decode:.2f}x | {matvec_bw / 1e9:.1f} / "
-            f"{copy_bw / 1e9:.1f} | {limit_mv:.1f} / {limit_copy:.1f} | {decode / limit_mv:.0%} |",
-            flush=True,
-        )
+    steps = new_tokens - 1
+    for name, config, batch in todo:
+        # Per-layer weights once, as examples/sample.py does: generate skips its per-call copy.
+        model = zoo.Transformer(config, key=jax.random.key(0)).unstack_layers()
+        prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 1, 1000).tolist()
 
+        def generate(n, model=model, prompts=prompts):
+            return infer.generate(
+                model, prompts, max_new_tokens=n, sampler=infer.Greedy(), key=jax.random.key(0)
+            )
 
-if __name__ == "__main__":
-    main()
+        t1 = median_seconds(lambda: generate(1), repeats=repeats)
+        tn = median_seconds(lambda: generate(new_tokens), repeats=repeats)
+        step_s = (tn - t1) / steps
+        context = prompt_len + steps // 2
+        hardware = ceilings.hardware(config.dtype)
+        predicted = zoo.math.decode_step_roofline(config, batch, context, hardware)
+        row = {
+            "model": name,
+            "batch": batch,
+            "prefill tok/s": batch * prompt_len / t1,
+            "decode tok/s": batch / step_s,
+        }
+        if not on_gpu():
+            hf = hf_seconds(config, batch, prompt_len, new_tokens, repeats)
+            hf_tps = batch * steps / (hf[1] - hf[0]) if hf else float("nan")
+            row |= {"HF decode tok/s": hf_tps, "ours / HF": row["decode tok/s"] / hf_tps}
+        step_bytes = zoo.math.decode_step_bytes(config, batch, context)
+        row |= roofline_cells(predicted.time_s, step_s, step_bytes, bandwidth, "GB/s")
+        table.add(row)
+        del model
+    return table

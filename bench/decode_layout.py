@@ -2,36 +2,30 @@
 weights (per-layer arrays, `lax.scan` over stacked ones, or an unrolled loop slicing stacked ones)
 and the KV cache (stacked or per layer; `[kv_seq, kv_heads]` or `[kv_heads, kv_seq]` order).
 
-    python -m bench.decode_layout
+    python -m bench layout
 
 Weights: 12 float32 layers of a 768 -> 3072 -> 768 matrix-vector pair (GPT-2 124M's MLP), batch 1.
 Cache: 12 layers, batch 8, 512 slots, 12 heads of 64; each step writes one slot per layer and runs
 the xla kernel over the layer's cache in the kernels' `[batch, kv_seq, kv_heads, head_dim]` view.
 """
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 
+from bench.harness import Ceilings, Table, median_seconds, roofline_cells
 from layers.kernels import AttentionMask, xla_attention
 
 LAYERS, D, F = 12, 768, 3072
 B, S, H, HD = 8, 512, 12, 64
+REPEATS = 10
 
 
-def median_ms(fn, *args, repeats: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def add(table: Table, what: str, layout: str, seconds: float, n_bytes: int, bandwidth: float):
+    row = {"what": what, "layout": layout}
+    table.add(row | roofline_cells(n_bytes / bandwidth, seconds, n_bytes, bandwidth, "GB/s"))
 
 
-def weights() -> None:
+def weights(table: Table, bandwidth: float) -> None:
     up = jax.random.normal(jax.random.key(0), (LAYERS, D, F)) * 0.01
     down = jax.random.normal(jax.random.key(1), (LAYERS, F, D)) * 0.01
     x = jnp.ones((1, D))
@@ -59,8 +53,9 @@ def weights() -> None:
         ("lax.scan over stacked", scanned, (up, down)),
         ("unrolled, slicing stacked", sliced, (up, down)),
     ]:
-        ms = median_ms(jax.jit(fn), x, *args)
-        print(f"| weights | {name} | {ms:.1f} | {n_bytes / ms / 1e6:.1f} |", flush=True)
+        fn = jax.jit(fn)
+        seconds = median_seconds(lambda fn=fn, args=args: fn(x, *args), repeats=REPEATS)
+        add(table, "weights", name, seconds, n_bytes, bandwidth)
 
 
 def cache_step(layout: str):
@@ -93,7 +88,7 @@ def cache_step(layout: str):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def cache() -> None:
+def cache(table: Table, bandwidth: float) -> None:
     for layout in [
         "stacked [L,B,S,H,D]",
         "stacked [L,B,H,S,D]",
@@ -107,19 +102,28 @@ def cache() -> None:
         else:
             k, v = jnp.zeros((LAYERS, *shape)), jnp.zeros((LAYERS, *shape))
         step, q = cache_step(layout), jnp.ones((B, 1, H, HD))
-        _, k, v = step(k, v, q, 0)
-        times = []
-        for i in range(10):
-            start = time.perf_counter()
-            out, k, v = step(k, v, q, i + 1)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - start)
-        ms = 1e3 * statistics.median(times)
-        n_bytes = 2 * LAYERS * B * S * H * HD * 4
-        print(f"| KV cache | {layout} | {ms:.1f} | {n_bytes / ms / 1e6:.1f} |", flush=True)
+        state = [k, v, 0]
+
+        def one_step(step=step, q=q, state=state):
+            out, state[0], state[1] = step(state[0], state[1], q, state[2] % S)
+            state[2] += 1
+            return out
+
+        seconds = median_seconds(one_step, repeats=REPEATS)
+        add(table, "KV cache", layout, seconds, 2 * LAYERS * B * S * H * HD * 4, bandwidth)
 
 
-if __name__ == "__main__":
-    print("| what | layout | ms per step | GB/s |\n|---|---|---|---|")
-    weights()
-    cache()
+def run(ceilings: Ceilings) -> Table:
+    bandwidth = ceilings.bandwidth()
+    table = Table(
+        "layout",
+        "Decode layouts (weights and KV cache, float32)",
+        [
+            f"Ceiling: bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run "
+            "(copy or matvec, the larger); predicted = "
+            "bytes read / ceiling."
+        ],
+    )
+    weights(table, bandwidth)
+    cache(table, bandwidth)
+    return table

@@ -3,10 +3,15 @@
     python -m examples.sample --checkpoint path/to/hf-dir-or.gguf --prompt "Once upon a time"
     python -m examples.sample --preset gpt2-124m --tokenizer gpt2 --prompt "Hello"
     python -m examples.sample --preset tiny-llama --prompt 1,2,3      # no tokenizer: token ids
+    python -m examples.sample --run runs/tiny --prompt "Once upon a time"   # a train.py run
+    python -m examples.sample --run runs/tiny --prompt "Hi" --mesh data=2,tensor=4 --rules tp
 
 A checkpoint is loaded with `zoo.load_pretrained` and its tokenizer with
-`data.pretrained_tokenizer.tokenizer_from_pretrained`; a preset gets random weights. `--tokenizer`
-is a tiktoken encoding name (its BPE file must be cached offline) or a checkpoint path.
+`data.pretrained_tokenizer.tokenizer_from_pretrained`; a train.py run directory with
+`training.checkpoint.load_run` (the latest checkpoint and the tokenizer the run recorded); a preset
+gets random weights. `--tokenizer` is a tiktoken encoding name (its BPE file must be cached
+offline), a `.tiktoken` rank file or a checkpoint path. `--mesh` with `--rules` generates with
+sharded weights and KV cache (infer.generate's mesh/rules).
 """
 
 import argparse
@@ -17,7 +22,9 @@ import time
 import jax
 
 import infer
+import shard
 import zoo
+from training.checkpoint import load_run
 
 
 def load_tokenizer(name_or_path: str):
@@ -46,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="HF directory or .gguf file (zoo.load_pretrained)")
+    source.add_argument("--run", help="a train.py run directory (its latest checkpoint)")
     source.add_argument("--preset", help="a zoo preset with random weights", choices=zoo.presets())
     parser.add_argument("--tokenizer", help="tiktoken encoding name or checkpoint path")
     parser.add_argument("--prompt", required=True, help="text, or comma-separated token ids")
@@ -58,16 +66,27 @@ def main() -> None:
     parser.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     parser.add_argument("--chunk-size", type=int, default=4, help="tokens per streamed chunk")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mesh", help="device mesh, e.g. data=2,tensor=4 (needs --rules)")
+    parser.add_argument("--rules", choices=shard.presets(), help="sharding strategy for --mesh")
     args = parser.parse_args()
+    if (args.mesh is None) != (args.rules is None):
+        parser.error("--mesh and --rules go together")
+    mesh = shard.mesh(**shard.parse_mesh(args.mesh)) if args.mesh else None
+    rules = shard.ShardingRules.preset(args.rules) if args.rules else None
 
-    if args.checkpoint:
+    tokenizer = None
+    if args.run:
+        model, tokenizer = load_run(args.run, tokenizer=args.tokenizer)
+        tokenizer_source = None
+    elif args.checkpoint:
         model = zoo.load_pretrained(args.checkpoint)
         tokenizer_source = args.tokenizer or args.checkpoint
     else:
         model = zoo.Transformer(zoo.preset(args.preset), key=jax.random.key(args.seed))
         tokenizer_source = args.tokenizer
     model = model.unstack_layers()  # per-layer weights: the fast decode layout on CPU
-    tokenizer = load_tokenizer(tokenizer_source) if tokenizer_source else None
+    if tokenizer_source:
+        tokenizer = load_tokenizer(tokenizer_source)
     if tokenizer is None:
         prompt = [int(t) for t in args.prompt.split(",")]
     else:
@@ -101,6 +120,8 @@ def main() -> None:
             stop_tokens=stops,
             on_tokens=on_tokens,
             chunk_size=args.chunk_size,
+            mesh=mesh,
+            rules=rules,
         )
 
     print("compiling ...", file=sys.stderr, flush=True)

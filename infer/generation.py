@@ -1,6 +1,8 @@
 """`generate`: ragged prompts in one left-padded batch, one prefill, then the whole decode loop on
 device (`lax.while_loop`), stopping early once every row has emitted a stop token, with optional
-host streaming of the new tokens in chunks."""
+host streaming of the new tokens in chunks. With a mesh and sharding rules the weights, the
+prompts and the KV cache are placed by their logical axes and every activation constraint of the
+model applies (shard/)."""
 
 import itertools
 from collections.abc import Callable, Sequence
@@ -9,11 +11,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 
-from infer.cache import init_cache
+import shard
+from infer.cache import KVCache, init_cache
 from infer.sampling import Sampler
 from infer.step import check_tokens, forward_cached
+from shard.rules import check_divisible
 from zoo.transformer import Transformer
 
 # A slot of the output buffer that holds no token (the row had stopped).
@@ -53,6 +58,19 @@ def _emit(
         stream.emit(np.asarray(out), int(n))
 
 
+def _constrain_cache(cache: KVCache) -> KVCache:
+    """Pin each layer's keys and values to the cache's logical axes (a no-op without rules)."""
+    axes = "batch kv_heads kv_seq head_dim"
+    return eqx.tree_at(
+        lambda c: (c.k, c.v),
+        cache,
+        (
+            tuple(shard.constrain(k, axes) for k in cache.k),
+            tuple(shard.constrain(v, axes) for v in cache.v),
+        ),
+    )
+
+
 @eqx.filter_jit
 def _generate(
     model: Transformer,
@@ -65,7 +83,19 @@ def _generate(
     max_new_tokens: int,
     max_len: int,
     chunk_size: int | None,
+    sharding: tuple[shard.ShardingRules, Mesh] | None,
 ) -> tuple[Int[Array, "batch new"], Int[Array, ""]]:
+    if sharding is None:
+        return _decode(model, tokens, valid, key, stop_tokens, stream_id, sampler,
+                       max_new_tokens, max_len, chunk_size)  # fmt: skip
+    # Inside the trace, so every `constrain` of the model and the cache sees these rules.
+    with shard.use_rules(*sharding):
+        return _decode(model, tokens, valid, key, stop_tokens, stream_id, sampler,
+                       max_new_tokens, max_len, chunk_size)  # fmt: skip
+
+
+def _decode(model, tokens, valid, key, stop_tokens, stream_id, sampler, max_new_tokens, max_len,
+            chunk_size):  # fmt: skip
     batch = tokens.shape[0]
 
     def stream(out, n):  # n tokens written so far
@@ -76,7 +106,7 @@ def _generate(
                 lambda: None,
             )
 
-    cache = init_cache(model.config, batch, max_len)
+    cache = _constrain_cache(init_cache(model.config, batch, max_len))
     x, cache = forward_cached(model, tokens, valid, cache)
     key, sub = jax.random.split(key)
     token = sampler(model.logits(x[:, -1:])[:, 0], sub)
@@ -91,6 +121,7 @@ def _generate(
     def step(state):
         n, token, cache, key, out, done = state
         x, cache = forward_cached(model, token[:, None], jnp.ones((batch, 1), bool), cache)
+        cache = _constrain_cache(cache)
         key, sub = jax.random.split(key)
         new = sampler(model.logits(x)[:, 0], sub)
         # A stopped row keeps decoding in lockstep (fed its last token) but records nothing.
@@ -117,6 +148,8 @@ def generate(
     on_tokens: OnTokens | None = None,
     chunk_size: int = 16,
     max_len: int | None = None,
+    mesh: Mesh | None = None,
+    rules: shard.ShardingRules | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (up to `max_new_tokens`, ending at the first stop token, which
     is included).
@@ -127,7 +160,15 @@ def generate(
     and once at the end for the rest. The KV cache holds
     `max_len` tokens (default: longest prompt + max_new_tokens). Bad input is a ValueError before
     anything compiles.
+
+    Sharded generation: give a `mesh` (`shard.mesh(...)`) and `rules`
+    (`shard.ShardingRules.preset("tp")`, ...). The weights are placed with `shard.shard_model`,
+    the prompts by "batch seq", the KV cache is created and kept in "batch kv_heads kv_seq
+    head_dim", and the model's activation constraints apply; the batch must divide by the mesh
+    axes "batch" maps to.
     """
+    if (mesh is None) != (rules is None):
+        raise ValueError("sharded generate needs both mesh and rules (or neither)")
     config = model.config
     if isinstance(prompts, np.ndarray | jax.Array) and prompts.ndim == 1:
         raise ValueError("prompts must be a batch (a list of prompts), got one flat array")
@@ -166,14 +207,23 @@ def generate(
 
     # Per-layer weight arrays: one copy per call, much faster decode steps (infer/step.py).
     model = model.unstack_layers()
+    tokens, valid = jnp.asarray(tokens), jnp.asarray(valid)
+    sharding = None
+    if mesh is not None:
+        model = shard.shard_model(model, rules, mesh)
+        placement = shard.named_sharding("batch seq", rules, mesh)
+        check_divisible("generate: the batch of prompts", tokens.shape, ("batch", "seq"),
+                        placement.spec, dict(mesh.shape))  # fmt: skip
+        tokens, valid = jax.device_put(tokens, placement), jax.device_put(valid, placement)
+        sharding = (rules, mesh)
     stream_id = next(_stream_ids)
     if on_tokens is not None:
         _STREAMS[stream_id] = _Stream(on_tokens)
     try:
         out, n = _generate(
             model,
-            jnp.asarray(tokens),
-            jnp.asarray(valid),
+            tokens,
+            valid,
             key,
             jnp.asarray(stops, jnp.int32),
             jnp.int32(stream_id),
@@ -181,6 +231,7 @@ def generate(
             max_new_tokens,
             max_len,
             chunk_size if on_tokens is not None else None,
+            sharding,
         )
         out, n = np.asarray(out), int(n)
         if on_tokens is not None:

@@ -144,3 +144,39 @@ def restore(run_dir: str | Path, *, params: Any, opt_state: Any, config: Config)
         raise corrupt(f"cannot read state.eqx: {error}") from error
     rng = jax.random.wrap_key_data(np.asarray(key_data))
     return Restored(params, opt_state, step, position, rng, path)
+
+
+def load_run(run_dir: str | Path, *, tokenizer: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of a run directory written by train.py, for inference: the Transformer
+    of the latest checkpoint's config with its trained parameters (the optimizer state is not
+    read), and the tokenizer named by `tokenizer` (an OpenAI encoding name or a `.tiktoken` rank
+    file), else by meta.json's "tokenizer" entry, else `<run>/tokenizer.tiktoken`; None when the
+    run records none."""
+    from data.tokenizers import load_ranks, openai_encoding
+    from layers.rotary import RopeScaling
+    from training.step import split_model
+    from zoo import Transformer
+
+    path = latest(run_dir)
+    meta = json.loads((path / "meta.json").read_text())
+    state = path / "state.eqx"
+    if not state.is_file() or _sha256(state) != meta.get("sha256"):
+        raise ValueError(
+            f"checkpoint {path} is corrupt (state.eqx is missing or does not match the SHA-256 in "
+            "meta.json); delete it to load the one before"
+        )
+    fields = dict(meta["config"])
+    if fields.get("rope_scaling") is not None:
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    config = Config(**fields)
+    params, static = split_model(Transformer(config, key=jax.random.key(0)))
+    # The file holds (params, opt_state, rng) in order; reading the first subtree stops there.
+    (params,) = eqx.tree_deserialise_leaves(state, (params,))
+    model = eqx.combine(params, static)
+
+    spec = tokenizer or meta.get("tokenizer")
+    if spec is None and (Path(run_dir) / "tokenizer.tiktoken").is_file():
+        spec = str(Path(run_dir) / "tokenizer.tiktoken")
+    if spec is None:
+        return model, None
+    return model, load_ranks(spec) if Path(spec).is_file() else openai_encoding(spec)

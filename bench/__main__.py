@@ -1,0 +1,59 @@
+"""One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
+(train step, attention kernels, prefill/decode, decode layouts, MoE) with sizes for the device
+found, each printing predicted (zoo.math roofline) vs measured beside the ceilings measured once
+in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
+
+    python -m bench all --out results/
+    python -m bench decode                 # one benchmark
+    python -m bench train --profile        # plus a jax.profiler trace and its top ops
+"""
+
+import argparse
+import importlib
+import time
+from pathlib import Path
+
+from bench import harness, trace_reading
+
+BENCHMARKS = {
+    "train": "bench.train",
+    "attention": "bench.attention",
+    "decode": "bench.decode",
+    "layout": "bench.decode_layout",
+    "moe": "bench.moe",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=["all", *BENCHMARKS], help="which benchmark to run")
+    parser.add_argument("--out", type=Path, help="directory for results.json and results.md")
+    parser.add_argument(
+        "--profile", action="store_true", help="write a jax.profiler trace per benchmark into "
+        "--out (default bench-profile/) and print its top ops"
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    start = time.perf_counter()
+    ceilings = harness.Ceilings()
+    print(f"device: {harness.device_name()}; sizes for a {'GPU' if harness.on_gpu() else 'CPU'}")
+    tables, readings = [], []
+    for name in names:
+        run = importlib.import_module(BENCHMARKS[name]).run
+        if args.profile:
+            trace_dir = (args.out or Path("bench-profile")) / "profile" / name
+            with trace_reading.trace(trace_dir):
+                tables.append(run(ceilings))
+            readings.append(trace_reading.summary(trace_dir))
+            print("\n" + readings[-1], flush=True)
+        else:
+            tables.append(run(ceilings))
+    seconds = time.perf_counter() - start
+    print(f"\n{len(tables)} benchmark(s) in {seconds:.0f} s")
+    if args.out:
+        harness.write(args.out, tables, ceilings, seconds, readings)
+        print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()
