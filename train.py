@@ -28,7 +28,7 @@ from data import packing
 from data.corpus import write_stdlib_corpus
 from data.datasets import load_text, tokenize
 from data.prefetch import Prefetcher
-from data.tokenizers import get_tokenizer
+from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from training import checkpoint
 from training.args import Args, parse_args
 from training.optimizer import adamw, learning_rate
@@ -150,6 +150,18 @@ def build_model(args: Args, placement: Placement, n_vocab: int, key) -> tuple[Tr
     return placement.init_model(config, jax.random.fold_in(key, 0)), args.model
 
 
+def record_tokenizer(args, encoding, run_dir: Path) -> None:
+    """Leave the run's tokenizer in the run directory, so `checkpoint.load_run` (and
+    `examples/sample.py --run`) decode with the same one: a trained or rank-file BPE as a rank
+    file, an OpenAI encoding name or a pretrained checkpoint's path as text."""
+    if args.init_from and args.tokenizer == "bpe":
+        (run_dir / "tokenizer.source").write_text(str(Path(args.init_from).resolve()))
+    elif args.tokenizer in OPENAI_ENCODINGS:
+        (run_dir / "tokenizer.source").write_text(args.tokenizer)
+    else:
+        save_ranks(encoding, run_dir / "tokenizer.tiktoken")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
@@ -158,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
     run_dir.mkdir(parents=True, exist_ok=True)
     encoding, train_data, val_batches, entropy = load_data(args)
+    record_tokenizer(args, encoding, run_dir)
     say(
         f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
     )

@@ -22,7 +22,7 @@ from bench.harness import (
 )
 from data.packing import Batch
 from training.optimizer import adamw, learning_rate
-from training.step import compile_steps, place, split_model
+from training.step import compile_steps, split_model
 from zoo import Config, Transformer, math, preset
 
 GPU_SEQ = 2048
@@ -60,16 +60,16 @@ def step_seconds(config: Config, batch: int, seq: int, repeats: int) -> float:
     """Median seconds of one train step after a compile step and a warm-up step."""
     params, static = split_model(Transformer(config, key=jax.random.key(0)))
     optimizer = adamw(learning_rate("cosine", peak=1e-3, steps=100, warmup=10))
-    state = [params, place(optimizer.init(params))]
+    state = [params, jax.device_put(optimizer.init(params))]
     train_step, _ = compile_steps(static, optimizer)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (batch, seq + 1)).astype(np.int32)
     ones = np.ones((batch, seq), np.int32)
-    data = place(Batch(tokens[:, :-1], tokens[:, 1:], ones, ones.astype(np.float32)))
+    data = jax.device_put(Batch(tokens[:, :-1], tokens[:, 1:], ones, ones.astype(np.float32)))
 
     def step():
         state[0], state[1], metrics = train_step(state[0], state[1], data)  # donated: carry on
-        return metrics["loss"]
+        return metrics.loss
 
     return median_seconds(step, repeats=repeats, warmup=2)
 

@@ -150,8 +150,9 @@ def load_run(run_dir: str | Path, *, tokenizer: str | None = None) -> tuple[Any,
     """(model, tokenizer) of a run directory written by train.py, for inference: the Transformer
     of the latest checkpoint's config with its trained parameters (the optimizer state is not
     read), and the tokenizer named by `tokenizer` (an OpenAI encoding name or a `.tiktoken` rank
-    file), else by meta.json's "tokenizer" entry, else `<run>/tokenizer.tiktoken`; None when the
-    run records none."""
+    file), else by meta.json's "tokenizer" entry, else `<run>/tokenizer.tiktoken`, else the name
+    or checkpoint path in `<run>/tokenizer.source` (both written by train.py); None when the run
+    records none."""
     from data.tokenizers import load_ranks, openai_encoding
     from layers.rotary import RopeScaling
     from training.step import split_model
@@ -177,6 +178,13 @@ def load_run(run_dir: str | Path, *, tokenizer: str | None = None) -> tuple[Any,
     spec = tokenizer or meta.get("tokenizer")
     if spec is None and (Path(run_dir) / "tokenizer.tiktoken").is_file():
         spec = str(Path(run_dir) / "tokenizer.tiktoken")
+    if spec is None and (Path(run_dir) / "tokenizer.source").is_file():
+        spec = (Path(run_dir) / "tokenizer.source").read_text().strip()
     if spec is None:
         return model, None
-    return model, load_ranks(spec) if Path(spec).is_file() else openai_encoding(spec)
+    source = Path(spec)
+    if source.is_dir() or source.suffix in (".gguf", ".json"):
+        from data.pretrained_tokenizer import tokenizer_from_pretrained
+
+        return model, tokenizer_from_pretrained(spec)
+    return model, load_ranks(spec) if source.is_file() else openai_encoding(spec)
