@@ -47,6 +47,10 @@ def _llama3(
     )
 
 
+_TINY_LLAMA = Config(
+    vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128
+)
+
 _PRESETS: dict[str, Config] = {
     "gpt2-124m": _gpt2(12, 768, 12),
     "gpt2-355m": _gpt2(24, 1024, 16),
@@ -110,28 +114,8 @@ _PRESETS: dict[str, Config] = {
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),
     "tiny-gpt2": _gpt2(2, 64, 4).replace(vocab_size=256, max_seq_len=128),
-    "tiny-llama": Config(
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=128,
-        max_seq_len=128,
-        rope_theta=10_000.0,
-    ),
-    "tiny-moe": Config(
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=128,
-        max_seq_len=128,
-        n_experts=4,
-        n_experts_per_token=2,
-        moe_d_ff=64,
-    ),
+    "tiny-llama": _TINY_LLAMA,
+    "tiny-moe": _TINY_LLAMA.replace(n_experts=4, n_experts_per_token=2, moe_d_ff=64),
     "tiny-deepseek-moe": Config(
         vocab_size=256,
         d_model=64,
