@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from layers import MLP, Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
 from layers.kernels import AttentionMask, causal_mask
+from layers.kernels.flash.attention import RESIDUAL_NAMES as FLASH_RESIDUALS
 from layers.moe import MoE, MoEStats
 from layers.rotary import rotary_frequencies
 from shard import constrain
@@ -21,8 +22,12 @@ Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep the weight matmuls' outputs, recompute attention scores and elementwise ops.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep the weight matmuls' outputs and flash attention's output and log-sum-exp (so backward
+    # does not re-run the forward kernel); recompute attention scores and elementwise ops.
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*FLASH_RESIDUALS),
+    ),
 }
 
 

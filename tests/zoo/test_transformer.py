@@ -109,3 +109,21 @@ def test_tokens_must_be_integers_of_rank_two():
         model(jnp.zeros((2, 4), jnp.float32))
     with pytest.raises(Exception, match="tokens"):
         model(jnp.zeros((4,), jnp.int32))
+
+
+@pytest.mark.parametrize("remat, forward_kernels", [("none", 1), ("dots", 1), ("full", 2)])
+def test_dots_remat_keeps_flash_residuals(remat, forward_kernels):
+    # "dots" saves flash attention's output and log-sum-exp, so the backward pass reuses them
+    # instead of re-running the forward kernel as "full" remat does; gradients are unchanged.
+    config = zoo.preset("tiny-llama", n_layers=2, attention="flash", remat=remat)
+    model = zoo.Transformer(config, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 64), 0, 256)
+
+    def loss(model):
+        return jnp.mean(model(tokens) ** 2)
+
+    grad = eqx.filter_grad(loss)
+    assert str(eqx.filter_make_jaxpr(grad)(model)[0]).count("name=flash_forward") == forward_kernels
+    reference = zoo.Transformer(config.replace(remat="none"), key=jax.random.key(0))
+    for a, b in zip(jax.tree.leaves(grad(model)), jax.tree.leaves(grad(reference)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from layers.kernels.flash.backward import flash_backward
@@ -35,8 +36,14 @@ def _attention(plan: Plan, q, k, v, layout):
     return out
 
 
+# Names of the forward's residuals: a remat policy that saves them (zoo's "dots") keeps the
+# backward from re-running the forward kernel.
+RESIDUAL_NAMES = ("flash_out", "flash_lse")
+
+
 def _attention_forward(plan: Plan, q, k, v, layout):
     out, lse = flash_forward(q, k, v, *layout["rows"], layout["forward"], plan)
+    out, lse = (checkpoint_name(x, n) for x, n in zip((out, lse), RESIDUAL_NAMES, strict=True))
     return out, (q, k, v, out, lse, layout)
 
 
