@@ -29,6 +29,7 @@ from data.corpus import write_stdlib_corpus
 from data.datasets import load_text, tokenize
 from data.prefetch import Prefetcher
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
+from shard.xla_flags import set_default_xla_flags
 from training import checkpoint
 from training.args import Args, parse_args
 from training.optimizer import adamw, learning_rate
@@ -314,4 +315,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    set_default_xla_flags()  # before the first computation: XLA reads its flags once
     main()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from bench import harness, trace_reading
+from shard.xla_flags import set_default_xla_flags
 
 BENCHMARKS = {
     "train": "bench.train",
@@ -33,10 +34,12 @@ def main(argv: list[str] | None = None) -> None:
         "--out (default bench-profile/) and print its top ops"
     )  # fmt: skip
     args = parser.parse_args(argv)
+    xla_flags = set_default_xla_flags()
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     start = time.perf_counter()
     ceilings = harness.Ceilings()
     print(f"device: {harness.device_name()}; sizes for a {'GPU' if harness.on_gpu() else 'CPU'}")
+    print(f"XLA_FLAGS: {xla_flags}")
     tables, readings = [], []
     for name in names:
         run = importlib.import_module(BENCHMARKS[name]).run
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     print(f"\n{len(tables)} benchmark(s) in {seconds:.0f} s")
     if args.out:
-        harness.write(args.out, tables, ceilings, seconds, readings)
+        harness.write(args.out, tables, ceilings, seconds, readings, xla_flags)
         print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
 
 

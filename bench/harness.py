@@ -154,7 +154,12 @@ def _cells(row: dict) -> str:
 
 
 def write(
-    out_dir: Path, tables: list[Table], ceilings: Ceilings, seconds: float, profiles: list[str]
+    out_dir: Path,
+    tables: list[Table],
+    ceilings: Ceilings,
+    seconds: float,
+    profiles: list[str],
+    xla_flags: str,
 ) -> None:
     """`results.json` (every row's raw numbers) and `results.md` (the tables and any profile
     readings) in `out_dir`."""
@@ -165,6 +170,7 @@ def write(
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "ceilings": ceilings.as_dict(),
         "wall_s": seconds,
+        "xla_flags": xla_flags,
     }
     data = {**header, "benchmarks": [dataclasses.asdict(t) for t in tables]}
     (out_dir / "results.json").write_text(json.dumps(data, indent=1))
@@ -175,7 +181,8 @@ def write(
     intro = (
         f"{header['device']}, {header['date']}; ceilings measured in this run: matmul {flops}; "
         f"bandwidth {gb['bandwidth']:.3g} GB/s (the larger of copy {gb['copy_bandwidth']:.3g} "
-        f"and float32 matvec {gb['matvec_bandwidth']:.3g}). Whole run {seconds:.0f} s.\n\n"
+        f"and float32 matvec {gb['matvec_bandwidth']:.3g}). Whole run {seconds:.0f} s. "
+        f"XLA_FLAGS: `{xla_flags}`.\n\n"
     )
     body = "\n".join([*(t.markdown() for t in tables), *profiles])
     (out_dir / "results.md").write_text(intro + body)
