@@ -158,29 +158,59 @@ def decode_step_bytes(config: Config, batch: int, context: int, dtype: str | Non
     return weight_bytes(config, dtype) + batch * context * kv_cache_bytes_per_token(config, dtype)
 
 
+def _mlp_width_per_token(config: Config) -> float:
+    """Average hidden width of the MLP a token passes through (MoE: its experts, k routed plus the
+    shared ones), over the layers."""
+    c = config
+    n_moe = len(c.moe_layers)
+    moe_width = (c.n_experts_per_token + c.n_shared_experts) * c.expert_d_ff
+    return ((c.n_layers - n_moe) * c.d_ff + n_moe * moe_width) / c.n_layers
+
+
 def activation_bytes_per_token(config: Config, seq_len: int, *, remat: str = "none") -> float | int:
-    """Activation memory kept for backward, per token (Korthikanti et al. 2022, eq. 2, without
-    dropout masks: about 34 d + 5 heads seq bytes per layer in 16-bit; only each block's input
-    under full remat). Scaled by the compute dtype's size over 2."""
-    scale = bytes_per_element(config.dtype) / 2
+    """Activation memory kept for backward, per token: the tensors each block saves, counted from
+    the block itself (in the spirit of Korthikanti et al. 2022, eq. 2, without dropout masks).
+
+    - "none": both norms' inputs and outputs (4 d), rotated q, k and v and the attention output
+      (2 q_dim + 2 kv_dim), the MLP's hidden tensors (SwiGLU: gate, up, silu(gate), product; GELU:
+      pre- and post-activation) and, for the naive and xla kernels, the float32 scores and
+      probabilities (8 heads x seq bytes); flash keeps only a float32 log-sum-exp per head.
+    - "dots": each layer's input and the outputs of its weight matmuls (q, k, v, attention output
+      projection, the MLP's up/gate and down), plus flash's output and log-sum-exp (the policy
+      keeps them); scores are recomputed.
+    - "full": each layer's input only.
+    """
+    c = config
+    e = bytes_per_element(c.dtype)
+    ff = _mlp_width_per_token(c)
+    flash = c.attention == "flash"
+    lse = 4 * c.n_heads if flash else 0
     if remat == "full":
-        per_layer = 2 * config.d_model
+        per_layer = e * c.d_model
+    elif remat == "dots":
+        up = 2 * ff if c.mlp == "swiglu" else ff
+        saved = 3 * c.d_model + c.q_dim + 2 * c.kv_dim + up + (c.q_dim if flash else 0)
+        per_layer = e * saved + lse
     else:
-        per_layer = 34 * config.d_model + 5 * config.n_heads * seq_len
-        if remat == "dots":
-            per_layer = 16 * config.d_model + 2 * config.d_ff
-    return config.n_layers * per_layer * scale
+        hidden = 4 * ff if c.mlp == "swiglu" else 2 * ff
+        scores = 0 if flash else 8 * c.n_heads * seq_len
+        per_layer = e * (4 * c.d_model + 2 * c.q_dim + 2 * c.kv_dim + hidden) + scores + lse
+    return c.n_layers * per_layer
 
 
 def training_memory_bytes(
     config: Config, batch: int, seq_len: int, *, remat: str = "none"
 ) -> float | int:
-    """Parameters + gradients + AdamW moments (float32 master copies) + activations + logits."""
+    """Parameters + gradients + AdamW moments (float32 master copies) + saved activations + the
+    backward's working set (one layer's full activations, recomputed or not, live at once) +
+    float32 logits and their gradient."""
     n = param_count(config)
     state = n * (bytes_per_element(config.param_dtype) + 4 + 8)
     tokens = batch * seq_len
+    saved = activation_bytes_per_token(config, seq_len, remat=remat)
+    one_layer = activation_bytes_per_token(config, seq_len, remat="none") / config.n_layers
     logits = tokens * config.vocab_size * 4 * 2
-    return state + tokens * activation_bytes_per_token(config, seq_len, remat=remat) + logits
+    return state + tokens * (saved + one_layer) + logits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
