@@ -50,6 +50,17 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def init_tokenizer_spec(path: str) -> str:
+    """The tokenizer that comes with --init-from: a pretrained checkpoint's own, or the one a
+    train.py run recorded (as `checkpoint.tokenizer_from_spec` reads it)."""
+    if not checkpoint.is_run(path):
+        return str(Path(path).resolve())
+    spec = checkpoint.run_tokenizer_spec(path)
+    if spec is None:
+        raise ValueError(f"--init-from {path!r}: the run records no tokenizer; pass --tokenizer")
+    return spec
+
+
 def load_data(args: Args):
     """Tokenizer, training batches, fixed validation batches and the unigram entropy."""
     cache = Path(args.cache_dir).expanduser()
@@ -65,9 +76,7 @@ def load_data(args: Args):
         train_docs, val_docs = dataset.select(train_idx), dataset.select(val_idx)
         sample = train_docs[args.text_column]
     if args.init_from and args.tokenizer == "bpe":
-        from data.pretrained_tokenizer import tokenizer_from_pretrained
-
-        encoding = tokenizer_from_pretrained(args.init_from)
+        encoding = checkpoint.tokenizer_from_spec(init_tokenizer_spec(args.init_from))
     else:
         encoding = get_tokenizer(
             args.tokenizer, texts=sample, vocab_size=args.vocab_size, cache_dir=cache, log=say
@@ -109,12 +118,16 @@ def moe_line(moe) -> str:
 
 
 def build_model(args: Args, placement: Placement, n_vocab: int, key) -> tuple[Transformer, str]:
-    """(model in its placement, its name): a pretrained checkpoint under this run's run-time
-    settings (weights read in --param-dtype), or a fresh preset."""
+    """(model in its placement, its name): a pretrained checkpoint or a train.py run's latest
+    checkpoint under this run's run-time settings (weights in --param-dtype), or a fresh
+    preset."""
     if args.init_from:
-        from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
+        if checkpoint.is_run(args.init_from):
+            model = checkpoint.run_model(args.init_from)
+        else:
+            from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
 
-        model = load_pretrained(args.init_from, dtype=args.param_dtype)
+            model = load_pretrained(args.init_from, dtype=args.param_dtype)
         model = with_runtime(model, **imported_changes(args, model.config))
         check_fits(model.config, args, n_vocab, args.init_from)
         return placement.place_model(model), args.init_from
@@ -125,9 +138,9 @@ def build_model(args: Args, placement: Placement, n_vocab: int, key) -> tuple[Tr
 def record_tokenizer(args, encoding, run_dir: Path) -> None:
     """Leave the run's tokenizer in the run directory, so `checkpoint.load_run` (and
     `examples/sample.py --run`) decode with the same one: a trained or rank-file BPE as a rank
-    file, an OpenAI encoding name or a pretrained checkpoint's path as text."""
+    file, an OpenAI encoding name or the --init-from tokenizer (`init_tokenizer_spec`) as text."""
     if args.init_from and args.tokenizer == "bpe":
-        (run_dir / "tokenizer.source").write_text(str(Path(args.init_from).resolve()))
+        (run_dir / "tokenizer.source").write_text(init_tokenizer_spec(args.init_from))
     elif args.tokenizer in OPENAI_ENCODINGS:
         (run_dir / "tokenizer.source").write_text(args.tokenizer)
     else:
@@ -140,6 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = Path(args.resume or args.out)
     if args.resume:
         checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
+    if args.init_from and Path(args.init_from).resolve() == run_dir.resolve():
+        raise ValueError(
+            f"--init-from {args.init_from!r} is this run's own directory: --init-from starts a "
+            "new run from it (give another --out), --resume continues it"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     encoding, train_data, val_batches, entropy = load_data(args)
     record_tokenizer(args, encoding, run_dir)

@@ -71,8 +71,9 @@ class Args:
         "continue the run in this directory from its latest checkpoint", default=None
     )
     init_from: str | None = _help(
-        "start from a pretrained checkpoint (HF directory or .gguf) for fine-tuning: the "
-        "architecture and the tokenizer (with --tokenizer bpe) come from it; the run-time "
+        "start from a pretrained checkpoint (HF directory or .gguf) or a train.py run directory "
+        "(its latest checkpoint) for fine-tuning: the architecture and the tokenizer (with "
+        "--tokenizer bpe) come from it, the optimizer starts afresh; the run-time "
         "settings (--dtype, --param-dtype, --remat, --attention, run-time --override) apply",
         default=None,
     )

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import train
 import zoo
+from training import checkpoint
 from training.args import parse_args
 from training.loss import loss_terms
 from training.model_config import check_fits, imported_changes
@@ -86,7 +87,22 @@ def test_run_time_flags_apply_to_the_imported_model(tmp_path, tiny_argv, corpus)
     np.testing.assert_allclose(record["loss"], float(terms.nll_sum / terms.tokens), rtol=1e-2)
 
 
+def test_init_from_a_run_directory(tmp_path, tiny_argv, full_run):
+    old_dir, old = full_run
+    argv = tiny_argv(tmp_path / "run", "--attention", "naive", "--steps", "1", init_from=old_dir)
+    summary = train.main(argv)
+    trained, tokenizer = checkpoint.load_run(old_dir)
+    assert summary["params"].config == trained.config.replace(attention="naive")
+    # Same data, same tokenizer (the run's own BPE): the new run starts where the old one ended.
+    np.testing.assert_allclose(summary["initial_val_loss"], old["val_loss"], rtol=1e-5)
+    _, recorded = checkpoint.load_run(tmp_path / "run")
+    text = "def load(path):\n    return open(path).read()"
+    assert recorded.encode(text) == tokenizer.encode(text) == old["encoding"].encode(text)
+
+
 def test_flags_that_contradict_the_checkpoint_are_refused(tmp_path, tiny_argv, pretrained):
+    with pytest.raises(ValueError, match="is this run's own directory"):
+        train.main(tiny_argv(pretrained, init_from=pretrained))
     argv = tiny_argv(tmp_path / "run", init_from=pretrained)
     with pytest.raises(ValueError, match=r"--override n_layers=4 contradicts --init-from .*is 1"):
         train.main([*argv, "--override", "n_layers=4"])
