@@ -6,6 +6,7 @@
     python train.py --model tiny-moe --override vocab_size=2048   # MoE: logs expert load
     python train.py --mesh fsdp=4,tensor=2 --rules fsdp_tp        # sharded over 8 devices
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
+    python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
     python train.py --help                   # every setting; --config FILE sets them from a file
 
 Every run writes `metrics.jsonl`, `checkpoints/` and `loss.png` into its run directory, prints
@@ -13,7 +14,6 @@ the predicted (zoo.math roofline) next to the measured step time, and logs loss,
 time, data-wait time and MFU.
 """
 
-import json
 import math
 import sys
 import time
@@ -32,11 +32,12 @@ from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from shard.xla_flags import set_default_xla_flags
 from training import checkpoint
 from training.args import Args, parse_args
+from training.model_config import DEFAULT_MODEL, check_fits, imported_changes, preset_config
 from training.optimizer import adamw, learning_rate
 from training.placement import Placement
 from training.step import compile_steps, split_model
 from training.telemetry import Telemetry, hardware
-from zoo import Config, Transformer, preset
+from zoo import Transformer, with_runtime
 
 
 def say(message: str) -> None:
@@ -48,6 +49,17 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     p = np.bincount(tokens.ravel()).astype(np.float64)
     p = p[p > 0] / p.sum()
     return float(-(p * np.log(p)).sum())
+
+
+def init_tokenizer_spec(path: str) -> str:
+    """The tokenizer that comes with --init-from: a pretrained checkpoint's own, or the one a
+    train.py run recorded (as `checkpoint.tokenizer_from_spec` reads it)."""
+    if not checkpoint.is_run(path):
+        return str(Path(path).resolve())
+    spec = checkpoint.run_tokenizer_spec(path)
+    if spec is None:
+        raise ValueError(f"--init-from {path!r}: the run records no tokenizer; pass --tokenizer")
+    return spec
 
 
 def load_data(args: Args):
@@ -65,9 +77,7 @@ def load_data(args: Args):
         train_docs, val_docs = dataset.select(train_idx), dataset.select(val_idx)
         sample = train_docs[args.text_column]
     if args.init_from and args.tokenizer == "bpe":
-        from data.pretrained_tokenizer import tokenizer_from_pretrained
-
-        encoding = tokenizer_from_pretrained(args.init_from)
+        encoding = checkpoint.tokenizer_from_spec(init_tokenizer_spec(args.init_from))
     else:
         encoding = get_tokenizer(
             args.tokenizer, texts=sample, vocab_size=args.vocab_size, cache_dir=cache, log=say
@@ -95,37 +105,6 @@ def load_data(args: Args):
     return encoding, train, val.in_order(args.eval_batches), entropy
 
 
-def check_vocab(n_vocab: int, config: Config, name: str) -> None:
-    """A token id the embedding table has no row for would be silently clipped by the lookup."""
-    if n_vocab > config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {n_vocab} tokens but model {name!r} has vocab_size="
-            f"{config.vocab_size}: use a smaller --vocab-size or --override vocab_size={n_vocab}"
-        )
-
-
-def model_config(args: Args, n_vocab: int) -> Config:
-    """The preset with the CLI's changes; refuses a tokenizer the model cannot embed."""
-    changes = {"dtype": args.dtype, "remat": args.remat}
-    if args.attention:
-        changes["attention"] = args.attention
-    for item in args.override:
-        name, sep, value = item.partition("=")
-        if not sep or name not in Config.__dataclass_fields__:
-            raise ValueError(f"--override {item!r} must be FIELD=VALUE with a zoo.Config field")
-        try:
-            changes[name] = json.loads(value)
-        except json.JSONDecodeError:
-            changes[name] = value
-    config = preset(args.model, **changes)
-    check_vocab(n_vocab, config, args.model)
-    if config.position == "learned" and args.seq_len > config.max_seq_len:
-        raise ValueError(
-            f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
-        )
-    return config
-
-
 def evaluate(eval_fn, params, batches) -> float:
     totals = [eval_fn(params, b) for b in batches]
     return float(sum(t[0] for t in totals) / sum(t[1] for t in totals))
@@ -140,23 +119,29 @@ def moe_line(moe) -> str:
 
 
 def build_model(args: Args, placement: Placement, n_vocab: int, key) -> tuple[Transformer, str]:
-    """(model in its placement, its name): a pretrained checkpoint or a fresh preset."""
+    """(model in its placement, its name): a pretrained checkpoint or a train.py run's latest
+    checkpoint under this run's run-time settings (weights in --param-dtype), or a fresh
+    preset."""
     if args.init_from:
-        import zoo
+        if checkpoint.is_run(args.init_from):
+            model = checkpoint.run_model(args.init_from)
+        else:
+            from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
 
-        model = zoo.load_pretrained(args.init_from)
-        check_vocab(n_vocab, model.config, args.init_from)
+            model = load_pretrained(args.init_from, dtype=args.param_dtype)
+        model = with_runtime(model, **imported_changes(args, model.config))
+        check_fits(model.config, args, n_vocab, args.init_from)
         return placement.place_model(model), args.init_from
-    config = model_config(args, n_vocab)
-    return placement.init_model(config, jax.random.fold_in(key, 0)), args.model
+    config = preset_config(args, n_vocab)
+    return placement.init_model(config, jax.random.fold_in(key, 0)), args.model or DEFAULT_MODEL
 
 
 def record_tokenizer(args, encoding, run_dir: Path) -> None:
     """Leave the run's tokenizer in the run directory, so `checkpoint.load_run` (and
     `examples/sample.py --run`) decode with the same one: a trained or rank-file BPE as a rank
-    file, an OpenAI encoding name or a pretrained checkpoint's path as text."""
+    file, an OpenAI encoding name or the --init-from tokenizer (`init_tokenizer_spec`) as text."""
     if args.init_from and args.tokenizer == "bpe":
-        (run_dir / "tokenizer.source").write_text(str(Path(args.init_from).resolve()))
+        (run_dir / "tokenizer.source").write_text(init_tokenizer_spec(args.init_from))
     elif args.tokenizer in OPENAI_ENCODINGS:
         (run_dir / "tokenizer.source").write_text(args.tokenizer)
     else:
@@ -169,6 +154,11 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = Path(args.resume or args.out)
     if args.resume:
         checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
+    if args.init_from and Path(args.init_from).resolve() == run_dir.resolve():
+        raise ValueError(
+            f"--init-from {args.init_from!r} is this run's own directory: --init-from starts a "
+            "new run from it (give another --out), --resume continues it"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     encoding, train_data, val_batches, entropy = load_data(args)
     record_tokenizer(args, encoding, run_dir)

@@ -5,11 +5,12 @@
     python -m examples.finetune --checkpoint my-hf-dir --data notes.jsonl --steps 50
     python -m examples.finetune --data roneneldan/TinyStories     # a hub dataset (online only)
 
-The model and its tokenizer come from the checkpoint (`zoo.load_pretrained`,
+The model's architecture and its tokenizer come from the checkpoint (`zoo.load_pretrained`,
 `data.pretrained_tokenizer.tokenizer_from_pretrained`, through train.py's `--init-from`); the
-loop is train.py's. It prints the validation loss before and after, then a greedy continuation
-of `--prompt` by `infer.generate`. The defaults (a few steps of 4 x 64 tokens) take a few
-minutes on 2 CPU cores.
+loop is train.py's, and so are its run-time flags, passed through and applied to the loaded model
+(`zoo.with_runtime`): e.g. `--dtype bfloat16 --remat full --attention naive`. It prints the
+validation loss before and after, then a greedy continuation of `--prompt` by `infer.generate`.
+The defaults (a few steps of 4 x 64 tokens) take a few minutes on 2 CPU cores.
 """
 
 import argparse

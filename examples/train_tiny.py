@@ -26,7 +26,7 @@ model, devices = Transformer(config, key=jax.random.key(0)), Placement()  # or (
 params, static = split_model(model)
 optimizer = adamw(learning_rate("wsd", peak=3e-3, steps=200, warmup=20))
 opt_state = devices.init_opt_state(optimizer, model)
-train_step, _ = compile_steps(static, optimizer)
+train_step, _ = compile_steps(static, optimizer, placement=devices, model=model)
 
 for step, batch in zip(range(1, 201), Prefetcher(batches.iterate(), devices.batch), strict=False):
     params, opt_state, metrics = train_step(params, opt_state, batch)

@@ -1,9 +1,19 @@
-"""Named logical axes -> device mesh: rules and presets, mesh helper, parameter specs, sharded
-init, activation constraints and the pieces of a sharded training step."""
+"""Named logical axes -> device mesh: rules and presets, mesh helper, parameter and optimizer-state
+shardings, sharded init, batches split over the mesh, and activation constraints. The training
+step that uses them is training/step.py's (one implementation, with or without a mesh)."""
 
 from shard.axes import LogicalAxes, logical_axes
+from shard.batch import shard_batch
 from shard.mesh import mesh, parse_mesh
-from shard.params import init_sharded, param_shardings, param_specs, shard_model
+from shard.params import (
+    init_opt_state,
+    init_sharded,
+    opt_state_shardings,
+    param_shardings,
+    param_specs,
+    replicated,
+    shard_model,
+)
 from shard.rules import (
     LOGICAL_AXES,
     MESH_AXES,
@@ -13,13 +23,11 @@ from shard.rules import (
     presets,
     use_rules,
 )
-from shard.step import ShardedStep, init_opt_state, opt_state_shardings, shard_batch
 
 __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
     "LogicalAxes",
-    "ShardedStep",
     "ShardingRules",
     "constrain",
     "init_opt_state",
@@ -32,6 +40,7 @@ __all__ = [
     "param_specs",
     "parse_mesh",
     "presets",
+    "replicated",
     "shard_batch",
     "shard_model",
     "use_rules",

@@ -1,10 +1,12 @@
-"""Parameter shardings: specs from logical axes, placing a model, and creating one already
-sharded so that no device ever holds a whole parameter it should only hold a shard of."""
+"""Parameter shardings: specs from logical axes, placing a model, creating one already sharded
+so that no device ever holds a whole parameter it should only hold a shard of, and the optimizer
+state in the same shardings."""
 
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PRNGKeyArray, PyTree
 
@@ -75,4 +77,29 @@ def sharded_initialiser(make: Callable[..., PyTree], config, shardings: PyTree):
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array (scalars such as a loss or a step count)."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def opt_state_shardings(
+    optimizer: optax.GradientTransformation, model: PyTree, rules: ShardingRules, mesh: Mesh
+) -> PyTree:
+    """Shardings of `optimizer.init(params)` (model may be abstract): moments shaped like a
+    parameter take that parameter's sharding; everything else (step counts) is replicated."""
+    abstract = jax.eval_shape(optimizer.init, eqx.filter(model, is_array_like))
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract,
+        param_shardings(model, rules, mesh),
+        transform_non_params=lambda _: replicated(mesh),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def init_opt_state(
+    optimizer: optax.GradientTransformation, model: PyTree, rules: ShardingRules, mesh: Mesh
+) -> PyTree:
+    """`optimizer.init` run on device with the state created in its shardings."""
+    shardings = opt_state_shardings(optimizer, model, rules, mesh)
+    return jax.jit(optimizer.init, out_shardings=shardings)(eqx.filter(model, eqx.is_array))

@@ -21,9 +21,13 @@ def _help(text: str, **kwargs):
 
 @dataclasses.dataclass(kw_only=True)
 class Args:
-    model: str = _help("preset name from zoo.presets (or see --override)", default="gpt-mini")
+    model: str | None = _help(
+        "preset name from zoo.presets (or see --override); default gpt-mini, none with --init-from",
+        default=None,
+    )
     override: list[str] = _help(  # noqa: RUF009 (a field() with help text)
-        "change a Config field of the preset, FIELD=VALUE (repeatable), e.g. n_layers=2",
+        "change a Config field of the preset, FIELD=VALUE (repeatable), e.g. n_layers=2; with "
+        "--init-from only the run-time fields (zoo.RUNTIME_FIELDS)",
         default_factory=list,
     )
     data: str = _help(
@@ -51,8 +55,10 @@ class Args:
     )
     weight_decay: float = _help("AdamW decoupled weight decay (matrices only)", default=0.1)
     clip: float = _help("clip gradients to this global norm (0: off)", default=1.0)
-    dtype: Literal["float32", "bfloat16", "float16"] = _help(
-        "compute dtype (weights and optimizer state stay float32)", default="float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = _help("compute dtype", default="float32")
+    param_dtype: Literal["float32", "bfloat16", "float16"] = _help(
+        "dtype of the stored weights and so of the optimizer state (float32 master weights)",
+        default="float32",
     )
     remat: Literal["none", "full", "dots"] = _help(
         "rematerialisation policy of each block", default="none"
@@ -65,8 +71,10 @@ class Args:
         "continue the run in this directory from its latest checkpoint", default=None
     )
     init_from: str | None = _help(
-        "start from a pretrained checkpoint (HF directory or .gguf) for fine-tuning: model and "
-        "tokenizer come from it (--model, --override and --tokenizer bpe are ignored)",
+        "start from a pretrained checkpoint (HF directory or .gguf) or a train.py run directory "
+        "(its latest checkpoint) for fine-tuning: the architecture and the tokenizer (with "
+        "--tokenizer bpe) come from it, the optimizer starts afresh; the run-time "
+        "settings (--dtype, --param-dtype, --remat, --attention, run-time --override) apply",
         default=None,
     )
     mesh: str | None = _help(

@@ -146,14 +146,23 @@ def restore(run_dir: str | Path, *, params: Any, opt_state: Any, config: Config)
     return Restored(params, opt_state, step, position, rng, path)
 
 
+def is_run(path: str | Path) -> bool:
+    """Whether `path` is a run directory holding at least one complete checkpoint."""
+    return bool(checkpoints(path))
+
+
 def load_run(run_dir: str | Path, *, tokenizer: str | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) of a run directory written by train.py, for inference: the Transformer
-    of the latest checkpoint's config with its trained parameters (the optimizer state is not
-    read), and the tokenizer named by `tokenizer` (an OpenAI encoding name or a `.tiktoken` rank
-    file), else by meta.json's "tokenizer" entry, else `<run>/tokenizer.tiktoken`, else the name
-    or checkpoint path in `<run>/tokenizer.source` (both written by train.py); None when the run
-    records none."""
-    from data.tokenizers import load_ranks, openai_encoding
+    """(model, tokenizer) of a run directory written by train.py, for inference: `run_model`
+    and the tokenizer named by `tokenizer` (an OpenAI encoding name or a `.tiktoken` rank file),
+    else the one the run recorded (`run_tokenizer_spec`); None when the run records none."""
+    model = run_model(run_dir)
+    spec = tokenizer or run_tokenizer_spec(run_dir)
+    return model, None if spec is None else tokenizer_from_spec(spec)
+
+
+def run_model(run_dir: str | Path) -> Any:
+    """The Transformer of the latest checkpoint's config with its trained parameters (the
+    optimizer state is not read)."""
     from layers.rotary import RopeScaling
     from training.step import split_model
     from zoo import Transformer
@@ -173,18 +182,32 @@ def load_run(run_dir: str | Path, *, tokenizer: str | None = None) -> tuple[Any,
     params, static = split_model(Transformer(config, key=jax.random.key(0)))
     # The file holds (params, opt_state, rng) in order; reading the first subtree stops there.
     (params,) = eqx.tree_deserialise_leaves(state, (params,))
-    model = eqx.combine(params, static)
+    return eqx.combine(params, static)
 
-    spec = tokenizer or meta.get("tokenizer")
-    if spec is None and (Path(run_dir) / "tokenizer.tiktoken").is_file():
-        spec = str(Path(run_dir) / "tokenizer.tiktoken")
-    if spec is None and (Path(run_dir) / "tokenizer.source").is_file():
-        spec = (Path(run_dir) / "tokenizer.source").read_text().strip()
-    if spec is None:
-        return model, None
+
+def run_tokenizer_spec(run_dir: str | Path) -> str | None:
+    """The tokenizer a run recorded, as `tokenizer_from_spec` reads it: meta.json's "tokenizer"
+    entry, else `<run>/tokenizer.tiktoken` (its absolute path), else the name or checkpoint path
+    in `<run>/tokenizer.source` (both written by train.py); None when the run records none."""
+    meta = json.loads((latest(run_dir) / "meta.json").read_text())
+    ranks, source = Path(run_dir) / "tokenizer.tiktoken", Path(run_dir) / "tokenizer.source"
+    if meta.get("tokenizer") is not None:
+        return meta["tokenizer"]
+    if ranks.is_file():
+        return str(ranks.resolve())
+    if source.is_file():
+        return source.read_text().strip()
+    return None
+
+
+def tokenizer_from_spec(spec: str) -> Any:
+    """A pretrained checkpoint's tokenizer (an HF directory, .gguf or tokenizer.json), a
+    `.tiktoken` rank file, or an OpenAI encoding name."""
+    from data.tokenizers import load_ranks, openai_encoding
+
     source = Path(spec)
     if source.is_dir() or source.suffix in (".gguf", ".json"):
         from data.pretrained_tokenizer import tokenizer_from_pretrained
 
-        return model, tokenizer_from_pretrained(spec)
-    return model, load_ranks(spec) if source.is_file() else openai_encoding(spec)
+        return tokenizer_from_pretrained(spec)
+    return load_ranks(spec) if source.is_file() else openai_encoding(spec)

@@ -4,6 +4,8 @@
 either plainly or, with a mesh, with the parameters', optimizer state's and batch's shardings in
 and out and the sharding rules active while it is traced (so `shard.constrain` places the
 activations; XLA's SPMD partitioner inserts the all-gathers, reduce-scatters and all-reduces).
+Both are plain `jax.jit` objects, so `.lower(params, opt_state, batch).compile(options)` gives the
+per-device program ahead of time (`.as_text()`: the collectives it runs; tests/shard read it).
 
 Mixed precision: the model holds `Config.param_dtype` weights (float32 master weights, so the
 AdamW state is float32 too) and computes in `Config.dtype` (e.g. bfloat16); gradients arrive in
@@ -23,9 +25,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
+import shard
 from data.packing import Batch
 from layers.moe import MoEStats
 from training.loss import loss_terms
@@ -121,7 +123,7 @@ def compile_steps(
     if model is None:
         raise ValueError("compile_steps with a mesh needs the model to read its shardings from")
     params_s, state_s, batch_s = placement.shardings(optimizer, model)
-    replicated = NamedSharding(placement.mesh, PartitionSpec())
+    replicated = shard.replicated(placement.mesh)
     train_jit = jax.jit(
         train,
         in_shardings=(params_s, state_s, batch_s),

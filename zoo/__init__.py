@@ -4,9 +4,11 @@ from zoo import math
 from zoo.config import Config
 from zoo.output import ModelOutput, moe_aux_loss
 from zoo.presets import preset, presets
+from zoo.runtime import RUNTIME_FIELDS, with_runtime
 from zoo.transformer import Block, Transformer
 
 __all__ = [
+    "RUNTIME_FIELDS",
     "Block",
     "Config",
     "ModelOutput",
@@ -17,6 +19,7 @@ __all__ = [
     "preset",
     "presets",
     "save_pretrained",
+    "with_runtime",
 ]
 
 

@@ -1,6 +1,7 @@
-"""A few sharded Adam steps of a tiny model, run by tests/shard/test_multihost.py in each of
-two processes (4 CPU devices each, joined by `jax.distributed.initialize`) and, for reference,
-in one process with 8 devices (NUM_PROCESSES 1: no distributed runtime).
+"""A few sharded Adam steps of a tiny model by train.py's step (training/step.py), run by
+tests/shard/test_multihost.py in each of two processes (4 CPU devices each, joined by
+`jax.distributed.initialize`) and, for reference, in one process with 8 devices (NUM_PROCESSES 1:
+no distributed runtime).
 
     python tests/shard/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz
 """
@@ -16,32 +17,30 @@ STEPS = 3
 def train() -> tuple[list[float], list[np.ndarray]]:
     """Losses of each step and the final parameters (whole, on the host) on a fsdp=4 x tensor=2
     mesh over every device of every process."""
-    import equinox as eqx
     import optax
     from jax.experimental import multihost_utils
 
     import shard
     import zoo
+    from data.packing import to_batch
+    from training.placement import Placement
+    from training.step import compile_steps, split_model
 
     config = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
-    rules, mesh = shard.ShardingRules.preset("fsdp_tp"), shard.mesh(fsdp=4, tensor=2)
-    model = shard.init_sharded(config, rules, mesh, jax.random.key(0))
+    placement = Placement(shard.mesh(fsdp=4, tensor=2), shard.ShardingRules.preset("fsdp_tp"))
+    model = placement.init_model(config, jax.random.key(0))
     optimizer = optax.adam(1e-2)
-    state = shard.init_opt_state(optimizer, model, rules, mesh)
-
-    def loss_fn(model, tokens):
-        logits = model(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    step = shard.ShardedStep(loss_fn, optimizer, model, rules, mesh)
+    state = placement.init_opt_state(optimizer, model)
+    params, static = split_model(model)
+    step, _ = compile_steps(static, optimizer, placement=placement, model=model)
     # One batch, seen every step, so the loss must fall.
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 9)).astype(np.int32)
-    batch = shard.shard_batch(tokens, rules, mesh)
+    batch = placement.batch(to_batch(tokens, np.ones_like(tokens)))
     losses = []
     for _ in range(STEPS):
-        model, state, loss = step(model, state, batch)
-        losses.append(float(loss))
-    params = multihost_utils.process_allgather(eqx.filter(model, eqx.is_array), tiled=True)
+        params, state, metrics = step(params, state, batch)
+        losses.append(float(metrics.loss))
+    params = multihost_utils.process_allgather(params, tiled=True)
     return losses, [np.asarray(p) for p in jax.tree.leaves(params)]
 
 

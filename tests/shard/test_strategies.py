@@ -1,7 +1,8 @@
-"""Every preset on 8 fake CPU devices: the sharded training step computes the unsharded model's
-loss and gradients, each parameter's shard has the expected shape, and the compiled step runs
-the collectives its strategy promises (and no others that would defeat it). Expert parallelism
-runs a mixture-of-experts model with capacity dispatch (all-to-all) and with dropless dispatch.
+"""Every preset on 8 fake CPU devices: the training step (training/step.py, given a sharded
+Placement) computes the unsharded model's loss and gradients, each parameter's shard has the
+expected shape, and the compiled step runs the collectives its strategy promises (and no others
+that would defeat it). Expert parallelism runs a mixture-of-experts model with capacity dispatch
+(all-to-all) and with dropless dispatch.
 
 One layer everywhere: depth changes none of these properties (the layers are scanned). Compiled
 without LLVM's optimisations (FAST_COMPILE): they cost most of the CPU compile time of these tiny
@@ -19,7 +20,10 @@ import pytest
 
 import shard
 import zoo
+from data.packing import to_batch
 from layers.moe import expert_capacity
+from training.placement import Placement
+from training.step import compile_steps, split_model
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
 DENSE = zoo.preset(
@@ -27,6 +31,8 @@ DENSE = zoo.preset(
 )
 MOE = zoo.preset("tiny-moe", n_layers=1, attention="naive", moe_dispatch="capacity")
 TOKENS = np.random.default_rng(0).integers(0, DENSE.vocab_size, (8, 17)).astype(np.int32)
+# One document per row: every target counts.
+BATCH = to_batch(TOKENS, np.ones_like(TOKENS))
 # Slots per expert and sequence of MOE (16 tokens per sequence).
 CAPACITY = expert_capacity(16, MOE.n_experts_per_token, MOE.n_experts, MOE.capacity_factor)
 
@@ -60,9 +66,12 @@ CASES = {
 
 
 def loss_fn(model, tokens):
+    """(cross-entropy + MoE aux loss, (cross-entropy, aux loss)), written apart from
+    training/loss.py: the reference the step is checked against."""
     out = model.forward(tokens[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:]).mean()
-    return ce + zoo.moe_aux_loss(out.aux, model.config)
+    aux = zoo.moe_aux_loss(out.aux, model.config)
+    return ce + aux, (ce, aux)
 
 
 def collectives(hlo: str) -> list[tuple[str, str]]:
@@ -72,8 +81,8 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
 
 
 def reference(config):
-    """Unsharded model (on one device), loss and gradients. Jitted: one fast compile costs less
-    than running the initialiser and the gradient op by op."""
+    """Unsharded model (on one device), (cross-entropy, aux loss) and gradients. Jitted: one
+    fast compile costs less than running the initialiser and the gradient op by op."""
     key = jax.random.key(0)
     static = eqx.partition(eqx.filter_eval_shape(zoo.Transformer, config, key=key), eqx.is_array)[1]
 
@@ -81,14 +90,18 @@ def reference(config):
         return eqx.filter(zoo.Transformer(config, key=key), eqx.is_array)
 
     def value_and_grad(params, tokens):
-        return jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), tokens))(params)
+        objective = jax.value_and_grad(
+            lambda p: loss_fn(eqx.combine(p, static), tokens), has_aux=True
+        )
+        (_, terms), grads = objective(params)
+        return terms, grads
 
     params = jax.jit(init).lower(key).compile(FAST_COMPILE)(key)
     tokens = jnp.asarray(TOKENS)
-    loss, grads = (
+    terms, grads = (
         jax.jit(value_and_grad).lower(params, tokens).compile(FAST_COMPILE)(params, tokens)
     )
-    return eqx.combine(params, static), loss, grads
+    return eqx.combine(params, static), terms, grads
 
 
 @pytest.fixture(scope="module")
@@ -99,26 +112,30 @@ def references():
 
 @pytest.fixture(scope="module", params=list(CASES))
 def run(request, references):
-    """One SGD step (lr 1, so new = old - grad) of each case, compiled once."""
+    """One SGD step (lr 1, so new = old - grad) of each case by train.py's step, compiled once."""
     name = request.param
     config, preset, mesh_shape, _ = CASES[name]
-    rules, mesh = shard.ShardingRules.preset(preset), shard.mesh(**mesh_shape)
+    placement = Placement(shard.mesh(**mesh_shape), shard.ShardingRules.preset(preset))
     # Placed rather than created sharded, to save a compile (tests/shard/test_init.py
     # covers init_sharded).
-    model = shard.shard_model(references[config][0], rules, mesh)
+    model = placement.place_model(references[config][0])
     optimizer = optax.sgd(1.0)
-    state = shard.init_opt_state(optimizer, model, rules, mesh)
-    batch = shard.shard_batch(TOKENS, rules, mesh)
-    step = shard.ShardedStep(loss_fn, optimizer, model, rules, mesh)
-    compiled = step.compile(model, state, batch, compiler_options=FAST_COMPILE)
-    params, _, loss = compiled(eqx.filter(model, eqx.is_array), state, batch)
-    return name, eqx.combine(params, step.static), loss, compiled.as_text()
+    state = placement.init_opt_state(optimizer, model)
+    batch = placement.batch(BATCH)
+    params, static = split_model(model)
+    step, _ = compile_steps(static, optimizer, placement=placement, model=model)
+    compiled = step.lower(params, state, batch).compile(FAST_COMPILE)
+    params, _, metrics = compiled(params, state, batch)
+    return name, eqx.combine(params, static), metrics, compiled.as_text()
 
 
 def test_loss_and_gradients_match_unsharded(run, references):
-    name, new_model, loss, _ = run
-    ref_model, ref_loss, ref_grads = references[CASES[name][0]]
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    name, new_model, metrics, _ = run
+    ref_model, (ref_ce, ref_aux), ref_grads = references[CASES[name][0]]
+    np.testing.assert_allclose(metrics.loss, ref_ce, rtol=1e-5)
+    np.testing.assert_allclose(metrics.aux_loss, ref_aux, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics.loss + metrics.aux_loss, ref_ce + ref_aux, rtol=1e-5)
+    np.testing.assert_allclose(metrics.grad_norm, optax.tree.norm(ref_grads), rtol=1e-4)
     expected = jax.tree.map(lambda p, g: p - g, eqx.filter(ref_model, eqx.is_array), ref_grads)
     got = eqx.filter(new_model, eqx.is_array)
     for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):

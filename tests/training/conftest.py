@@ -28,11 +28,15 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def make_argv(corpus: Path, cache_dir: Path):
-    """argv for train.main: a 2-layer Llama on the tiny corpus, a few steps, no measurement."""
+    """argv for train.main: a 2-layer Llama (or the checkpoint `init_from`) on the tiny corpus, a
+    few steps, no measurement."""
 
-    def argv(out: Path, *extra: str, data: Path | None = None) -> list[str]:
+    def argv(
+        out: Path, *extra: str, data: Path | None = None, init_from: Path | None = None
+    ) -> list[str]:
+        model = ["--model", "tiny-llama", "--override", "vocab_size=320"]
         return [
-            "--model", "tiny-llama", "--override", "vocab_size=320", "--vocab-size", "300",
+            *(["--init-from", str(init_from)] if init_from else model), "--vocab-size", "300",
             "--data", str(data or corpus), "--seq-len", "16", "--batch-size", "4",
             "--steps", "4", "--warmup", "1", "--lr", "1e-2", "--log-every", "1",
             "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2",

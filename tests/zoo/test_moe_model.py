@@ -1,8 +1,6 @@
 """MoE models: config checks, parameter counts (total and active), interleaved stacks, the typed
 forward output, equivalence with a dense model, compile size."""
 
-import copy
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -35,13 +33,6 @@ def interleaved():
 @pytest.fixture(scope="module")
 def dense():
     return zoo.Transformer(zoo.preset("tiny-llama"), key=jax.random.key(0))
-
-
-def with_config(model, config):
-    """The same weights run another way (the config is a static field, so not a pytree leaf)."""
-    model = copy.copy(model)
-    object.__setattr__(model, "config", config)
-    return model
 
 
 def test_published_moe_parameter_counts():
@@ -146,9 +137,9 @@ def test_one_expert_equals_the_dense_model(dense, dispatch):
 
 
 def test_interleaved_scan_equals_unrolled_loop(interleaved):
-    config = INTERLEAVED.replace(remat="full")
-    scanned = with_config(interleaved, config)
-    unrolled = with_config(interleaved, config.replace(scan_layers=False))
+    scanned = zoo.with_runtime(interleaved, remat="full")
+    unrolled = zoo.with_runtime(interleaved, remat="full", scan_layers=False)
+    config = scanned.config
     a, b = scanned.forward(TOKENS), unrolled.forward(TOKENS)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
