@@ -2,6 +2,7 @@
 init, activation constraints and the pieces of a sharded training step."""
 
 from shard.axes import LogicalAxes, logical_axes
+from shard.manual import active_specs, per_shard
 from shard.mesh import mesh, parse_mesh
 from shard.params import init_sharded, param_shardings, param_specs, shard_model
 from shard.rules import (
@@ -21,6 +22,7 @@ __all__ = [
     "LogicalAxes",
     "ShardedStep",
     "ShardingRules",
+    "active_specs",
     "constrain",
     "init_opt_state",
     "init_sharded",
@@ -31,6 +33,7 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "parse_mesh",
+    "per_shard",
     "presets",
     "shard_batch",
     "shard_model",
