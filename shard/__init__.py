@@ -4,6 +4,7 @@ step that uses them is training/step.py's (one implementation, with or without a
 
 from shard.axes import LogicalAxes, logical_axes
 from shard.batch import shard_batch
+from shard.manual import active_specs, per_shard
 from shard.mesh import mesh, parse_mesh
 from shard.params import (
     init_opt_state,
@@ -29,6 +30,7 @@ __all__ = [
     "MESH_AXES",
     "LogicalAxes",
     "ShardingRules",
+    "active_specs",
     "constrain",
     "init_opt_state",
     "init_sharded",
@@ -39,6 +41,7 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "parse_mesh",
+    "per_shard",
     "presets",
     "replicated",
     "shard_batch",

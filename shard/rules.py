@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 LOGICAL_AXES = (
@@ -187,7 +187,7 @@ def check_divisible(
             )
 
 
-def check_mesh(rules: ShardingRules, mesh: Mesh) -> None:
+def check_mesh(rules: ShardingRules, mesh: Mesh | AbstractMesh) -> None:
     """Every mesh axis the rules name must exist in `mesh`."""
     for logical, target in rules.mapping + rules.param_mapping:
         for mesh_axis in _as_tuple(target):
@@ -205,20 +205,27 @@ def named_sharding(axes: str, rules: ShardingRules, mesh: Mesh) -> NamedSharding
     return NamedSharding(mesh, rules.partition_spec(tuple(axes.split())))
 
 
-_ACTIVE: contextvars.ContextVar[tuple[ShardingRules, Mesh] | None] = contextvars.ContextVar(
+Active = tuple[ShardingRules, Mesh | AbstractMesh]
+_ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
     "active_sharding", default=None
 )
 
 
 @contextlib.contextmanager
-def use_rules(rules: ShardingRules, mesh: Mesh):
-    """Make `constrain` place activations on `mesh` according to `rules` inside this block."""
+def use_rules(rules: ShardingRules, mesh: Mesh | AbstractMesh):
+    """Make `constrain` place activations on `mesh` according to `rules` inside this block (an
+    abstract mesh serves to lower for devices this machine lacks)."""
     check_mesh(rules, mesh)
     token = _ACTIVE.set((rules, mesh))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active() -> Active | None:
+    """The (rules, mesh) of the innermost `use_rules` block, or None outside any."""
+    return _ACTIVE.get()
 
 
 def constrain(x: Array, axes: str) -> Array:

@@ -1,7 +1,8 @@
 """Flash attention in Pallas (Dao et al. 2022; FlashAttention-2, Dao 2023).
 
 - `attention.py`: the entry point `flash_attention(q, k, v, mask)` and its `jax.custom_vjp`;
-  decode (seq == 1) goes to `xla_attention`, see there why.
+  decode (seq == 1) goes to `xla_attention`, see there why. Under active sharding rules it runs
+  per shard (`shard.per_shard`, i.e. `jax.shard_map`): XLA cannot partition a Pallas call.
 - `forward.py`: the forward kernel (running max / denominator, saves the log-sum-exp).
 - `backward.py`: the dK/dV and dQ kernels.
 - `tiles.py`: per-tile visibility from positions and segment ids (tile skipping, element masks).

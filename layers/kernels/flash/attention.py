@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from layers.kernels.flash.backward import flash_backward
@@ -28,6 +29,7 @@ from layers.kernels.flash.forward import flash_forward
 from layers.kernels.flash.tiles import tile_ranges, tile_visibility
 from layers.kernels.mask import AttentionMask
 from layers.kernels.xla import xla_attention
+from shard.manual import active_specs, per_shard
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -63,6 +65,33 @@ def _ranges(mask: AttentionMask, rows, block_q: int, block_k: int):
     return tile_ranges(visible, full)
 
 
+Q_AXES = "batch seq heads head_dim"
+KV_AXES = "batch kv_seq kv_heads head_dim"
+
+
+def _mesh_axes(entry) -> tuple:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _check_specs(q_spec: PartitionSpec, kv_spec: PartitionSpec) -> None:
+    """Per shard, each device needs whole sequences, whole heads and whole GQA groups."""
+    for spec, names in ((q_spec, Q_AXES.split()), (kv_spec, KV_AXES.split())):
+        for name in ("seq", "kv_seq", "head_dim"):
+            if name in names and _mesh_axes(spec[names.index(name)]):
+                raise ValueError(
+                    f"flash attention runs per shard over batch and heads only, but the sharding "
+                    f"rules split {name!r} over mesh axes {spec[names.index(name)]!r}; map "
+                    f"{name!r} to None in the rules (sequence-parallel attention is not "
+                    "implemented) or use attention='xla'"
+                )
+    if _mesh_axes(q_spec[2]) != _mesh_axes(kv_spec[2]):
+        raise ValueError(
+            f"flash attention: the sharding rules split 'heads' over {q_spec[2]!r} but "
+            f"'kv_heads' over {kv_spec[2]!r}; map both to the same mesh axes so that each "
+            "device holds whole groups of query heads with their K/V head"
+        )
+
+
 def flash_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch kv_seq kv_heads head_dim"],
@@ -81,11 +110,27 @@ def flash_attention(
     [16, 256] and the dtype float32, bfloat16 or float16; anything else is a ValueError.
     A query that sees no key at all (impossible in causal self-attention) gets an arbitrary but
     finite output (naive gives the mean of V), which no test or caller should rely on.
+
+    Under active sharding rules (`shard.use_rules`) the kernel runs per shard (`jax.shard_map`):
+    XLA cannot partition a Pallas call and would all-gather q, k, v to every device. The batch is
+    split as the rules split "batch", heads as they split "heads"/"kv_heads" (which must agree);
+    rules that split the sequence or head_dim are a ValueError.
     """
     check_inputs(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
-    seq, kv_seq, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    if seq == 1:
+    if q.shape[1] == 1:
         return xla_attention(q, k, v, mask)
+    specs = active_specs(Q_AXES, KV_AXES)
+    if specs is not None:
+        _check_specs(*specs)
+    local = functools.partial(_flash_local, block_sizes=block_sizes, interpret=interpret)
+    return per_shard(local, in_axes=(Q_AXES, KV_AXES, KV_AXES, "batch"), out_axes=Q_AXES)(
+        q, k, v, mask
+    )
+
+
+def _flash_local(q, k, v, mask: AttentionMask, *, block_sizes: BlockSizes, interpret):
+    """The kernel on the arrays one device holds (all of them when nothing is sharded)."""
+    seq, kv_seq, head_dim = q.shape[1], k.shape[1], q.shape[3]
     blocks = block_sizes
     plan = Plan(
         causal=mask.causal,
