@@ -22,6 +22,7 @@ import jax
 
 import infer
 import train
+from shard.xla_flags import set_default_xla_flags
 
 DATA = Path(__file__).parent / "data" / "questions.jsonl"
 
@@ -80,4 +81,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    set_default_xla_flags()  # before the first computation: XLA reads its flags once
     main()

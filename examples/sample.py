@@ -24,6 +24,7 @@ import jax
 import infer
 import shard
 import zoo
+from shard.xla_flags import set_default_xla_flags
 from training.checkpoint import load_run
 
 
@@ -142,4 +143,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    set_default_xla_flags()  # before the first computation: XLA reads its flags once
     main()

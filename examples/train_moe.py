@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 import train
+from shard.xla_flags import set_default_xla_flags
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -39,4 +40,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    set_default_xla_flags()  # before the first computation: XLA reads its flags once
     main()
