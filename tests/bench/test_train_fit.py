@@ -1,5 +1,7 @@
 """bench/train.py's choice of remat policy and batch: zoo.math ranks, the compiler confirms."""
 
+import pytest
+
 import zoo
 from bench.train import candidates, compile_step, fit_step
 
@@ -23,3 +25,15 @@ def test_fit_step_takes_the_first_candidate_whose_compiled_step_fits():
     assert chosen > 0 and needed <= 0.9 * budget
     for remat, b in pairs[:chosen]:
         assert compile_step(CONFIG.replace(remat=remat), b, 64)[1] > 0.9 * budget
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_memory_estimate_is_close_to_the_compiled_steps(remat):
+    # zoo.math counts what each block saves; XLA's buffer assignment is the measurement.
+    config = zoo.preset(
+        "tiny-llama", n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, d_ff=704,
+        vocab_size=2048, max_seq_len=512, attention="xla", remat=remat,
+    )  # fmt: skip
+    predicted = zoo.math.training_memory_bytes(config, 4, 512, remat=remat)
+    compiled = compile_step(config, 4, 512)[1]
+    assert 0.8 < compiled / predicted < 1.4
