@@ -36,7 +36,7 @@ from training.model_config import DEFAULT_MODEL, check_fits, imported_changes, p
 from training.optimizer import adamw, learning_rate
 from training.placement import Placement
 from training.step import compile_steps, split_model
-from training.telemetry import Telemetry, hardware
+from training.telemetry import Telemetry, compiled_memory_bytes, hardware
 from zoo import Transformer, with_runtime
 
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     del model  # its arrays are `params`, which the step donates
     val_batches = [placement.batch(b) for b in val_batches]
     hw = hardware(args.peak_flops, args.peak_bandwidth, config.dtype)
-    telemetry = Telemetry(run_dir, config, args.batch_size, args.seq_len, hw)
+    telemetry = Telemetry(run_dir, config, args.batch_size, args.seq_len, hw, accum=args.grad_accum)
     summary = {"val_loss": None, "initial_val_loss": None}
     if args.init_from and not args.resume:
         val_loss = evaluate(eval_fn, params, val_batches)
@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
             batch = next(batches)
+            if step == start + 1:  # compile ahead of time, to print its memory beside zoo.math's
+                train_fn = train_fn.lower(params, opt_state, batch).compile()
+                say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
             params, opt_state, metrics = train_fn(params, opt_state, batch)
             loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
             step_s = time.perf_counter() - t0

@@ -27,6 +27,7 @@ from bench.harness import (
 from data.packing import Batch
 from training.optimizer import adamw, learning_rate
 from training.step import compile_steps, split_model
+from training.telemetry import compiled_memory_bytes
 from zoo import Config, Transformer, math, preset
 
 GPU_SEQ = 2048
@@ -64,9 +65,7 @@ def compile_step(config: Config, batch: int, seq: int):
     state = jax.eval_shape(OPTIMIZER.init, params)
     data = Batch(*(jax.ShapeDtypeStruct((batch, seq), d) for d in ("int32",) * 3 + ("float32",)))
     compiled = train_step.lower(params, state, data).compile()
-    m = compiled.memory_analysis()
-    used = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return compiled, used + m.temp_size_in_bytes
+    return compiled, compiled_memory_bytes(compiled)
 
 
 def fit_step(config: Config, seq: int, memory: float):

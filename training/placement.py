@@ -51,6 +51,10 @@ class Placement:
     def sharded(self) -> bool:
         return self.mesh is not None
 
+    @property
+    def devices(self) -> int:
+        return self.mesh.size if self.sharded else 1
+
     def describe(self) -> str:
         if not self.sharded:
             return f"one device ({jax.devices()[0].platform})"

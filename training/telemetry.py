@@ -21,11 +21,33 @@ def hardware(peak_flops: float = 0.0, bandwidth: float = 0.0, dtype: str = "floa
     return zmath.detect_hardware()
 
 
+def compiled_memory_bytes(compiled) -> int:
+    """Device bytes a compiled program needs, from XLA's memory analysis: its arguments and outputs
+    (a donated argument's output reuses its buffer) and its temporaries."""
+    m = compiled.memory_analysis()
+    used = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return used + m.temp_size_in_bytes
+
+
 class Telemetry:
     """Writes `metrics.jsonl` in the run directory and turns step timings into MFU."""
 
-    def __init__(self, run_dir: Path, config: Config, batch: int, seq_len: int, hw: zmath.Hardware):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: Config,
+        batch: int,
+        seq_len: int,
+        hw: zmath.Hardware,
+        *,
+        accum: int = 1,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.config = config
+        # Activations are live for one micro-batch at a time.
+        self.predicted_bytes = zmath.training_memory_bytes(
+            config, batch // accum, seq_len, remat=config.remat
+        )
         self.tokens_per_step = batch * seq_len
         self.flops_per_token = zmath.training_flops_per_token(config, seq_len)
         self.peak = hw.peak_flops(config.dtype)
@@ -50,6 +72,13 @@ class Telemetry:
             f"step time: predicted {p.time_s * 1e3:.1f} ms ({p.bound}-bound roofline at "
             f"{self.peak / 1e9:.0f} GFLOP/s, {self.hardware.bandwidth / 1e9:.0f} GB/s on "
             f"{self.hardware.name}) vs measured {measured_s * 1e3:.1f} ms"
+        )
+
+    def memory_line(self, compiled_bytes: int, devices: int) -> str:
+        return (
+            f"memory: predicted {self.predicted_bytes / 1e9:.2f} GB (zoo.math, remat="
+            f"{self.config.remat}, all on one device) vs compiled {compiled_bytes / 1e9:.2f} GB "
+            f"per device (XLA's memory analysis of the train step, {devices} device(s))"
         )
 
     def plot(self, path: Path, entropy: float | None = None) -> Path:
