@@ -23,7 +23,8 @@ Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Keep the weight matmuls' outputs and flash attention's output and log-sum-exp (so backward
-    # does not re-run the forward kernel); recompute attention scores and elementwise ops.
+    # does not re-run the forward kernel; JAX >= 0.12: 0.11 hides names inside a custom_vjp from
+    # the policy); recompute attention scores and elementwise ops.
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*FLASH_RESIDUALS),

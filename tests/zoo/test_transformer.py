@@ -111,7 +111,14 @@ def test_tokens_must_be_integers_of_rank_two():
         model(jnp.zeros((4,), jnp.int32))
 
 
-@pytest.mark.parametrize("remat, forward_kernels", [("none", 1), ("dots", 1), ("full", 2)])
+# JAX 0.11 does not show a remat policy the names inside a custom_vjp's forward rule, so there
+# "dots" still re-runs flash's forward kernel in the backward pass (JAX >= 0.12 keeps them).
+DOTS_FORWARD_KERNELS = 1 if jax.__version_info__ >= (0, 12) else 2
+
+
+@pytest.mark.parametrize(
+    "remat, forward_kernels", [("none", 1), ("dots", DOTS_FORWARD_KERNELS), ("full", 2)]
+)
 def test_dots_remat_keeps_flash_residuals(remat, forward_kernels):
     # "dots" saves flash attention's output and log-sum-exp, so the backward pass reuses them
     # instead of re-running the forward kernel as "full" remat does; gradients are unchanged.
