@@ -14,10 +14,10 @@ adds N - 1 decode steps, so one step = (t_N - t_1) / (N - 1). HF is timed the sa
 
 `matmuls ms` is a second, measured ceiling: one program doing only the step's weight matmuls
 (every layer's projections and the LM head, `[batch, in] x [in, out]`, nothing else) at this
-batch. On this CPU XLA's matmul at 8..32 rows streams the weights 2-4x slower than at 1 row
-(bench/RESULTS.md), so at batch >= 8 that, not the step's other work, is what separates decode
-from the bandwidth roofline; `step / matmuls` is the rest of the step's share (attention, cache
-writes, norms, sampling, the loop).
+batch. On this CPU XLA's matmul streams the weights ~4x slower with 8 or 32 rows than with 1
+(bench/RESULTS.md), so at batch >= 8 that, not the step's other work (attention, cache writes,
+norms, sampling, the loop: ~4% of the step in a profile), is what separates decode from the
+bandwidth roofline; `step / matmuls` near 1 says the rest costs little.
 """
 
 import json
