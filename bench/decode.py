@@ -5,23 +5,34 @@ reference venv).
 
     python -m bench decode
 
-CPU: GPT-2 124M and SmolLM2-135M shapes, float32 random weights, batch 1 and 8. GPU: Llama 3.2
-1B shapes in bfloat16 at batch 1 and 32 (no HF peer: the GPU machine has no torch).
+CPU: GPT-2 124M (batch 1, 8, 32) and SmolLM2-135M (batch 1, 8) shapes, float32 random weights;
+HF runs at batch <= 8 only (nan at 32), which keeps the CPU run near two minutes.
+GPU: Llama 3.2 1B shapes in bfloat16 at batch 1 and 32 (no HF peer: the GPU machine has no torch).
 
 Timing: generate with 1 new token is the prefill (plus one sample); generate with N new tokens
 adds N - 1 decode steps, so one step = (t_N - t_1) / (N - 1). HF is timed the same way.
+
+`matmuls ms` is a second, measured ceiling: one program doing only the step's weight matmuls
+(every layer's projections and the LM head, `[batch, in] x [in, out]`, nothing else) at this
+batch. On this CPU XLA's matmul streams the weights ~4x slower with 8 or 32 rows than with 1
+(bench/RESULTS.md), so at batch >= 8 that, not the step's other work (attention, cache writes,
+norms, sampling, the loop: ~4% of the step in a profile), is what separates decode from the
+bandwidth roofline; `step / matmuls` near 1 says the rest costs little.
 """
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 import infer
 import zoo
 from bench.harness import Ceilings, Table, median_seconds, on_gpu, roofline_cells
+from layers import Linear
 
 HF_PYTHON = "/work/main/.venv-ref/bin/python"
 
@@ -73,13 +84,37 @@ def hf_seconds(config: zoo.Config, batch: int, prompt_len: int, new_tokens: int,
     return result["prefill_s"], result["generate_s"]
 
 
+def matmul_seconds(model: zoo.Transformer, batch: int, repeats: int) -> float:
+    """Median time of the decode step's weight matmuls alone: every Linear of every layer and
+    the LM head on a `[batch, in]` input, in one jitted program."""
+    linears = [
+        leaf
+        for block in model.layers()
+        for leaf in jax.tree.leaves(block, is_leaf=lambda x: isinstance(x, Linear))
+        if isinstance(leaf, Linear)
+    ]
+    weights = [lin.weight.reshape(math.prod(lin.in_shape), -1) for lin in linears]
+    dtype = model.config.compute_dtype
+
+    @jax.jit
+    def matmuls(weights, head):
+        outs = [jnp.ones((batch, w.shape[0]), dtype) @ w.astype(dtype) for w in weights]
+        x = jnp.ones((batch, model.config.d_model), dtype)
+        if model.lm_head is None:  # tied: the embedding matrix, [vocab, embed]
+            return outs, jnp.einsum("bd,vd->bv", x, head.astype(dtype))
+        return outs, x @ head.astype(dtype)
+
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    return median_seconds(lambda: matmuls(weights, head), repeats=max(repeats, 3))
+
+
 def cases() -> tuple[list[tuple[str, zoo.Config, int]], int, int, int]:
     """(model name, config, batch) cases, prompt length, new tokens, repeats for this device."""
     if on_gpu():
         config = zoo.preset("llama3-1b", dtype="bfloat16", param_dtype="bfloat16")
         return [("llama3-1b", config, b) for b in (1, 32)], 512, 129, 5
-    names = ["gpt2-124m", "smollm2-135m"]
-    return [(n, zoo.preset(n), b) for n in names for b in (1, 8)], 32, 9, 1
+    batches = {"gpt2-124m": (1, 8, 32), "smollm2-135m": (1, 8)}
+    return [(n, zoo.preset(n), b) for n, bs in batches.items() for b in bs], 32, 9, 1
 
 
 def run(ceilings: Ceilings) -> Table:
@@ -92,7 +127,8 @@ def run(ceilings: Ceilings) -> Table:
             f"Prompt {prompt_len} tokens, {new_tokens} new; median of {repeats} after a warm-up. "
             f"Ceiling: bandwidth {bandwidth / 1e9:.3g} GB/s measured in this run "
             "(copy or matvec, the larger); predicted = "
-            "zoo.math.decode_step_roofline (weights + KV cache bytes, or FLOPs, whichever binds)."
+            "zoo.math.decode_step_roofline (weights + KV cache bytes, or FLOPs, whichever binds); "
+            "matmuls ms = the step's weight matmuls alone at this batch, measured."
         ],
     )
     steps = new_tokens - 1
@@ -119,11 +155,14 @@ def run(ceilings: Ceilings) -> Table:
             "decode tok/s": batch / step_s,
         }
         if not on_gpu():
-            hf = hf_seconds(config, batch, prompt_len, new_tokens, repeats)
+            # HF at batch 32 alone would double the CPU run (its prefill of 1024 tokens): skipped.
+            hf = hf_seconds(config, batch, prompt_len, new_tokens, repeats) if batch <= 8 else None
             hf_tps = batch * steps / (hf[1] - hf[0]) if hf else float("nan")
             row |= {"HF decode tok/s": hf_tps, "ours / HF": row["decode tok/s"] / hf_tps}
         step_bytes = zoo.math.decode_step_bytes(config, batch, context)
         row |= roofline_cells(predicted.time_s, step_s, step_bytes, bandwidth, "GB/s")
+        matmuls_s = matmul_seconds(model, batch, repeats)
+        row |= {"matmuls ms": 1e3 * matmuls_s, "step / matmuls": step_s / matmuls_s}
         table.add(row)
         del model
     return table

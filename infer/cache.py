@@ -13,12 +13,15 @@ from zoo.config import Config
 
 
 class KVCache(eqx.Module):
-    """Per layer, keys and values `[batch, kv_heads, kv_seq, head_dim]`, one array per layer.
+    """Per layer, keys `[batch, kv_heads, kv_seq, head_dim]` and values `[batch, kv_heads,
+    head_dim, kv_seq]`, one array per layer.
 
-    Both choices were measured on this CPU (bench/RESULTS.md): one array per layer instead of a
-    stacked `[layers, ...]` array (a layer's slice of a stacked array is copied inside each step),
-    and `kv_heads` before `kv_seq` (each head's keys contiguous for the q.k and p.v products; the
-    kernels' `[batch, kv_seq, kv_heads, head_dim]` view is a transpose XLA folds away).
+    Each choice was measured on this CPU (bench/decode_layout.py, bench/RESULTS.md): one array per
+    layer instead of a stacked `[layers, ...]` array (a layer's slice of a stacked array is copied
+    inside each step); `kv_heads` before `kv_seq` (each head's keys contiguous); values with
+    `kv_seq` last, so p.v, like q.k, contracts the minor dimension (1.5x faster GQA attention over
+    a 512-slot cache). The kernels' `[batch, kv_seq, kv_heads, head_dim]` views are transposes XLA
+    folds into the attention products (`zoo.transformer.LayerCache`).
 
     `positions`/`segment_ids` `[batch, kv_seq]` describe each slot for the attention mask;
     `lengths` `[batch]` counts the tokens a row holds (its next position); `slot` is the next
@@ -26,7 +29,7 @@ class KVCache(eqx.Module):
     """
 
     k: tuple[Float[Array, "batch kv_heads kv_seq head_dim"], ...]
-    v: tuple[Float[Array, "batch kv_heads kv_seq head_dim"], ...]
+    v: tuple[Float[Array, "batch kv_heads head_dim kv_seq"], ...]
     positions: Int[Array, "batch kv_seq"]
     segment_ids: Int[Array, "batch kv_seq"]
     lengths: Int[Array, " batch"]
@@ -73,11 +76,12 @@ def init_cache(
             f"KV cache max_len={max_len} exceeds Config.max_seq_len={config.max_seq_len}, the size "
             "of the learned position table"
         )
-    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+    k_shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+    v_shape = (batch, config.n_kv_heads, config.head_dim, max_len)
     dtype = dtype or config.compute_dtype
     return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
+        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(config.n_layers)),
+        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(config.n_layers)),
         positions=jnp.zeros((batch, max_len), jnp.int32),
         segment_ids=jnp.zeros((batch, max_len), jnp.int32),
         lengths=jnp.zeros((batch,), jnp.int32),

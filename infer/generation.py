@@ -60,13 +60,12 @@ def _emit(
 
 def _constrain_cache(cache: KVCache) -> KVCache:
     """Pin each layer's keys and values to the cache's logical axes (a no-op without rules)."""
-    axes = "batch kv_heads kv_seq head_dim"
     return eqx.tree_at(
         lambda c: (c.k, c.v),
         cache,
         (
-            tuple(shard.constrain(k, axes) for k in cache.k),
-            tuple(shard.constrain(v, axes) for v in cache.v),
+            tuple(shard.constrain(k, "batch kv_heads kv_seq head_dim") for k in cache.k),
+            tuple(shard.constrain(v, "batch kv_heads head_dim kv_seq") for v in cache.v),
         ),
     )
 
@@ -164,8 +163,8 @@ def generate(
     Sharded generation: give a `mesh` (`shard.mesh(...)`) and `rules`
     (`shard.ShardingRules.preset("tp")`, ...). The weights are placed with `shard.shard_model`,
     the prompts by "batch seq", the KV cache is created and kept in "batch kv_heads kv_seq
-    head_dim", and the model's activation constraints apply; the batch must divide by the mesh
-    axes "batch" maps to.
+    head_dim" (keys) and "batch kv_heads head_dim kv_seq" (values), and the model's activation
+    constraints apply; the batch must divide by the mesh axes "batch" maps to.
     """
     if (mesh is None) != (rules is None):
         raise ValueError("sharded generate needs both mesh and rules (or neither)")

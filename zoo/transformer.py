@@ -39,16 +39,24 @@ def make_norm(config: Config) -> LayerNorm | RMSNorm:
     return RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
 
 
-LayerKV = Float[Array, "batch kv_heads kv_seq head_dim"]
+LayerK = Float[Array, "batch kv_heads kv_seq head_dim"]
+LayerV = Float[Array, "batch kv_heads head_dim kv_seq"]
 
 
 class LayerCache(eqx.Module):
-    """One layer's keys and values (`[batch, kv_heads, kv_seq, head_dim]`, the layout decode reads
-    fastest on CPU) and the slot where this step's tokens go. infer/ owns the cache; this is the
-    part a block needs. Writing touches only the new slots: a donated cache is updated in place."""
+    """One layer's keys `[batch, kv_heads, kv_seq, head_dim]` and values `[batch, kv_heads,
+    head_dim, kv_seq]`, and the slot where this step's tokens go. infer/ owns the cache; this is
+    the part a block needs. Writing touches only the new slots: a donated cache is updated in
+    place.
 
-    k: LayerKV
-    v: LayerKV
+    Both layouts put the dimension that decode attention contracts last: q.k sums over head_dim,
+    p.v over kv_seq, so each is a row-major matrix-vector product per (row, K/V head) and a group
+    of GQA query heads shares one read of its K/V head. With values `[.., kv_seq, head_dim]` XLA
+    contracts p.v over a major dimension: on this CPU the GQA attention of a 512-slot cache ran
+    1.5x slower that way (bench/decode_layout.py, bench/RESULTS.md)."""
+
+    k: LayerK
+    v: LayerV
     slot: Int[Array, ""]
 
     def write(
@@ -61,16 +69,16 @@ class LayerCache(eqx.Module):
         Float[Array, "batch kv_seq kv_heads head_dim"],
     ]:
         """Store this step's k, v at `slot`; return the cache and all its k, v in the kernels'
-        layout (XLA folds the transposes into the attention products)."""
-        start = (0, 0, self.slot, 0)
+        layout (views: XLA folds the transposes into the attention products' operand layouts,
+        no copy of the cache; checked in the compiled HLO)."""
         new_k = jax.lax.dynamic_update_slice(
-            self.k, k.transpose(0, 2, 1, 3).astype(self.k.dtype), start
+            self.k, k.transpose(0, 2, 1, 3).astype(self.k.dtype), (0, 0, self.slot, 0)
         )
         new_v = jax.lax.dynamic_update_slice(
-            self.v, v.transpose(0, 2, 1, 3).astype(self.v.dtype), start
+            self.v, v.transpose(0, 2, 3, 1).astype(self.v.dtype), (0, 0, 0, self.slot)
         )
         cache = LayerCache(new_k, new_v, self.slot)
-        return cache, new_k.transpose(0, 2, 1, 3), new_v.transpose(0, 2, 1, 3)
+        return cache, new_k.transpose(0, 2, 1, 3), new_v.transpose(0, 3, 1, 2)
 
 
 class Block(eqx.Module):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import infer
+import zoo
 
 
 @pytest.mark.parametrize("unstack", [False, True])
@@ -50,3 +51,29 @@ def test_decode_step_donates_the_cache(model):
 def test_unstacked_model_forward_equals_stacked(model):
     tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, model.config.vocab_size)
     np.testing.assert_allclose(model.unstack_layers()(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "xla"])
+@pytest.mark.parametrize(("n_heads", "n_kv_heads", "window"), [(4, 1, None), (4, 2, 3), (4, 4, 5)])
+def test_ragged_decode_equals_each_row_alone(kernel, n_heads, n_kv_heads, window):
+    """MQA/GQA/MHA, with and without a sliding window, over left-padded rows of different
+    lengths: prefill then decode steps give each row's own full forward pass (the cache's
+    `[.., head_dim, kv_seq]` values and `[.., kv_seq, head_dim]` keys read in the kernels' view)."""
+    config = zoo.preset("tiny-llama").replace(
+        n_heads=n_heads, n_kv_heads=n_kv_heads, sliding_window=window, attention=kernel
+    )
+    model = zoo.Transformer(config, key=jax.random.key(3)).unstack_layers()
+    rows = [[7, 3, 9], [1, 2, 3, 4, 5, 6], [11]]
+    new = jax.random.randint(jax.random.key(4), (3, 4), 0, config.vocab_size)
+    longest = max(map(len, rows))
+    padded = jnp.array([[0] * (longest - len(r)) + r for r in rows])
+    cache = infer.init_cache(config, 3, longest + 4)
+    assert cache.v[0].shape == (3, n_kv_heads, config.head_dim, longest + 4)
+    logits, cache = infer.prefill(model, padded, cache, lengths=jnp.array(list(map(len, rows))))
+    steps = [logits[:, -1]]
+    for t in range(3):
+        step, cache = infer.decode_step(model, new[:, t], cache)
+        steps.append(step)
+    for i, row in enumerate(rows):
+        full = model(jnp.array([row + new[i, :3].tolist()]))[0, len(row) - 1 :]
+        np.testing.assert_allclose(jnp.stack([s[i] for s in steps]), full, rtol=1e-5, atol=1e-5)
