@@ -25,6 +25,7 @@ from bench.harness import (
     roofline_cells,
 )
 from data.packing import Batch
+from shard.axes import is_array_like
 from training.optimizer import adamw, learning_rate
 from training.step import compile_steps, split_model
 from training.telemetry import compiled_memory_bytes
@@ -60,7 +61,7 @@ def compile_step(config: Config, batch: int, seq: int):
     """train.py's step compiled ahead of time for these shapes (abstract inputs: nothing is
     allocated) and the bytes XLA's memory analysis says it needs on the device."""
     abstract = jax.eval_shape(lambda: Transformer(config, key=jax.random.key(0)))
-    params, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    params, static = eqx.partition(abstract, is_array_like)
     train_step, _ = compile_steps(static, OPTIMIZER)
     state = jax.eval_shape(OPTIMIZER.init, params)
     data = Batch(*(jax.ShapeDtypeStruct((batch, seq), d) for d in ("int32",) * 3 + ("float32",)))

@@ -12,7 +12,7 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from shard.rules import _as_tuple, active, check_divisible
+from shard.rules import active, check_divisible, mesh_axes_of
 
 
 def active_specs(*axes: str) -> tuple[PartitionSpec, ...] | None:
@@ -44,9 +44,9 @@ def per_shard(f: Callable, in_axes: PyTree[str], out_axes: PyTree[str]) -> Calla
         # split nothing: an array left whole on a mesh axis has its gradient summed over that
         # axis by shard_map's transpose, which on a size-1 axis is a useless all-reduce.
         first, *rest = spec(names)
-        named = set(_as_tuple(first)).union(*map(_as_tuple, rest))
+        named = set(mesh_axes_of(first)).union(*map(mesh_axes_of, rest))
         idle = tuple(a for a, size in mesh.shape.items() if size == 1 and a not in named)
-        return PartitionSpec((*_as_tuple(first), *idle) or None, *rest)
+        return PartitionSpec((*mesh_axes_of(first), *idle) or None, *rest)
 
     def check(names: str, subtree: PyTree) -> None:
         named, sizes = tuple(names.split()), dict(mesh.shape)

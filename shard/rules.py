@@ -78,7 +78,7 @@ def _check_mapping(mapping: Mapping, field: str) -> None:
         if logical in seen:
             raise ValueError(f"ShardingRules.{field}: logical axis {logical!r} is mapped twice")
         seen.add(logical)
-        for mesh_axis in _as_tuple(target):
+        for mesh_axis in mesh_axes_of(target):
             if mesh_axis not in MESH_AXES:
                 raise ValueError(
                     f"ShardingRules.{field}: {logical!r} maps to unknown mesh axis "
@@ -86,7 +86,8 @@ def _check_mapping(mapping: Mapping, field: str) -> None:
                 )
 
 
-def _as_tuple(target: Target) -> tuple[str, ...]:
+def mesh_axes_of(target: Target) -> tuple[str, ...]:
+    """The mesh axes of one rule target or PartitionSpec entry (a name, a tuple of names, None)."""
     return (target,) if isinstance(target, str) else (target or ())
 
 
@@ -98,7 +99,7 @@ def _spec(mapping: Mapping, names: tuple[str, ...]) -> PartitionSpec:
         if name not in LOGICAL_AXES:
             raise ValueError(f"unknown logical axis {name!r} in {names}; known: {LOGICAL_AXES}")
         target = table.get(name)
-        for mesh_axis in _as_tuple(target):
+        for mesh_axis in mesh_axes_of(target):
             if mesh_axis in used:
                 raise ValueError(
                     f"logical axes {used[mesh_axis]!r} and {name!r} both map to mesh axis "
@@ -141,8 +142,8 @@ class ShardingRules:
         table = dict(self.mapping)
         if "expert_batch" in table:
             return self.mapping
-        experts = set(_as_tuple(table.get("experts")))
-        rest = tuple(a for a in _as_tuple(table.get("batch")) if a not in experts)
+        experts = set(mesh_axes_of(table.get("experts")))
+        rest = tuple(a for a in mesh_axes_of(table.get("batch")) if a not in experts)
         return (*self.mapping, ("expert_batch", rest or None))
 
     def mesh_axes(self, logical: str) -> Target:
@@ -166,7 +167,7 @@ def presets() -> list[str]:
 def shard_count(spec: PartitionSpec, mesh_shape: dict[str, int], dim: int) -> int:
     """Into how many pieces `spec` cuts dimension `dim` on a mesh of `mesh_shape`."""
     target = spec[dim] if dim < len(spec) else None
-    return math.prod(mesh_shape[a] for a in _as_tuple(target))
+    return math.prod(mesh_shape[a] for a in mesh_axes_of(target))
 
 
 def check_divisible(
@@ -190,7 +191,7 @@ def check_divisible(
 def check_mesh(rules: ShardingRules, mesh: Mesh | AbstractMesh) -> None:
     """Every mesh axis the rules name must exist in `mesh`."""
     for logical, target in rules.mapping + rules.param_mapping:
-        for mesh_axis in _as_tuple(target):
+        for mesh_axis in mesh_axes_of(target):
             if mesh_axis not in mesh.shape:
                 raise ValueError(
                     f"rules map {logical!r} to mesh axis {mesh_axis!r}, which this mesh "

@@ -26,10 +26,10 @@ GPU_DEFAULTS = {
 }
 
 
-def merged_xla_flags(user_flags: str, defaults: dict[str, str] = GPU_DEFAULTS) -> str:
-    """`user_flags` plus every default the user did not set (the user's value wins)."""
+def merged_xla_flags(user_flags: str) -> str:
+    """`user_flags` plus every GPU default the user did not set (the user's value wins)."""
     named = {flag.lstrip("-").split("=")[0] for flag in user_flags.split()}
-    added = [f"--{name}={value}" for name, value in defaults.items() if name not in named]
+    added = [f"--{name}={value}" for name, value in GPU_DEFAULTS.items() if name not in named]
     return " ".join([*user_flags.split(), *added])
 
 

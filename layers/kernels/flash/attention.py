@@ -30,6 +30,7 @@ from layers.kernels.flash.tiles import tile_ranges, tile_visibility
 from layers.kernels.mask import AttentionMask
 from layers.kernels.xla import xla_attention
 from shard.manual import active_specs, per_shard
+from shard.rules import mesh_axes_of
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -69,22 +70,18 @@ Q_AXES = "batch seq heads head_dim"
 KV_AXES = "batch kv_seq kv_heads head_dim"
 
 
-def _mesh_axes(entry) -> tuple:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _check_specs(q_spec: PartitionSpec, kv_spec: PartitionSpec) -> None:
     """Per shard, each device needs whole sequences, whole heads and whole GQA groups."""
     for spec, names in ((q_spec, Q_AXES.split()), (kv_spec, KV_AXES.split())):
         for name in ("seq", "kv_seq", "head_dim"):
-            if name in names and _mesh_axes(spec[names.index(name)]):
+            if name in names and mesh_axes_of(spec[names.index(name)]):
                 raise ValueError(
                     f"flash attention runs per shard over batch and heads only, but the sharding "
                     f"rules split {name!r} over mesh axes {spec[names.index(name)]!r}; map "
                     f"{name!r} to None in the rules (sequence-parallel attention is not "
                     "implemented) or use attention='xla'"
                 )
-    if _mesh_axes(q_spec[2]) != _mesh_axes(kv_spec[2]):
+    if mesh_axes_of(q_spec[2]) != mesh_axes_of(kv_spec[2]):
         raise ValueError(
             f"flash attention: the sharding rules split 'heads' over {q_spec[2]!r} but "
             f"'kv_heads' over {kv_spec[2]!r}; map both to the same mesh axes so that each "
