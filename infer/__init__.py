@@ -1,14 +1,12 @@
-"""Inference: the KV cache, jitted prefill and decode steps, the on-device generate loop and
-samplers."""
+"""Inference: jitted prefill and decode steps over the model's own forward with a KV cache, the
+on-device generate loop and samplers."""
 
-from infer.cache import KVCache, init_cache
 from infer.generation import generate
 from infer.sampling import Greedy, MinP, Sampler, Temperature, TopK, TopP
 from infer.step import decode_step, prefill
 
 __all__ = [
     "Greedy",
-    "KVCache",
     "MinP",
     "Sampler",
     "Temperature",
@@ -16,6 +14,5 @@ __all__ = [
     "TopP",
     "decode_step",
     "generate",
-    "init_cache",
     "prefill",
 ]

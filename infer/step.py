@@ -1,74 +1,35 @@
-"""Prefill (a whole prompt block into the cache) and one decode step, both through the model's own
-modules (`Transformer.embed_tokens`, `rope`, `run_blocks_cached`, `logits`), jitted with the cache
-donated: the cache is returned, never copied.
-
-Layers run as a Python loop (`Transformer.run_blocks_cached`), never `lax.scan`. Measured on this
-CPU (bench/decode_layout.py, bench/RESULTS.md), a float32 matrix-vector stack runs 2.3x slower as
-a `lax.scan` over stacked weights and 10x slower as an unrolled loop slicing them than with
-per-layer weight arrays (each slice is copied). So pass `model.unstack_layers()` (made once) for
-repeated steps; `generate` does that itself.
-"""
+"""Prefill (a whole prompt block into the cache) and one decode step: the model's own forward
+with a KV cache (`Transformer.forward(..., cache=)`), jitted with the cache donated, so the cache
+is updated in place, never copied. infer/ only orchestrates; the model computes."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from infer.cache import KVCache
-from zoo.transformer import LayerCache, Transformer
-
-
-def forward_cached(
-    model: Transformer,
-    tokens: Int[Array, "batch seq"],
-    valid: Bool[Array, "batch seq"],
-    cache: KVCache,
-) -> tuple[Float[Array, "batch seq embed"], KVCache]:
-    """Final hidden states of `tokens`, written into slots `[slot, slot + seq)` of the cache.
-
-    `valid` marks real tokens (False = padding): a padding slot gets segment id 0 so no real query
-    ever sees it, and each row's positions continue from its own length, so left-padded rows of
-    different lengths share the batch.
-    """
-    seq = tokens.shape[1]
-    segment_ids = valid.astype(jnp.int32)
-    positions = jnp.where(valid, cache.lengths[:, None] + jnp.cumsum(segment_ids, axis=1) - 1, 0)
-    cache = KVCache(
-        k=cache.k,
-        v=cache.v,
-        positions=jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.slot)),
-        segment_ids=jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids, (0, cache.slot)),
-        lengths=cache.lengths + segment_ids.sum(axis=1),
-        slot=cache.slot + seq,
-    )
-    mask = cache.mask(positions, segment_ids, sliding_window=model.config.sliding_window)
-    x = model.embed_tokens(tokens, positions)
-    layer_caches = tuple(
-        LayerCache(k, v, cache.slot - seq) for k, v in zip(cache.k, cache.v, strict=True)
-    )
-    x, layer_caches = model.run_blocks_cached(x, mask, model.rope(positions), layer_caches)
-    k = tuple(c.k for c in layer_caches)
-    v = tuple(c.v for c in layer_caches)
-    return x, KVCache(k, v, cache.positions, cache.segment_ids, cache.lengths, cache.slot)
+from layers.kv_cache import KVCache
+from zoo.transformer import Transformer
 
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _prefill(model, tokens, valid, cache):
-    x, cache = forward_cached(model, tokens, valid, cache)
-    return model.logits(x), cache
+    out = model.forward(tokens, segment_ids=valid.astype(jnp.int32), cache=cache)
+    return out.logits, out.cache
 
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _decode_step(model, token, cache):
-    valid = jnp.ones((token.shape[0], 1), bool)
-    x, cache = forward_cached(model, token[:, None], valid, cache)
-    return model.logits(x)[:, 0], cache
+    out = model.forward(token[:, None], cache=cache)
+    return out.logits[:, 0], out.cache
 
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, what: str) -> None:
-    """Token ids must index the vocabulary (an out-of-range id would silently read garbage)."""
+    """Token ids must be integers that index the vocabulary (an out-of-range id would silently
+    read garbage, a float would be silently truncated)."""
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0]
         raise ValueError(
@@ -76,12 +37,44 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, what: str) -> None:
         )
 
 
+def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    """A batch of prompts as 1-D int arrays: a list of prompts (lists or 1-D arrays of token
+    ids) or a 2-D array. A flat list of ids, a 1-D or 3-D array, non-integer ids, an empty batch
+    or an empty prompt are errors that say what to pass instead."""
+    if isinstance(prompts, np.ndarray | jax.Array):
+        if prompts.ndim != 2:
+            raise ValueError(
+                f"prompts as an array must be 2-D [batch, seq], got shape {prompts.shape}; for one "
+                "prompt pass [ids]"
+            )
+        prompts = list(np.asarray(prompts))
+    if isinstance(prompts, str) or not hasattr(prompts, "__len__"):
+        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; give at least one prompt")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, int | np.integer | float | np.floating):
+            raise ValueError(
+                "prompts must be a list of prompts, each a list of token ids; got a flat list of "
+                f"ids (item {i} is {prompt!r}): for one prompt pass [[1, 2, 3]]"
+            )
+        row = np.asarray(prompt)
+        if row.ndim != 1:
+            raise ValueError(f"prompt {i} must be a 1-D list of token ids, got shape {row.shape}")
+        if row.size == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        check_tokens(row, vocab_size, f"prompt {i}")
+        rows.append(row.astype(np.int64))
+    return rows
+
+
 def _check_room(cache: KVCache, n: int) -> None:
     slot = int(cache.slot)
     if slot + n > cache.max_len:
         raise ValueError(
             f"{n} new token(s) after {slot} cached ones do not fit the KV cache "
-            f"(max_len={cache.max_len}); make a larger cache with init_cache"
+            f"(max_len={cache.max_len}); make a larger cache with model.init_cache"
         )
 
 

@@ -1,5 +1,6 @@
 """Multi-head attention (Vaswani et al. 2017) with grouped K/V heads (GQA, Ainslie et al. 2023;
-MQA when n_kv_heads == 1), optional QK-norm, rotary positions and a pluggable kernel."""
+MQA when n_kv_heads == 1), optional QK-norm, rotary positions, a pluggable kernel and an optional
+KV cache."""
 
 import equinox as eqx
 import jax
@@ -7,16 +8,18 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from layers.kernels import AttentionMask, get_kernel
+from layers.kernels import AttentionKernel, AttentionMask
+from layers.kv_cache import KVSlot
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
 
 
 class Attention(eqx.Module):
-    """x -> q, k, v projections -> (rotary) -> kernel -> output projection.
+    """x -> q, k, v projections -> (rotary) -> [KV cache] -> kernel -> output projection.
 
-    Split into `project` and `attend` so that a KV cache can sit between them (infer/).
+    The kernel is an argument of each call (`layers.kernels.Xla()`, `Flash(...)`, ...), not a
+    weight: the same module runs under any kernel.
     """
 
     q_proj: Linear
@@ -28,7 +31,6 @@ class Attention(eqx.Module):
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    kernel: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -37,7 +39,6 @@ class Attention(eqx.Module):
         n_heads: int,
         n_kv_heads: int,
         head_dim: int,
-        kernel: str = "xla",
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         use_bias: bool = False,
@@ -85,7 +86,6 @@ class Attention(eqx.Module):
         self.q_norm = norm() if qk_norm else None
         self.k_norm = norm() if qk_norm else None
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.kernel = kernel
 
     def project(
         self,
@@ -104,21 +104,19 @@ class Attention(eqx.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return q, k, v
 
-    def attend(
-        self,
-        q: Float[Array, "batch seq heads head_dim"],
-        k: Float[Array, "batch kv_seq kv_heads head_dim"],
-        v: Float[Array, "batch kv_seq kv_heads head_dim"],
-        mask: AttentionMask,
-    ) -> Float[Array, "batch seq embed"]:
-        """Kernel over (possibly cached) keys and values, then the output projection."""
-        return self.o_proj(get_kernel(self.kernel)(q, k, v, mask))
-
     def __call__(
         self,
         x: Float[Array, "batch seq embed"],
         mask: AttentionMask,
         rope: tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]] | None = None,
-    ) -> Float[Array, "batch seq embed"]:
+        *,
+        kernel: AttentionKernel,
+        cache: KVSlot | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], KVSlot | None]:
+        """(output, updated cache or None). With a `cache`, this step's keys and values are
+        written into it and attention runs over every cached slot (the mask hides the empty
+        ones)."""
         q, k, v = self.project(x, rope)
-        return self.attend(q, k, v, mask)
+        if cache is not None:
+            cache, k, v = cache.update(k, v)
+        return self.o_proj(kernel(q, k, v, mask)), cache

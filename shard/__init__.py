@@ -1,12 +1,14 @@
-"""Named logical axes -> device mesh: rules and presets, mesh helper, parameter and optimizer-state
-shardings, sharded init, batches split over the mesh, and activation constraints. The training
-step that uses them is training/step.py's (one implementation, with or without a mesh)."""
+"""Named logical axes -> device mesh: rules and presets, the mesh, `Placement` (how every API takes
+sharding), parameter, cache and optimizer-state shardings, sharded init, batches split over the
+mesh, activation constraints and per-shard calls. This package knows no model: it reads the axis
+names that modules declare (`logical_axes()`). The model-aware plan printer is training/plan.py."""
 
 from shard.axes import LogicalAxes, logical_axes
 from shard.batch import shard_batch
 from shard.manual import active_specs, per_shard
 from shard.mesh import mesh, parse_mesh
 from shard.params import (
+    array_shardings,
     init_opt_state,
     init_sharded,
     opt_state_shardings,
@@ -15,11 +17,13 @@ from shard.params import (
     replicated,
     shard_model,
 )
+from shard.placement import Placement
 from shard.rules import (
     LOGICAL_AXES,
     MESH_AXES,
     ShardingRules,
     constrain,
+    default_rules,
     named_sharding,
     presets,
     use_rules,
@@ -29,9 +33,12 @@ __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
     "LogicalAxes",
+    "Placement",
     "ShardingRules",
     "active_specs",
+    "array_shardings",
     "constrain",
+    "default_rules",
     "init_opt_state",
     "init_sharded",
     "logical_axes",

@@ -34,6 +34,11 @@ def is_array_like(leaf) -> bool:
     return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
+def is_float_array_like(leaf) -> bool:
+    """A real or abstract floating-point array (what an optimizer can train)."""
+    return is_array_like(leaf) and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+
+
 def logical_axes(model: PyTree) -> PyTree:
     """A pytree shaped like `eqx.filter(model, is_array_like)` whose leaves are `LogicalAxes`;
     works on abstract models too, so shardings can be planned before any weight exists."""

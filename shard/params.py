@@ -1,6 +1,8 @@
-"""Parameter shardings: specs from logical axes, placing a model, creating one already sharded
-so that no device ever holds a whole parameter it should only hold a shard of, and the optimizer
-state in the same shardings."""
+"""Shardings from logical axes: a model's parameters (by the rules' parameter mapping), other
+named arrays such as a KV cache (by the activation mapping), placing them, creating a model
+already sharded so that no device ever holds a whole parameter it should only hold a shard of,
+and the optimizer state in the parameters' shardings. Nothing here knows a model: any pytree of
+modules that name their axes (`logical_axes()`) works."""
 
 from collections.abc import Callable
 
@@ -26,21 +28,32 @@ def param_specs(model: PyTree, rules: ShardingRules) -> PyTree:
 def param_shardings(model: PyTree, rules: ShardingRules, mesh: Mesh) -> PyTree:
     """Each parameter's NamedSharding on `mesh` (model may be abstract). Raises, before any
     compilation, for a dimension that does not divide by its mesh axes, naming the parameter."""
+    return _shardings(model, rules, mesh, rules.param_spec)
+
+
+def array_shardings(tree: PyTree, rules: ShardingRules, mesh: Mesh) -> PyTree:
+    """Each array's NamedSharding by the activation mapping (a KV cache: its batch split like
+    the activations', its heads like theirs); same checks as `param_shardings`."""
+    return _shardings(tree, rules, mesh, rules.partition_spec)
+
+
+def _shardings(tree: PyTree, rules: ShardingRules, mesh: Mesh, spec_of) -> PyTree:
     check_mesh(rules, mesh)
-    params = eqx.filter(model, is_array_like)
+    arrays = eqx.filter(tree, is_array_like)
 
     def one(path, leaf, axes):
-        spec = rules.param_spec(axes.names)
+        spec = spec_of(axes.names)
         check_divisible(jax.tree_util.keystr(path), leaf.shape, axes.names, spec, dict(mesh.shape))
         return NamedSharding(mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(one, params, logical_axes(model), is_leaf=_is_axes)
+    return jax.tree_util.tree_map_with_path(one, arrays, logical_axes(tree), is_leaf=_is_axes)
 
 
 def shard_model(model: PyTree, rules: ShardingRules, mesh: Mesh) -> PyTree:
     """`model` with every parameter placed in its sharding (for a model that already exists on
-    the host, e.g. a pretrained load; new models should use `init_sharded`). Always copies, so
-    a training step that donates the placed model cannot delete `model`'s buffers."""
+    the host; new or loaded models should be created in place: `init_sharded`,
+    `zoo.load_pretrained(placement=...)`). Always copies, so a training step that donates the
+    placed model cannot delete `model`'s buffers."""
     params, static = eqx.partition(model, eqx.is_array)
     # A jitted identity, not device_put: its outputs never alias its (undonated) inputs.
     placed = jax.jit(lambda p: p, out_shardings=param_shardings(model, rules, mesh))(params)
@@ -48,32 +61,23 @@ def shard_model(model: PyTree, rules: ShardingRules, mesh: Mesh) -> PyTree:
 
 
 def init_sharded(
-    config,
-    rules: ShardingRules,
-    mesh: Mesh,
-    key: PRNGKeyArray,
-    *,
-    make: Callable[..., PyTree] | None = None,
+    make: Callable[[PRNGKeyArray], PyTree], rules: ShardingRules, mesh: Mesh, key: PRNGKeyArray
 ) -> PyTree:
-    """`make(config, key=key)` (default `zoo.Transformer`) created directly in its shardings:
-    the shapes come from `eqx.filter_eval_shape` (no memory), then the initialiser is jitted
-    with those shardings as `out_shardings`, so each device computes only its own shard."""
-    if make is None:
-        # Imported here because zoo.transformer imports shard (for `constrain`).
-        from zoo.transformer import Transformer as make
-    abstract = eqx.filter_eval_shape(make, config, key=key)
+    """`make(key)` (e.g. `lambda key: zoo.Transformer(config, key=key)`) created directly in its
+    shardings: the shapes come from `eqx.filter_eval_shape` (no memory), then the initialiser is
+    jitted with those shardings as `out_shardings`, so each device computes only its own
+    shard."""
+    abstract = eqx.filter_eval_shape(make, key)
     shardings = param_shardings(abstract, rules, mesh)
     static = eqx.partition(abstract, is_array_like)[1]
-    params = sharded_initialiser(make, config, shardings)(key)
+    params = sharded_initialiser(make, shardings)(key)
     return eqx.combine(params, static)
 
 
-def sharded_initialiser(make: Callable[..., PyTree], config, shardings: PyTree):
+def sharded_initialiser(make: Callable[[PRNGKeyArray], PyTree], shardings: PyTree):
     """The jitted `key -> parameters` function behind `init_sharded` (exposed so tests and the
     plan can inspect its compiled memory)."""
-    return jax.jit(
-        lambda key: eqx.filter(make(config, key=key), eqx.is_array), out_shardings=shardings
-    )
+    return jax.jit(lambda key: eqx.filter(make(key), eqx.is_array), out_shardings=shardings)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

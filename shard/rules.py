@@ -164,6 +164,15 @@ def presets() -> list[str]:
     return list(_PRESETS)
 
 
+def default_rules(sizes: dict[str, int]) -> str:
+    """The preset a mesh's shape suggests (axis name -> size)."""
+    if sizes.get("expert", 1) > 1:
+        return "ep"
+    if sizes.get("tensor", 1) > 1:
+        return "fsdp_tp" if sizes.get("fsdp", 1) > 1 else "tp"
+    return "fsdp" if sizes.get("fsdp", 1) > 1 else "dp"
+
+
 def shard_count(spec: PartitionSpec, mesh_shape: dict[str, int], dim: int) -> int:
     """Into how many pieces `spec` cuts dimension `dim` on a mesh of `mesh_shape`."""
     target = spec[dim] if dim < len(spec) else None

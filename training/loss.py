@@ -1,5 +1,5 @@
 """The training objective. `loss_terms` is the ONE place where the model is called for the loss:
-cross-entropy plus the MoE auxiliary losses (`zoo.moe_aux_loss`, weighted by the Config).
+cross-entropy plus the MoE auxiliary losses (`layers.moe.aux_loss`, weighted by `AuxWeights`).
 
 Cross-entropy is computed in float32 whatever the compute dtype (the logits are upcast before the
 log-softmax), and masked: targets that belong to the next packed document do not count. It is
@@ -9,6 +9,7 @@ accumulation each micro-batch's router is balanced on its own and the step avera
 Megatron and Switch do per device batch). A dense model's aux loss is exactly 0.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -16,8 +17,24 @@ import optax
 from jaxtyping import Array, Float
 
 from data.packing import Batch
-from layers.moe import MoEStats
-from zoo import Transformer, moe_aux_loss
+from layers.moe import MoEStats, aux_loss
+from zoo import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxWeights:
+    """Weights of the MoE router's auxiliary losses in the training loss: Switch load balancing
+    (Fedus et al. 2021) and the ST-MoE z-loss (Zoph et al. 2022). Training settings, not
+    architecture: a checkpoint's model is the same whatever they are."""
+
+    load_balancing: float = 0.01
+    z_loss: float = 0.001
+
+    def __post_init__(self):
+        for name in ("load_balancing", "z_loss"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):
+                raise ValueError(f"AuxWeights.{name} must be finite and >= 0, got {value}")
 
 
 class LossTerms(NamedTuple):
@@ -29,7 +46,12 @@ class LossTerms(NamedTuple):
     moe: MoEStats
 
 
-def loss_terms(model: Transformer, batch: Batch) -> LossTerms:
+DEFAULT_AUX_WEIGHTS = AuxWeights()
+
+
+def loss_terms(
+    model: Transformer, batch: Batch, weights: AuxWeights = DEFAULT_AUX_WEIGHTS
+) -> LossTerms:
     out = model.forward(batch.inputs, segment_ids=batch.segment_ids)
     # logsumexp(logits) - logits[target]: no [batch, seq, vocab] log-probability array is made
     # (GPT-2 shapes, 2 layers, 8 x 256 tokens: the compiled step needs 2.2 GB instead of 2.9).
@@ -40,6 +62,8 @@ def loss_terms(model: Transformer, batch: Batch) -> LossTerms:
     return LossTerms(
         nll_sum=jnp.sum(nll * mask),
         tokens=jnp.sum(mask),
-        aux_loss=moe_aux_loss(out.aux, model.config),
+        aux_loss=aux_loss(
+            out.aux, load_balancing_weight=weights.load_balancing, z_loss_weight=weights.z_loss
+        ),
         moe=out.aux,
     )

@@ -3,7 +3,7 @@ linear warmup then cosine decay, or WSD (warmup-stable-decay, Hu et al. 2024, Mi
 
 Weight decay applies to matrices only (leaves named `weight`: projections, embeddings), not to
 norm scales or biases. The optimizer state has the dtype of the parameters, float32 master
-weights by default (`Config.param_dtype`).
+weights by default (`Policy.param_dtype`).
 """
 
 from typing import Literal

@@ -7,9 +7,9 @@ activations; XLA's SPMD partitioner inserts the all-gathers, reduce-scatters and
 Both are plain `jax.jit` objects, so `.lower(params, opt_state, batch).compile(options)` gives the
 per-device program ahead of time (`.as_text()`: the collectives it runs; tests/shard read it).
 
-Mixed precision: the model holds `Config.param_dtype` weights (float32 master weights, so the
-AdamW state is float32 too) and computes in `Config.dtype` (e.g. bfloat16); gradients arrive in
-the parameters' dtype. Remat follows `Config.remat` inside the model's scanned blocks.
+Mixed precision: the model holds `Policy.param_dtype` weights (float32 master weights, so the
+AdamW state is float32 too) and computes in `Policy.compute_dtype` (e.g. bfloat16); gradients
+arrive in the parameters' dtype. Remat follows `Policy.remat` inside the model's stacks.
 
 Gradient accumulation splits the batch into `accum` micro-batches and sums their gradients in a
 `lax.scan`; dividing every micro-batch's loss sum by the whole batch's token count makes the
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 
-import shard
 from data.packing import Batch
 from layers.moe import MoEStats
-from training.loss import loss_terms
-from training.placement import Placement
+from shard import Placement
+from shard.axes import is_float_array_like
+from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, loss_terms
 from zoo import Transformer
 
 
@@ -48,8 +48,9 @@ class StepMetrics(eqx.Module):
 
 
 def split_model(model: Transformer) -> tuple[Any, Any]:
-    """(trainable float arrays, everything else); the optimizer sees only the first."""
-    return eqx.partition(model, eqx.is_inexact_array)
+    """(trainable float arrays, everything else); the optimizer sees only the first. Works on
+    abstract models too (`eqx.filter_eval_shape`)."""
+    return eqx.partition(model, is_float_array_like)
 
 
 def micro_batches(batch: Batch, accum: int) -> Batch:
@@ -62,14 +63,21 @@ def micro_batches(batch: Batch, accum: int) -> Batch:
 
 
 def train_step(
-    params, opt_state, batch: Batch, *, static, optimizer, accum: int
+    params,
+    opt_state,
+    batch: Batch,
+    *,
+    static,
+    optimizer,
+    accum: int,
+    aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS,
 ) -> tuple[Any, Any, StepMetrics]:
     """One optimizer step on `batch` ([batch, seq] arrays) in `accum` micro-batches."""
     micro = micro_batches(batch, accum)
     total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
 
     def objective(p, mb: Batch):
-        terms = loss_terms(eqx.combine(p, static), mb)
+        terms = loss_terms(eqx.combine(p, static), mb, aux_weights)
         return terms.nll_sum / total + terms.aux_loss / accum, terms
 
     def add_micro(carry, mb: Batch):
@@ -102,6 +110,7 @@ def compile_steps(
     *,
     placement: Placement | None = None,
     model: Transformer | None = None,
+    aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS,
 ) -> tuple[Callable, Callable]:
     """The jitted (train_step, eval_step). Parameters and optimizer state are donated: the step
     updates them in place instead of holding two copies. With a sharded `placement`, `model`
@@ -111,7 +120,13 @@ def compile_steps(
     def train(params, opt_state, batch):
         with placement.context():
             return train_step(
-                params, opt_state, batch, static=static, optimizer=optimizer, accum=accum
+                params,
+                opt_state,
+                batch,
+                static=static,
+                optimizer=optimizer,
+                accum=accum,
+                aux_weights=aux_weights,
             )
 
     def evaluate(params, batch):
@@ -122,8 +137,10 @@ def compile_steps(
         return jax.jit(train, donate_argnums=(0, 1)), jax.jit(evaluate)
     if model is None:
         raise ValueError("compile_steps with a mesh needs the model to read its shardings from")
-    params_s, state_s, batch_s = placement.shardings(optimizer, model)
-    replicated = shard.replicated(placement.mesh)
+    params_s = placement.param_shardings(model)
+    state_s = placement.opt_state_shardings(optimizer, model)
+    batch_s = placement.batch_sharding()
+    replicated = placement.replicated()
     train_jit = jax.jit(
         train,
         in_shardings=(params_s, state_s, batch_s),

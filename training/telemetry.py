@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from zoo import Config
+from zoo import Config, Policy
 from zoo import math as zmath
 
 
@@ -36,6 +36,7 @@ class Telemetry:
         self,
         run_dir: Path,
         config: Config,
+        policy: Policy,
         batch: int,
         seq_len: int,
         hw: zmath.Hardware,
@@ -43,16 +44,14 @@ class Telemetry:
         accum: int = 1,
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.config = config
+        self.config, self.policy = config, policy
         # Activations are live for one micro-batch at a time.
-        self.predicted_bytes = zmath.training_memory_bytes(
-            config, batch // accum, seq_len, remat=config.remat
-        )
+        self.predicted_bytes = zmath.training_memory_bytes(config, batch // accum, seq_len, policy)
         self.tokens_per_step = batch * seq_len
         self.flops_per_token = zmath.training_flops_per_token(config, seq_len)
-        self.peak = hw.peak_flops(config.dtype)
+        self.peak = hw.peak_flops(policy.compute_dtype)
         self.hardware = hw
-        self.predicted = zmath.training_step_roofline(config, batch, seq_len, hw)
+        self.predicted = zmath.training_step_roofline(config, batch, seq_len, hw, policy)
         self.records: list[dict] = []
         self.start = time.time()
 
@@ -77,7 +76,7 @@ class Telemetry:
     def memory_line(self, compiled_bytes: int, devices: int) -> str:
         return (
             f"memory: predicted {self.predicted_bytes / 1e9:.2f} GB (zoo.math, remat="
-            f"{self.config.remat}, all on one device) vs compiled {compiled_bytes / 1e9:.2f} GB "
+            f"{self.policy.remat}, all on one device) vs compiled {compiled_bytes / 1e9:.2f} GB "
             f"per device (XLA's memory analysis of the train step, {devices} device(s))"
         )
 

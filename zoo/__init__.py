@@ -1,25 +1,27 @@
-"""The model zoo: configs, presets, the Transformer assembly and transformer math."""
+"""The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly
+and transformer math."""
 
 from zoo import math
+from zoo.block import Block
 from zoo.config import Config
-from zoo.output import ModelOutput, moe_aux_loss
+from zoo.output import ModelOutput
+from zoo.policy import Policy
 from zoo.presets import preset, presets
-from zoo.runtime import RUNTIME_FIELDS, with_runtime
-from zoo.transformer import Block, Transformer
+from zoo.stack import Stack
+from zoo.transformer import Transformer
 
 __all__ = [
-    "RUNTIME_FIELDS",
     "Block",
     "Config",
     "ModelOutput",
+    "Policy",
+    "Stack",
     "Transformer",
     "load_pretrained",
     "math",
-    "moe_aux_loss",
     "preset",
     "presets",
     "save_pretrained",
-    "with_runtime",
 ]
 
 

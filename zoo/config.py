@@ -1,21 +1,19 @@
-"""The one config every model in the zoo is built from: a frozen, hashable dataclass (so it can be
-static under jit), with derived sizes as properties and every check in `__post_init__`."""
+"""The architecture every model in the zoo is built from: a frozen, hashable dataclass (so it can be
+static under jit), with derived sizes as properties and every check in `__post_init__`. It holds
+what a checkpoint determines; how the model runs (dtypes, remat, kernel, MoE dispatch) is the
+`Policy` (zoo/policy.py). `to_dict`/`from_dict` are its JSON form, type-checked field by field."""
 
 import dataclasses
+import json
+import types
 import typing
-from typing import Literal, get_args
-
-import jax.numpy as jnp
+from typing import Any, Literal, get_args
 
 from layers.rotary import RopeScaling
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
 MlpKind = Literal["gelu", "swiglu"]
-AttentionKernel = Literal["naive", "xla", "flash"]
-DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "full", "dots"]
-MoeDispatch = Literal["dropless", "capacity"]
 RouterScoring = Literal["softmax", "sigmoid"]
 
 
@@ -27,13 +25,16 @@ class Config:
     """Hyperparameters of a decoder-only transformer.
 
     `n_kv_heads` defaults to `n_heads` (MHA); fewer gives GQA, 1 gives MQA. `head_dim` defaults to
-    `d_model // n_heads`. `dtype` is the compute dtype; `param_dtype` the stored weights' dtype.
+    `d_model // n_heads`.
 
     Mixture of experts (`n_experts > 0`): after `first_dense_layers` dense layers, every
     `moe_every`-th layer's MLP is an MoE layer of `n_experts` SwiGLU experts of width `moe_d_ff`
     (default `d_ff`), `n_experts_per_token` of them per token, plus `n_shared_experts` always-on
-    ones; the other layers stay dense with width `d_ff`. The `moe_*_weight`s scale the router's
-    auxiliary losses in the training loss (`zoo.moe_aux_loss`).
+    ones; the other layers stay dense with width `d_ff`.
+
+    `max_seq_len` bounds every sequence and KV cache (`check_length`), for learned and rotary
+    positions alike: a longer context is asked for by raising it (with `rope_scaling` where the
+    family has one).
     """
 
     vocab_size: int
@@ -50,43 +51,22 @@ class Config:
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling | None = None
     mlp: MlpKind = "swiglu"
-    attention: AttentionKernel = "xla"
     tie_embeddings: bool = False
     bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    dtype: DType = "float32"
-    param_dtype: DType = "float32"
-    remat: Remat = "none"
-    scan_layers: bool = True
     n_experts: int = 0
     n_experts_per_token: int = 2
     n_shared_experts: int = 0
     moe_d_ff: int | None = None
-    moe_dispatch: MoeDispatch = "dropless"
-    capacity_factor: float = 1.25
     moe_every: int = 1
     first_dense_layers: int = 0
     router_scoring: RouterScoring = "softmax"
     router_normalize: bool = True
-    moe_load_balancing_weight: float = 0.01
-    moe_z_loss_weight: float = 0.001
 
     def __post_init__(self):
-        for name, kind in [
-            ("norm", Norm),
-            ("position", Position),
-            ("mlp", MlpKind),
-            ("attention", AttentionKernel),
-            ("dtype", DType),
-            ("param_dtype", DType),
-            ("remat", Remat),
-            ("moe_dispatch", MoeDispatch),
-            ("router_scoring", RouterScoring),
-        ]:
-            value, allowed = getattr(self, name), get_args(kind)
-            if value not in allowed:
-                raise ValueError(f"Config.{name}={value!r} is unknown; choose one of {allowed}")
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), _FIELD_TYPES[field.name])
         for name in ["vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"]:
             if getattr(self, name) < 1:
                 raise ValueError(f"Config.{name} must be >= 1, got {getattr(self, name)}")
@@ -122,11 +102,6 @@ class Config:
     def _check_moe(self):
         if self.n_experts < 0:
             raise ValueError(f"Config.n_experts must be >= 0 (0 = dense), got {self.n_experts}")
-        if not self.capacity_factor > 0:
-            raise ValueError(f"Config.capacity_factor must be > 0, got {self.capacity_factor}")
-        for name in ["moe_load_balancing_weight", "moe_z_loss_weight"]:
-            if getattr(self, name) < 0:
-                raise ValueError(f"Config.{name} must be >= 0, got {getattr(self, name)}")
         if self.n_experts == 0:
             return
         if not 1 <= self.n_experts_per_token <= self.n_experts:
@@ -154,14 +129,6 @@ class Config:
                 f"{self.n_layers - self.first_dense_layers} layers after first_dense_layers "
                 "(each group of moe_every layers ends with one MoE layer)"
             )
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def weight_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.param_dtype)
 
     @property
     def q_dim(self) -> int:
@@ -196,3 +163,74 @@ class Config:
         if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None
         return dataclasses.replace(self, **changes)
+
+    def check_length(self, length: int, what: str) -> None:
+        """Refuse a sequence (or KV cache) longer than `max_seq_len`, for every position kind:
+        learned positions have no row past it, and rotary ones were not trained past it."""
+        if length > self.max_seq_len:
+            fix = (
+                "the learned position table has no row past it"
+                if self.position == "learned"
+                else "raise max_seq_len explicitly (with rope_scaling where the family has it) "
+                "for a longer context"
+            )
+            raise ValueError(
+                f"{what} ({length} tokens) exceeds Config.max_seq_len={self.max_seq_len}: {fix}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (`from_dict` reads them back)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @staticmethod
+    def from_dict(fields: dict[str, Any], *, source: str = "config") -> "Config":
+        """A Config from `to_dict`'s form (e.g. a checkpoint's JSON); unknown fields and values of
+        the wrong type are errors naming the field and `source`."""
+        if not isinstance(fields, dict):
+            raise ValueError(f"{source}: a model config must be a JSON object, got {fields!r}")
+        unknown = sorted(set(fields) - set(_FIELD_TYPES))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown Config fields {unknown}; known: {list(_FIELD_TYPES)}"
+            )
+        fields = dict(fields)
+        if isinstance(fields.get("rope_scaling"), dict):
+            try:
+                fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+            except TypeError as error:
+                raise ValueError(f"{source}: bad Config.rope_scaling: {error}") from error
+        try:
+            return Config(**fields)
+        except TypeError as error:
+            raise ValueError(f"{source}: {error}") from error
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from error
+
+
+_FIELD_TYPES = {field.name: field.type for field in dataclasses.fields(Config)}
+
+
+def _check_type(name: str, value: Any, kind: Any) -> None:
+    """A ValueError naming the field when `value` is not of the declared type (a JSON config or
+    an --override can carry any value; bools are not ints here)."""
+    origin, args = typing.get_origin(kind), get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        (kind,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(kind), get_args(kind)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"Config.{name}={value!r} is unknown; choose one of {args}")
+        return
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ValueError(
+            f"Config.{name} must be {getattr(kind, '__name__', kind)}, got {value!r} "
+            f"({type(value).__name__})"
+        )

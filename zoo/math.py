@@ -20,6 +20,9 @@ import jax.numpy as jnp
 
 from layers.moe import expert_capacity
 from zoo.config import Config
+from zoo.policy import Policy
+
+DEFAULT_POLICY = Policy()
 
 
 def _norm_params(config: Config) -> int:
@@ -119,7 +122,9 @@ def forward_flops_per_token(config: Config, seq_len: int, *, causal: bool = True
     return 2.0 * matmul_params(config) + attention_flops_per_token(config, seq_len, causal=causal)
 
 
-def capacity_dispatch_flops_per_token(config: Config, seq_len: int) -> float | int:
+def capacity_dispatch_flops_per_token(
+    config: Config, seq_len: int, capacity_factor: float
+) -> float | int:
     """Extra forward FLOPs per token of capacity dispatch over the model FLOPs: the experts also
     run on the empty slots (experts x capacity slots instead of k per token) and the dispatch
     and combine einsums cost 2 x experts x capacity x d_model each per token."""
@@ -127,7 +132,7 @@ def capacity_dispatch_flops_per_token(config: Config, seq_len: int) -> float | i
     n_moe = len(c.moe_layers)
     if not n_moe:
         return 0
-    capacity = expert_capacity(seq_len, c.n_experts_per_token, c.n_experts, c.capacity_factor)
+    capacity = expert_capacity(seq_len, c.n_experts_per_token, c.n_experts, capacity_factor)
     slots_per_token = c.n_experts * capacity / seq_len
     padding = (slots_per_token - c.n_experts_per_token) * 2 * 3 * c.d_model * c.expert_d_ff
     einsums = 2 * 2 * c.n_experts * capacity * c.d_model
@@ -144,18 +149,21 @@ def bytes_per_element(dtype: str | jnp.dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def weight_bytes(config: Config, dtype: str | None = None) -> int:
-    return param_count(config) * bytes_per_element(dtype or config.param_dtype)
+def weight_bytes(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
+    """The weights, stored in the policy's `param_dtype`."""
+    return param_count(config) * bytes_per_element(policy.param_dtype)
 
 
-def kv_cache_bytes_per_token(config: Config, dtype: str | None = None) -> int:
-    """Keys and values of every layer for one token."""
-    return 2 * config.n_layers * config.kv_dim * bytes_per_element(dtype or config.dtype)
+def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
+    """Keys and values of every layer for one token, in the compute dtype."""
+    return 2 * config.n_layers * config.kv_dim * bytes_per_element(policy.compute_dtype)
 
 
-def decode_step_bytes(config: Config, batch: int, context: int, dtype: str | None = None) -> int:
+def decode_step_bytes(
+    config: Config, batch: int, context: int, policy: Policy = DEFAULT_POLICY
+) -> int:
     """Fewest bytes one decode step must read: all weights once plus each row's KV cache."""
-    return weight_bytes(config, dtype) + batch * context * kv_cache_bytes_per_token(config, dtype)
+    return weight_bytes(config, policy) + batch * context * kv_cache_bytes_per_token(config, policy)
 
 
 def _mlp_width_per_token(config: Config) -> float:
@@ -167,7 +175,9 @@ def _mlp_width_per_token(config: Config) -> float:
     return ((c.n_layers - n_moe) * c.d_ff + n_moe * moe_width) / c.n_layers
 
 
-def activation_bytes_per_token(config: Config, seq_len: int, *, remat: str = "none") -> float | int:
+def activation_bytes_per_token(
+    config: Config, seq_len: int, policy: Policy = DEFAULT_POLICY
+) -> float | int:
     """Activation memory kept for backward, per token: the tensors each block saves, counted from
     the block itself (in the spirit of Korthikanti et al. 2022, eq. 2, without dropout masks).
 
@@ -175,15 +185,16 @@ def activation_bytes_per_token(config: Config, seq_len: int, *, remat: str = "no
       (2 q_dim + 2 kv_dim), the MLP's hidden tensors (SwiGLU: gate, up, silu(gate), product; GELU:
       pre- and post-activation) and, for the naive and xla kernels, the float32 scores and
       probabilities (8 heads x seq bytes); flash keeps only a float32 log-sum-exp per head.
+    (The policy's `remat`, compute dtype and kernel decide which.)
     - "dots": each layer's input and the outputs of its weight matmuls (q, k, v, attention output
       projection, the MLP's up/gate and down), plus flash's output and log-sum-exp (the policy
       keeps them); scores are recomputed.
     - "full": each layer's input only.
     """
-    c = config
-    e = bytes_per_element(c.dtype)
+    c, remat = config, policy.remat
+    e = bytes_per_element(policy.compute_dtype)
     ff = _mlp_width_per_token(c)
-    flash = c.attention == "flash"
+    flash = policy.kernel_name == "flash"
     lse = 4 * c.n_heads if flash else 0
     if remat == "full":
         per_layer = e * c.d_model
@@ -199,16 +210,17 @@ def activation_bytes_per_token(config: Config, seq_len: int, *, remat: str = "no
 
 
 def training_memory_bytes(
-    config: Config, batch: int, seq_len: int, *, remat: str = "none"
+    config: Config, batch: int, seq_len: int, policy: Policy = DEFAULT_POLICY
 ) -> float | int:
     """Parameters + gradients + AdamW moments (float32 master copies) + saved activations + the
     backward's working set (one layer's full activations, recomputed or not, live at once) +
     float32 logits and their gradient."""
     n = param_count(config)
-    state = n * (bytes_per_element(config.param_dtype) + 4 + 8)
+    state = n * (bytes_per_element(policy.param_dtype) + 4 + 8)
     tokens = batch * seq_len
-    saved = activation_bytes_per_token(config, seq_len, remat=remat)
-    one_layer = activation_bytes_per_token(config, seq_len, remat="none") / config.n_layers
+    saved = activation_bytes_per_token(config, seq_len, policy)
+    one_layer = activation_bytes_per_token(config, seq_len, policy.replace(remat="none"))
+    one_layer /= config.n_layers
     logits = tokens * config.vocab_size * 4 * 2
     return state + tokens * (saved + one_layer) + logits
 
@@ -347,17 +359,20 @@ def roofline(
 
 
 def training_step_roofline(
-    config: Config, batch: int, seq_len: int, hardware: Hardware
+    config: Config, batch: int, seq_len: int, hardware: Hardware, policy: Policy = DEFAULT_POLICY
 ) -> Roofline:
     """One optimizer step on `batch x seq_len` tokens: model FLOPs vs reading weights, gradients
     and optimizer state (a lower bound on bytes)."""
     flops = training_flops_per_token(config, seq_len) * batch * seq_len
     n = param_count(config)
-    n_bytes = n * (3 * bytes_per_element(config.param_dtype) + 2 * 8)
-    return roofline(flops, n_bytes, hardware, config.dtype)
+    n_bytes = n * (3 * bytes_per_element(policy.param_dtype) + 2 * 8)
+    return roofline(flops, n_bytes, hardware, policy.compute_dtype)
 
 
-def decode_step_roofline(config: Config, batch: int, context: int, hardware: Hardware) -> Roofline:
+def decode_step_roofline(
+    config: Config, batch: int, context: int, hardware: Hardware, policy: Policy = DEFAULT_POLICY
+) -> Roofline:
     """One decode step for `batch` rows with `context` cached tokens each."""
     flops = batch * forward_flops_per_token(config, 2 * context, causal=True)
-    return roofline(flops, decode_step_bytes(config, batch, context), hardware, config.dtype)
+    n_bytes = decode_step_bytes(config, batch, context, policy)
+    return roofline(flops, n_bytes, hardware, policy.compute_dtype)

@@ -91,7 +91,6 @@ _PRESETS: dict[str, Config] = {
         rope_theta=1_000_000.0,
         n_experts=8,
         n_experts_per_token=2,
-        moe_load_balancing_weight=0.02,
     ),
     # DeepSeek-MoE 16B (Dai et al. 2024): 64 fine-grained routed experts (6 per token) + 2 shared,
     # first layer dense; 16.4B parameters, 2.8B active. Gates are not renormalised.
@@ -109,7 +108,6 @@ _PRESETS: dict[str, Config] = {
         moe_d_ff=1408,
         first_dense_layers=1,
         router_normalize=False,
-        moe_load_balancing_weight=0.001,
     ),
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),

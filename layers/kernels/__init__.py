@@ -1,37 +1,28 @@
 """Attention kernels behind one interface: `kernel(q, k, v, mask) -> out`.
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, kv_seq, kv_heads, head_dim]; mask: AttentionMask.
-`naive` is the specification; `xla` uses jax.nn.dot_product_attention; `flash` is Pallas.
+The functions are `naive_attention` (the specification), `xla_attention`
+(jax.nn.dot_product_attention) and `flash_attention` (Pallas); the objects `Naive()`, `Xla()` and
+`Flash(block_sizes=...)` are what a model's policy holds (kernel.py).
 """
 
-from collections.abc import Callable
-
 from layers.kernels.flash import BlockSizes, flash_attention
+from layers.kernels.kernel import KERNELS, AttentionKernel, Flash, Naive, Xla, kernel_named
 from layers.kernels.mask import AttentionMask, causal_mask
 from layers.kernels.naive import naive_attention
 from layers.kernels.xla import xla_attention
 
-KERNELS: dict[str, Callable] = {
-    "naive": naive_attention,
-    "xla": xla_attention,
-    "flash": flash_attention,
-}
-
-
-def get_kernel(name: str) -> Callable:
-    """The kernel called `name`; an unknown or unavailable name is an error, never a fallback."""
-    if name not in KERNELS:
-        raise ValueError(f"unknown attention kernel {name!r}; known: {sorted(KERNELS)}")
-    return KERNELS[name]
-
-
 __all__ = [
     "KERNELS",
+    "AttentionKernel",
     "AttentionMask",
     "BlockSizes",
+    "Flash",
+    "Naive",
+    "Xla",
     "causal_mask",
     "flash_attention",
-    "get_kernel",
+    "kernel_named",
     "naive_attention",
     "xla_attention",
 ]

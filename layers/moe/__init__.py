@@ -2,12 +2,13 @@
 
 from layers.moe.dispatch import Capacity, Dispatched, Dropless, expert_capacity
 from layers.moe.experts import Experts
-from layers.moe.layer import MoE
+from layers.moe.layer import Dispatch, MoE
 from layers.moe.router import Router, Routing
 from layers.moe.stats import MoEStats, aux_loss, routing_stats
 
 __all__ = [
     "Capacity",
+    "Dispatch",
     "Dispatched",
     "Dropless",
     "Experts",

@@ -1,8 +1,6 @@
 """The mixture-of-experts feed-forward layer: router -> dispatch to k of N experts -> weighted
 sum, plus optional always-on shared experts (DeepSeek-MoE, Dai et al. 2024)."""
 
-from typing import Literal
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ from layers.moe.experts import Experts
 from layers.moe.router import Router, Scoring
 from layers.moe.stats import MoEStats, routing_stats
 
-DispatchKind = Literal["dropless", "capacity"]
+Dispatch = Dropless | Capacity
 
 
 class MoE(eqx.Module):
@@ -23,13 +21,13 @@ class MoE(eqx.Module):
 
     Every token of the batch is routed together (no vmap over the batch). Fine-grained experts
     (DeepSeek-MoE) are many experts with a small `d_ff`; the `n_shared` shared experts are one
-    SwiGLU of width `n_shared x d_ff`, as in DeepSeek-MoE's reference code.
+    SwiGLU of width `n_shared x d_ff`, as in DeepSeek-MoE's reference code. How tokens reach
+    their experts (`Dropless()` or `Capacity(factor)`) is an argument of each call.
     """
 
     router: Router
     experts: Experts
     shared: SwiGLU | None
-    dispatch: Dropless | Capacity
 
     def __init__(
         self,
@@ -39,8 +37,6 @@ class MoE(eqx.Module):
         n_experts: int,
         n_experts_per_token: int,
         n_shared: int = 0,
-        dispatch: DispatchKind = "dropless",
-        capacity_factor: float = 1.25,
         scoring: Scoring = "softmax",
         normalize: bool = True,
         out_init_std: float | None = None,
@@ -48,12 +44,6 @@ class MoE(eqx.Module):
         key: PRNGKeyArray,
     ):
         router_key, experts_key, shared_key = jax.random.split(key, 3)
-        if dispatch == "dropless":
-            self.dispatch = Dropless()
-        elif dispatch == "capacity":
-            self.dispatch = Capacity(capacity_factor)
-        else:
-            raise ValueError(f"dispatch={dispatch!r} is unknown; choose 'dropless' or 'capacity'")
         if n_shared < 0:
             raise ValueError(f"n_shared={n_shared} must be >= 0")
         self.router = Router(
@@ -75,12 +65,12 @@ class MoE(eqx.Module):
         )
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"]
+        self, x: Float[Array, "batch seq embed"], *, dispatch: Dispatch = Dropless()
     ) -> tuple[Float[Array, "batch seq embed"], MoEStats]:
         with jax.named_scope("router"):
             routing = self.router(x)
         with jax.named_scope("experts"):
-            out = self.dispatch(self.experts, x, routing.experts, routing.weights)
+            out = dispatch(self.experts, x, routing.experts, routing.weights)
         y = out.y
         if self.shared is not None:
             with jax.named_scope("shared_experts"):

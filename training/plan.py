@@ -1,9 +1,10 @@
 """The sharding plan, on paper: bytes per device and the collectives of one training step, each
 beside the compute it could hide under (the "will the communication hide under the matmul"
-table). Needs no devices: the mesh is just its axis sizes.
+table). Needs no devices: the mesh is just its axis sizes. It reads the model (zoo), so it sits
+above zoo, beside the training step, while shard/ stays model-free.
 
-    python -m shard.plan --model llama3-8b --mesh fsdp=8
-    python -m shard.plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch 16 --seq 4096
+    python -m training.plan --model llama3-8b --mesh fsdp=8
+    python -m training.plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch 16 --seq 4096
 
 Collective costs are the ring algorithm's bytes sent per device (Patarasuk & Yuan 2009):
 all-gather and reduce-scatter of a full array of S bytes over n devices send S (n-1)/n,
@@ -23,16 +24,24 @@ import math
 import equinox as eqx
 import jax
 
-from layers.moe import expert_capacity
+from layers.kv_cache import K_AXES, V_AXES
+from layers.moe import Capacity, expert_capacity
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
-from shard.rules import MESH_AXES, ShardingRules, check_divisible, presets, shard_count
+from shard.rules import (
+    MESH_AXES,
+    ShardingRules,
+    check_divisible,
+    default_rules,
+    mesh_axes_of,
+    presets,
+    shard_count,
+)
 from zoo import math as zmath
 from zoo.config import Config
+from zoo.policy import Policy
 from zoo.presets import preset
 from zoo.transformer import Transformer
-
-CACHE_AXES = ("layers", "batch", "kv_heads", "kv_seq", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +101,11 @@ class ParamBytes:
     experts: int
 
 
-def param_bytes(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> ParamBytes:
+def param_bytes(
+    config: Config, policy: Policy, rules: ShardingRules, sizes: dict[str, int]
+) -> ParamBytes:
     """Bytes of the parameter shards one device holds (from the model's own logical axes)."""
-    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
     arrays = jax.tree_util.tree_leaves_with_path(eqx.filter(abstract, is_array_like))
     axes = jax.tree.leaves(logical_axes(abstract), is_leaf=lambda x: isinstance(x, LogicalAxes))
     total = layers = experts = 0
@@ -110,20 +121,31 @@ def param_bytes(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> 
     return ParamBytes(total, layers, experts)
 
 
-def param_bytes_per_device(config: Config, rules: ShardingRules, sizes: dict[str, int]) -> int:
+def param_bytes_per_device(
+    config: Config, policy: Policy, rules: ShardingRules, sizes: dict[str, int]
+) -> int:
     """Bytes of the parameter shards one device holds."""
-    return param_bytes(config, rules, sizes).total
+    return param_bytes(config, policy, rules, sizes).total
 
 
 def kv_cache_bytes_per_device(
-    config: Config, rules: ShardingRules, sizes: dict[str, int], batch: int, context: int
+    config: Config,
+    policy: Policy,
+    rules: ShardingRules,
+    sizes: dict[str, int],
+    batch: int,
+    context: int,
 ) -> int:
-    """Keys plus values, `[layers, batch, kv_heads, kv_seq, head_dim]` each, in the compute
-    dtype, sharded by the activation rules."""
-    shape = (config.n_layers, batch, config.n_kv_heads, context, config.head_dim)
-    spec = rules.partition_spec(CACHE_AXES)
-    itemsize = zmath.bytes_per_element(config.dtype)
-    return 2 * _shard_bytes("KV cache", shape, CACHE_AXES, spec, sizes, itemsize)
+    """Keys plus values of every layer in the cache's own layout and logical axes
+    (layers/kv_cache.py), in the compute dtype, sharded by the activation rules."""
+    itemsize = zmath.bytes_per_element(policy.compute_dtype)
+    total = 0
+    for names in (K_AXES, V_AXES):
+        dims = {"batch": batch, "kv_heads": config.n_kv_heads, "kv_seq": context}
+        shape = tuple(dims.get(n, config.head_dim) for n in names)
+        spec = rules.partition_spec(names)
+        total += _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
+    return config.n_layers * total
 
 
 def _ring(kind: str, n_bytes: float | int, n: int) -> float:
@@ -141,12 +163,12 @@ def _label(axes: set[str], sizes: dict[str, int]) -> str:
 
 
 def _targets(rules_mapping, logical: str) -> set[str]:
-    target = dict(rules_mapping).get(logical)
-    return {target} if isinstance(target, str) else set(target or ())
+    return set(mesh_axes_of(dict(rules_mapping).get(logical)))
 
 
 def plan(
     config: Config,
+    policy: Policy,
     rules: ShardingRules,
     mesh_shape: dict[str, int],
     *,
@@ -156,7 +178,8 @@ def plan(
     context: int | None = None,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
-    tokens per row, default `seq`) on a mesh of `mesh_shape`.
+    tokens per row, default `seq`) on a mesh of `mesh_shape`, with `policy`'s dtypes, kernel
+    and MoE dispatch (activations are listed for every remat policy).
 
     Parameters, Adam state and KV cache are exact (the model's own logical axes under the
     rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
@@ -173,13 +196,15 @@ def plan(
         raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
     tokens = batch * seq // batch_shards
-    held = param_bytes(config, rules, sizes)
+    held = param_bytes(config, policy, rules, sizes)
     activations = {
-        remat: tokens * zmath.activation_bytes_per_token(config, seq, remat=remat) / tensor
+        remat: tokens
+        * zmath.activation_bytes_per_token(config, seq, policy.replace(remat=remat))
+        / tensor
         for remat in ("none", "dots", "full")
     }
 
-    peak = hardware.peak_flops(config.dtype)
+    peak = hardware.peak_flops(policy.compute_dtype)
     link = hardware.interconnect
     layer_matmul_flops = (
         zmath.forward_flops_per_token(config, seq) - 2 * config.d_model * config.vocab_size
@@ -210,7 +235,7 @@ def plan(
     if sent:
         add("all-reduce", replica_axes, "gradients", config.n_layers, sent, 2 * layer_fwd_s)
     if tensor > 1:
-        activation = tokens * config.d_model * zmath.bytes_per_element(config.dtype)
+        activation = tokens * config.d_model * zmath.bytes_per_element(policy.compute_dtype)
         sent = _ring("all-reduce", activation, tensor)
         # Megatron: one all-reduce after attention and one after the MLP, forward and backward.
         add(
@@ -222,7 +247,7 @@ def plan(
             layer_fwd_s / 2,
         )
     collectives += _expert_all_to_alls(
-        config, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
+        config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
     step_flops = zmath.training_flops_per_token(config, seq) * batch * seq / devices
     return Plan(
@@ -232,7 +257,9 @@ def plan(
         # Adam's two moments in the parameters' dtype and shardings, plus its int32 step count.
         adam_state=2 * held.total + 4,
         activations=activations,
-        kv_cache=kv_cache_bytes_per_device(config, rules, sizes, batch, context or seq),
+        kv_cache=kv_cache_bytes_per_device(
+            config, policy, rules, sizes, batch, context or seq
+        ),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
     )
@@ -240,6 +267,7 @@ def plan(
 
 def _expert_all_to_alls(
     config: Config,
+    policy: Policy,
     rules: ShardingRules,
     sizes: dict[str, int],
     *,
@@ -258,17 +286,19 @@ def _expert_all_to_alls(
     expert_axes = _targets(rules.mapping, "experts")
     n = _axes_size(sizes, expert_axes)
     n_moe = len(c.moe_layers)
-    if not n_moe or c.moe_dispatch != "capacity" or n == 1:
+    dispatch = policy.moe_dispatch
+    if not n_moe or not isinstance(dispatch, Capacity) or n == 1:
         return []
     sequences = batch // _axes_size(sizes, _targets(rules.mapping, "batch"))
-    capacity = expert_capacity(seq, c.n_experts_per_token, c.n_experts, c.capacity_factor)
-    itemsize = zmath.bytes_per_element(c.dtype)
+    factor = dispatch.capacity_factor
+    capacity = expert_capacity(seq, c.n_experts_per_token, c.n_experts, factor)
+    itemsize = zmath.bytes_per_element(policy.compute_dtype)
     buffer = sequences * c.n_experts * capacity * c.d_model * itemsize
     sent = buffer * (n - 1) / n
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
     # Active routed-expert FLOPs of one token in one MoE layer: k SwiGLU experts (3 matmuls).
     active = 2 * c.n_experts_per_token * 3 * c.d_model * c.expert_d_ff
-    padding = zmath.capacity_dispatch_flops_per_token(c, seq) / n_moe
+    padding = zmath.capacity_dispatch_flops_per_token(c, seq, factor) / n_moe
     expert_fwd_s = sequences * seq * (active + padding) / tensor / peak
     axis = _label(expert_axes, sizes)
     return [
@@ -311,15 +341,6 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def default_rules(sizes: dict[str, int]) -> str:
-    """The preset a mesh's shape suggests."""
-    if sizes.get("expert", 1) > 1:
-        return "ep"
-    if sizes.get("tensor", 1) > 1:
-        return "fsdp_tp" if sizes.get("fsdp", 1) > 1 else "tp"
-    return "fsdp" if sizes.get("fsdp", 1) > 1 else "dp"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b", help="a zoo preset name")
@@ -330,12 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
     parser.add_argument("--hardware", default="h100", choices=list(zmath.HARDWARE))
     parser.add_argument(
-        "--moe-dispatch", choices=["dropless", "capacity"], help="MoE models: default the preset's"
+        "--moe-dispatch", choices=["dropless", "capacity"], default="dropless", help="MoE models"
     )
     args = parser.parse_args(argv)
     sizes = parse_mesh(args.mesh)
-    overrides = {"moe_dispatch": args.moe_dispatch} if args.moe_dispatch else {}
-    config = preset(args.model, dtype=args.dtype, param_dtype=args.dtype, **overrides)
+    config = preset(args.model)
+    policy = Policy.of_dtype(args.dtype).replace(moe_dispatch=args.moe_dispatch)
     rules_name = args.rules or default_rules(sizes)
     hardware = zmath.HARDWARE[args.hardware]
     print(
@@ -346,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p = plan(
         config,
+        policy,
         ShardingRules.preset(rules_name),
         sizes,
         batch=args.batch,
@@ -353,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         hardware=hardware,
     )
     print(format_plan(p))
-    if config.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:
+    if args.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:
         print(
             "(dropless dispatch sorts all tokens together: under jit XLA replicates the routed "
             "rows instead of an all-to-all; plan with --moe-dispatch capacity for expert "

@@ -1,0 +1,160 @@
+"""The KV cache: its layout and logical axes, written once here and read by the model (which
+writes into it), infer/ (which carries it between steps) and shard/ (which places it).
+
+Rows fill their slots in lockstep (one shared write slot): a batch of ragged prompts is
+left-padded, and each slot records its row's position and a segment id (1 = a real token, 0 =
+empty or padding, which no query sees).
+
+Layout per layer: keys `[batch, kv_heads, kv_seq, head_dim]`, values `[batch, kv_heads, head_dim,
+kv_seq]`. Both put the dimension that decode attention contracts last (q.k sums over head_dim,
+p.v over kv_seq), so each product is a row-major matrix-vector product per (row, K/V head) and a
+GQA group of query heads shares one read of its K/V head (bench/decode_layout.py measures the
+alternatives). The kernels see `[batch, kv_seq, kv_heads, head_dim]` views: transposes that XLA
+folds into the products' operand layouts.
+
+A layer's arrays may carry leading stacked dims (`[layers, ...]`), mirroring weights stacked for
+`lax.scan`; `KVSlot` then names which layer a block writes.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PyTree
+
+from layers.kernels.mask import AttentionMask
+
+K_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
+V_AXES = ("batch", "kv_heads", "head_dim", "kv_seq")
+
+
+class LayerKV(eqx.Module):
+    """One layer's keys and values (leading `layers` dims when stacked)."""
+
+    k: Float[Array, "*layers batch kv_heads kv_seq head_dim"]
+    v: Float[Array, "*layers batch kv_heads head_dim kv_seq"]
+
+    @staticmethod
+    def zeros(
+        batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: DTypeLike, *, layers=()
+    ) -> "LayerKV":
+        layers = tuple(layers)
+        return LayerKV(
+            k=jnp.zeros((*layers, batch, kv_heads, max_len, head_dim), dtype),
+            v=jnp.zeros((*layers, batch, kv_heads, head_dim, max_len), dtype),
+        )
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"k": K_AXES, "v": V_AXES}
+
+
+class KVSlot(eqx.Module):
+    """What one block gets: its layer's arrays (`kv`, with `layer` its index into stacked
+    arrays, or None for one layer's own arrays) and the slot where this step's tokens go.
+    Writing touches only the new slots, so a donated cache is updated in place."""
+
+    kv: LayerKV
+    layer: Int[Array, ""] | None
+    slot: Int[Array, ""]
+
+    def update(
+        self,
+        k: Float[Array, "batch seq kv_heads head_dim"],
+        v: Float[Array, "batch seq kv_heads head_dim"],
+    ) -> tuple[
+        "KVSlot",
+        Float[Array, "batch kv_seq kv_heads head_dim"],
+        Float[Array, "batch kv_seq kv_heads head_dim"],
+    ]:
+        """Store this step's k, v at `slot`; return the slot and the layer's whole k, v in the
+        kernels' layout."""
+        k = k.transpose(0, 2, 1, 3).astype(self.kv.k.dtype)
+        v = v.transpose(0, 2, 3, 1).astype(self.kv.v.dtype)
+        if self.layer is None:
+            new_k = jax.lax.dynamic_update_slice(self.kv.k, k, (0, 0, self.slot, 0))
+            new_v = jax.lax.dynamic_update_slice(self.kv.v, v, (0, 0, 0, self.slot))
+            layer_k, layer_v = new_k, new_v
+        else:
+            i = self.layer
+            new_k = jax.lax.dynamic_update_slice(self.kv.k, k[None], (i, 0, 0, self.slot, 0))
+            new_v = jax.lax.dynamic_update_slice(self.kv.v, v[None], (i, 0, 0, 0, self.slot))
+            layer_k = jax.lax.dynamic_index_in_dim(new_k, i, keepdims=False)
+            layer_v = jax.lax.dynamic_index_in_dim(new_v, i, keepdims=False)
+        written = KVSlot(LayerKV(new_k, new_v), self.layer, self.slot)
+        return written, layer_k.transpose(0, 2, 1, 3), layer_v.transpose(0, 3, 1, 2)
+
+
+class KVCache(eqx.Module):
+    """Every layer's `LayerKV` (`layers`, a pytree shaped like the model's layer storage) and
+    what each slot holds: `positions`/`segment_ids` `[batch, kv_seq]` for the attention mask,
+    `lengths` `[batch]` the tokens each row holds (its next position), `slot` the next slot
+    every row writes to."""
+
+    layers: PyTree[LayerKV]
+    positions: Int[Array, "batch kv_seq"]
+    segment_ids: Int[Array, "batch kv_seq"]
+    lengths: Int[Array, " batch"]
+    slot: Int[Array, ""]
+
+    @property
+    def max_len(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {
+            "positions": ("batch", "kv_seq"),
+            "segment_ids": ("batch", "kv_seq"),
+            "lengths": ("batch",),
+            "slot": (),
+        }
+
+    @staticmethod
+    def empty(layers: PyTree[LayerKV], batch: int, max_len: int) -> "KVCache":
+        return KVCache(
+            layers=layers,
+            positions=jnp.zeros((batch, max_len), jnp.int32),
+            segment_ids=jnp.zeros((batch, max_len), jnp.int32),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            slot=jnp.zeros((), jnp.int32),
+        )
+
+    def append(
+        self, valid: Int[Array, "batch seq"]
+    ) -> tuple["KVCache", Int[Array, "batch seq"], Int[Array, ""]]:
+        """Claim slots `[slot, slot + seq)` for `seq` new tokens per row, `valid` marking real
+        ones (0 = padding). Returns the cache with its bookkeeping advanced (the layers are
+        written by the blocks), the new tokens' positions (each row continues from its own
+        length) and the first claimed slot."""
+        valid = valid.astype(jnp.int32)
+        positions = jnp.where(valid > 0, self.lengths[:, None] + jnp.cumsum(valid, 1) - 1, 0)
+        start = self.slot
+        cache = KVCache(
+            layers=self.layers,
+            positions=jax.lax.dynamic_update_slice(self.positions, positions, (0, start)),
+            segment_ids=jax.lax.dynamic_update_slice(self.segment_ids, valid, (0, start)),
+            lengths=self.lengths + valid.sum(axis=1),
+            slot=start + valid.shape[1],
+        )
+        return cache, positions, start
+
+    def mask(
+        self,
+        q_positions: Int[Array, "batch seq"],
+        q_segment_ids: Int[Array, "batch seq"],
+        *,
+        sliding_window: int | None = None,
+    ) -> AttentionMask:
+        """Causal attention from these queries to every slot; empty and padding slots (segment
+        0) are seen by no real query (segment 1)."""
+        return AttentionMask(
+            q_positions=q_positions,
+            kv_positions=self.positions,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=self.segment_ids,
+            causal=True,
+            sliding_window=sliding_window,
+        )

@@ -1,0 +1,208 @@
+"""A train.py run directory: its checkpoints, the tokenizer it recorded, and the model it trained.
+
+Layout: `<run>/checkpoints/step_00000100/` (a state directory, training/state.py: `state.eqx`
+holding (parameters, optimizer state, RNG key data) and `meta.json` with the step, the data
+position, the model config and the policy's parameter dtype); the last `keep` are kept.
+`<run>/tokenizer.tiktoken` or `<run>/tokenizer.source` names the tokenizer.
+"""
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import optax
+
+from shard import Placement
+from shard.axes import is_float_array_like
+from training.state import CorruptState, read_meta, restore_state, save_state
+from zoo import Config, Policy, Transformer
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class Restored(NamedTuple):
+    params: Any
+    opt_state: Any
+    step: int
+    data_position: int
+    rng: jax.Array
+    path: Path
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `run_dir`, oldest first (temporary directories are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir())
+
+
+def is_run(path: str | Path) -> bool:
+    """Whether `path` is a run directory holding at least one complete checkpoint."""
+    return bool(checkpoints(path))
+
+
+def latest(run_dir: str | Path) -> Path:
+    """The newest complete checkpoint of `run_dir`; an error that says so when there is none."""
+    found = checkpoints(run_dir)
+    if not found:
+        raise ValueError(
+            f"{str(run_dir)!r} holds no checkpoint (no checkpoints/step_XXXXXXXX directory); "
+            "train into it first with --out"
+        )
+    return found[-1]
+
+
+def save(
+    run_dir: str | Path,
+    *,
+    params: Any,
+    opt_state: Any,
+    step: int,
+    data_position: int,
+    rng: jax.Array,
+    config: Config,
+    policy: Policy,
+    keep: int = 3,
+) -> Path:
+    """Write checkpoint `step` and drop all but the last `keep`."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "step": step,
+        "data_position": data_position,
+        "config": config.to_dict(),
+        "param_dtype": policy.param_dtype,
+    }
+    path = save_state(
+        root / f"step_{step:08d}", (params, opt_state, jax.random.key_data(rng)), meta
+    )
+    for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+    return path
+
+
+def _meta(path: Path, run_dir: str | Path) -> dict[str, Any]:
+    try:
+        return read_meta(path)
+    except CorruptState as error:
+        raise ValueError(
+            f"{str(run_dir)!r}: checkpoint {path} is corrupt ({error}); delete it to use the "
+            "one before, or start a new run"
+        ) from error
+
+
+def checkpoint_config(run_dir: str | Path) -> tuple[Config, str]:
+    """(model config, parameter dtype) of the run's latest checkpoint."""
+    path = latest(run_dir)
+    meta = _meta(path, run_dir)
+    return Config.from_dict(meta["config"], source=f"{path}/meta.json"), meta["param_dtype"]
+
+
+def abstract_model(config: Config, policy: Policy) -> Transformer:
+    """The model's shapes and dtypes, nothing allocated: the template to restore into."""
+    return eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
+
+
+def restore(
+    run_dir: str | Path,
+    *,
+    model: Transformer,
+    optimizer: optax.GradientTransformation,
+    placement: Placement | None = None,
+) -> Restored:
+    """The latest checkpoint of `run_dir` for `model` (real or abstract: only its structure,
+    config and policy are read), its parameters and `optimizer`'s state placed in their
+    shardings."""
+    placement = placement or Placement()
+    path = latest(run_dir)
+    meta = _meta(path, run_dir)
+    if meta.get("config") != model.config.to_dict():
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: checkpoint {path} was written for a different model "
+            f"config ({meta.get('config')}); resume with the same --model and overrides"
+        )
+    abstract = abstract_model(model.config, model.policy)
+    params = eqx.filter(abstract, is_float_array_like)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    shardings = None
+    if placement.sharded:
+        shardings = (
+            placement.param_shardings(params),
+            placement.opt_state_shardings(optimizer, params),
+            placement.replicated(),
+        )
+    try:
+        params, opt_state, key_data = restore_state(
+            path, (params, opt_state, key_data), placement=placement, shardings=shardings
+        )
+    except CorruptState as error:
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: checkpoint {path} is corrupt ({error}); delete it to "
+            "resume from the one before, or start a new run"
+        ) from error
+    rng = jax.random.wrap_key_data(key_data)
+    return Restored(params, opt_state, meta["step"], meta["data_position"], rng, path)
+
+
+def run_model(
+    run_dir: str | Path, *, policy: Policy | None = None, placement: Placement | None = None
+) -> Transformer:
+    """The Transformer of the latest checkpoint with its trained parameters, straight into
+    `placement`'s shardings (the optimizer state is not read). `policy` defaults to the run's
+    parameter dtype; a different `param_dtype` casts the weights after reading."""
+    config, param_dtype = checkpoint_config(run_dir)
+    stored = Policy(param_dtype=param_dtype, compute_dtype=param_dtype)
+    abstract = abstract_model(config, stored)
+    params, static = eqx.partition(abstract, is_float_array_like)
+    placement = placement or Placement()
+    path = latest(run_dir)
+    try:
+        # The file holds (params, opt_state, rng) in order; reading the first subtree stops there.
+        (params,) = restore_state(
+            path, (params,), placement=placement, shardings=(placement.param_shardings(params),)
+        )
+    except CorruptState as error:
+        raise ValueError(f"checkpoint {path} is corrupt ({error}); delete it") from error
+    model = eqx.combine(params, static)
+    return model if policy is None else model.with_policy(policy)
+
+
+def run_tokenizer_spec(run_dir: str | Path) -> str | None:
+    """The tokenizer a run recorded, as `tokenizer_from_spec` reads it: `<run>/tokenizer.tiktoken`
+    (its absolute path), else the name or checkpoint path in `<run>/tokenizer.source` (both
+    written by train.py); None when the run records none."""
+    ranks, source = Path(run_dir) / "tokenizer.tiktoken", Path(run_dir) / "tokenizer.source"
+    if ranks.is_file():
+        return str(ranks.resolve())
+    if source.is_file():
+        return source.read_text().strip()
+    return None
+
+
+def tokenizer_from_spec(spec: str) -> Any:
+    """A pretrained checkpoint's tokenizer (an HF directory, .gguf or tokenizer.json), a
+    `.tiktoken` rank file, or an OpenAI encoding name."""
+    from data.tokenizers import load_ranks, openai_encoding
+
+    source = Path(spec)
+    if source.is_dir() or source.suffix in (".gguf", ".json"):
+        from data.pretrained_tokenizer import tokenizer_from_pretrained
+
+        return tokenizer_from_pretrained(spec)
+    return load_ranks(spec) if source.is_file() else openai_encoding(spec)
+
+
+def load_run(
+    run_dir: str | Path, *, tokenizer: str | None = None, placement: Placement | None = None
+) -> tuple[Transformer, Any]:
+    """(model, tokenizer) of a run directory written by train.py, for inference: `run_model`
+    and the tokenizer named by `tokenizer` (an OpenAI encoding name or a `.tiktoken` rank file),
+    else the one the run recorded; None when the run records none."""
+    model = run_model(run_dir, placement=placement)
+    spec = tokenizer or run_tokenizer_spec(run_dir)
+    return model, None if spec is None else tokenizer_from_spec(spec)

@@ -1,0 +1,108 @@
+"""One transformer layer: the pre-norm residual block of GPT-2 (Radford et al. 2019) and Llama
+(Touvron et al. 2023), with a dense MLP or a mixture of experts (Mixtral, Jiang et al. 2024;
+DeepSeek-MoE, Dai et al. 2024)."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from layers import MLP, Attention, LayerNorm, RMSNorm, SwiGLU
+from layers.kernels import AttentionMask
+from layers.kv_cache import KVSlot
+from layers.moe import MoE, MoEStats
+from shard import constrain
+from zoo.config import Config
+from zoo.policy import Policy
+
+Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
+
+
+def make_norm(config: Config, dtype: DTypeLike) -> LayerNorm | RMSNorm:
+    if config.norm == "layernorm":
+        return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.bias, dtype=dtype)
+    return RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
+
+
+class Block(eqx.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)); with `moe=True` the MLP is a mixture of
+    experts, whose router statistics the block returns (None otherwise)."""
+
+    attn_norm: LayerNorm | RMSNorm
+    attn: Attention
+    mlp_norm: LayerNorm | RMSNorm
+    mlp: MLP | SwiGLU | MoE
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        moe: bool = False,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        attn_key, mlp_key = jax.random.split(key)
+        # GPT-2's scaled init of residual projections: std / sqrt(2 * n_layers).
+        out_std = 1.0 / math.sqrt(config.d_model * 2 * config.n_layers)
+        self.attn_norm = make_norm(config, dtype)
+        self.attn = Attention(
+            config.d_model,
+            n_heads=config.n_heads,
+            n_kv_heads=config.n_kv_heads,
+            head_dim=config.head_dim,
+            qk_norm=config.qk_norm,
+            norm_eps=config.norm_eps,
+            use_bias=config.bias,
+            out_init_std=out_std,
+            dtype=dtype,
+            key=attn_key,
+        )
+        self.mlp_norm = make_norm(config, dtype)
+        if moe:
+            self.mlp = MoE(
+                config.d_model,
+                config.expert_d_ff,
+                n_experts=config.n_experts,
+                n_experts_per_token=config.n_experts_per_token,
+                n_shared=config.n_shared_experts,
+                scoring=config.router_scoring,
+                normalize=config.router_normalize,
+                out_init_std=out_std,
+                dtype=dtype,
+                key=mlp_key,
+            )
+            return
+        mlp_cls = SwiGLU if config.mlp == "swiglu" else MLP
+        self.mlp = mlp_cls(
+            config.d_model,
+            config.d_ff,
+            use_bias=config.bias,
+            out_init_std=out_std,
+            dtype=dtype,
+            key=mlp_key,
+        )
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: Rope | None,
+        *,
+        policy: Policy,
+        cache: KVSlot | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, KVSlot | None]:
+        """(output, router statistics or None, updated cache or None)."""
+        with jax.named_scope("attention"):
+            y, cache = self.attn(self.attn_norm(x), mask, rope, kernel=policy.attention, cache=cache)
+            x = x + y
+        stats = None
+        with jax.named_scope("mlp"):
+            if isinstance(self.mlp, MoE):
+                y, stats = self.mlp(self.mlp_norm(x), dispatch=policy.moe_dispatch)
+            else:
+                y = self.mlp(self.mlp_norm(x))
+            x = x + y
+        return constrain(x, "batch seq embed"), stats, cache

@@ -1,0 +1,90 @@
+"""How a model runs, apart from what it is: the run-time policy.
+
+A `Config` is the architecture (what a checkpoint determines: sizes, norms, positions); a
+`Policy` is everything that can change on the same weights: the compute and parameter dtypes,
+the remat policy of each block, the attention kernel (an object carrying its own settings, e.g.
+flash's tile sizes), whether the layer stack runs as a `lax.scan`, and how MoE layers dispatch
+tokens. A model holds one policy; `Transformer.with_policy` swaps it without rebuilding a layer.
+"""
+
+import dataclasses
+import typing
+from typing import Literal, get_args
+
+import jax.numpy as jnp
+
+from layers.kernels import AttentionKernel, Xla, kernel_named
+from layers.moe import Capacity, Dispatch, Dropless
+
+DType = Literal["float32", "bfloat16", "float16"]
+Remat = Literal["none", "full", "dots"]
+MOE_DISPATCH = ("dropless", "capacity")
+
+
+# Runtime type checking is off for the policy on purpose: `__post_init__` gives every bad field
+# a ValueError naming it and listing the choices.
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """`compute_dtype`: activations and matmuls (norms, softmax and the loss upcast to float32
+    anyway); `param_dtype`: the stored weights (and so the optimizer state); `remat`: what each
+    block keeps for the backward ("none", "dots": matmul outputs, "full": nothing);
+    `attention`: a kernel object (`layers.kernels.Xla()`, `Naive()`, `Flash(block_sizes=...)`)
+    or its name; `scan_layers`: run stacked layers with `lax.scan` (False: a Python loop over the
+    same weights, compile time growing with depth); `moe_dispatch`: `Dropless()`,
+    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25)."""
+
+    compute_dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    remat: Remat = "none"
+    attention: AttentionKernel | str = Xla()
+    scan_layers: bool = True
+    moe_dispatch: Dispatch | str = Dropless()
+
+    def __post_init__(self):
+        for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat)]:
+            value, allowed = getattr(self, name), get_args(kind)
+            if value not in allowed:
+                raise ValueError(f"Policy.{name}={value!r} is unknown; choose one of {allowed}")
+        if isinstance(self.attention, str):
+            object.__setattr__(self, "attention", kernel_named(self.attention))
+        elif not isinstance(self.attention, AttentionKernel):
+            raise ValueError(
+                f"Policy.attention={self.attention!r} is not an attention kernel; give "
+                "layers.kernels.Xla(), Naive(), Flash(...) or one of their names"
+            )
+        if isinstance(self.moe_dispatch, str):
+            if self.moe_dispatch not in MOE_DISPATCH:
+                raise ValueError(
+                    f"Policy.moe_dispatch={self.moe_dispatch!r} is unknown; choose one of "
+                    f"{MOE_DISPATCH} or give layers.moe.Dropless() / Capacity(factor)"
+                )
+            dispatch = Dropless() if self.moe_dispatch == "dropless" else Capacity(1.25)
+            object.__setattr__(self, "moe_dispatch", dispatch)
+        elif not isinstance(self.moe_dispatch, Dropless | Capacity):
+            raise ValueError(
+                f"Policy.moe_dispatch={self.moe_dispatch!r} is not a dispatch; give "
+                "layers.moe.Dropless(), Capacity(factor), 'dropless' or 'capacity'"
+            )
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"Policy.scan_layers must be a bool, got {self.scan_layers!r}")
+
+    @property
+    def compute(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def params(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def kernel_name(self) -> str:
+        return self.attention.name
+
+    def replace(self, **changes) -> "Policy":
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def of_dtype(dtype: str) -> "Policy":
+        """Compute and store in `dtype` (what a checkpoint declares), everything else default."""
+        return Policy(compute_dtype=dtype, param_dtype=dtype)

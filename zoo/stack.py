@@ -1,0 +1,174 @@
+"""The layer stack: the one module that holds and runs a model's blocks.
+
+A `Stack` is `repeats` repetitions of a period of blocks: a dense model is one stack of period
+(dense block,); Mixtral one of (MoE block,); a model whose MoE layers alternate with dense ones a
+stack of period (dense, ..., MoE); DeepSeek-MoE's leading dense layers a stack of their own. Every
+setting of the policy (remat, scan, kernel, dispatch) applies to every stack alike.
+
+Storage: `stacked` (each leaf of a period block carries a leading `[repeats]` axis, built with
+`eqx.filter_vmap`, run by `lax.scan` so compile time does not grow with depth, or by a Python loop
+over the same weights) or unrolled (`unstacked()`: one block per layer, run by a Python loop).
+Unrolled storage is a one-time conversion a caller asks for where per-layer arrays run faster
+(decode on backends that copy a stacked weight's slice inside a step; bench/decode_layout.py
+measures it); nothing converts implicitly.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from layers.kernels import AttentionMask
+from layers.kernels.flash.attention import RESIDUAL_NAMES as FLASH_RESIDUALS
+from layers.kv_cache import KVSlot, LayerKV
+from layers.moe import MoEStats
+from zoo.block import Block, Rope
+from zoo.config import Config
+from zoo.policy import Policy
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep the weight matmuls' outputs and flash attention's output and log-sum-exp (so backward
+    # does not re-run the forward kernel; JAX >= 0.12: 0.11 hides names inside a custom_vjp from
+    # the policy); recompute attention scores and elementwise ops.
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*FLASH_RESIDUALS),
+    ),
+}
+
+
+def _stack_stats(stats: list[MoEStats]) -> MoEStats | None:
+    return jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats else None
+
+
+class Stack(eqx.Module):
+    """`repeats` x `period` blocks in layer order: layer `r * period + j` is repeat r of block j.
+
+    `blocks`: stacked storage, the period's blocks with `[repeats, ...]` leaves; unrolled, every
+    layer's block in order."""
+
+    blocks: tuple[Block, ...]
+    repeats: int = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    stacked: bool = eqx.field(static=True)
+
+    @property
+    def n_layers(self) -> int:
+        return self.repeats * self.period
+
+    def layer(self, i: int) -> Block:
+        """Layer i's block (for a stacked stack, slices of its weights: a copy)."""
+        if not self.stacked:
+            return self.blocks[i]
+        r, j = divmod(i, self.period)
+        dynamic, static = eqx.partition(self.blocks[j], eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda w: w[r], dynamic), static)
+
+    def unstacked(self) -> "Stack":
+        """The same layers, one block each (a copy of the weights; drop the stacked model)."""
+        if not self.stacked:
+            return self
+        layers = tuple(self.layer(i) for i in range(self.n_layers))
+        return Stack(layers, self.repeats, self.period, stacked=False)
+
+    def init_cache(
+        self, batch: int, max_len: int, config: Config, dtype: DTypeLike
+    ) -> tuple[LayerKV, ...]:
+        """Empty keys and values shaped like the storage: one `LayerKV` per period block with a
+        leading `[repeats]` axis, or one per layer."""
+        shape = (batch, config.n_kv_heads, max_len, config.head_dim, dtype)
+        if self.stacked:
+            return tuple(LayerKV.zeros(*shape, layers=(self.repeats,)) for _ in self.blocks)
+        return tuple(LayerKV.zeros(*shape) for _ in self.blocks)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: AttentionMask,
+        rope: Rope | None,
+        *,
+        policy: Policy,
+        cache: tuple[LayerKV, ...] | None = None,
+        slot: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, tuple[LayerKV, ...] | None]:
+        """Every layer in order. Returns the output, the MoE layers' router statistics stacked on
+        a leading axis in layer order (None without MoE layers) and the cache with this call's
+        keys and values written at `slot` (None without a cache). Remat applies when there is
+        no cache (training); a cached call is inference."""
+        remat = policy.remat != "none" and cache is None
+
+        def runner(static):
+            """(x, weights, cache, layer index) -> (x, cache, stats) for blocks `static`."""
+
+            def run(x, weights, kv, index):
+                new_kv, stats = [], []
+                for j, block in enumerate(eqx.combine(weights, static)):
+                    view = None if kv is None else KVSlot(kv[j], index, slot)
+                    x, layer_stats, view = block(x, mask, rope, policy=policy, cache=view)
+                    new_kv.append(None if view is None else view.kv)
+                    stats += [] if layer_stats is None else [layer_stats]
+                return x, (None if kv is None else tuple(new_kv)), stats
+
+            return jax.checkpoint(run, policy=REMAT_POLICIES[policy.remat]) if remat else run
+
+        if not self.stacked:
+            stats = []
+            for i, block in enumerate(self.blocks):
+                weights, static = eqx.partition((block,), eqx.is_array)
+                kv = None if cache is None else (cache[i],)
+                x, kv, layer_stats = runner(static)(x, weights, kv, None)
+                cache = cache if kv is None else (*cache[:i], kv[0], *cache[i + 1 :])
+                stats += layer_stats
+            return x, _stack_stats(stats), cache
+
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        run = runner(static)
+
+        def repeat(carry, xs):
+            x, kv = carry
+            weights, index = xs
+            x, kv, stats = run(x, weights, kv, index)
+            return (x, kv), tuple(stats)
+
+        indices = jnp.arange(self.repeats)
+        if policy.scan_layers:
+            (x, cache), stats = jax.lax.scan(repeat, (x, cache), (dynamic, indices))
+        else:
+            outs = []
+            for r in range(self.repeats):
+                sliced = jax.tree.map(lambda w, r=r: w[r], dynamic)
+                (x, cache), repeat_stats = repeat((x, cache), (sliced, indices[r]))
+                outs.append(repeat_stats)
+            stats = jax.tree.map(lambda *s: jnp.stack(s), *outs)
+        if not stats:
+            return x, None, cache
+        # [repeats] per MoE block of the period -> [repeats * n_moe] in layer order.
+        stats = jax.tree.map(lambda *s: jnp.stack(s, axis=1), *stats)
+        return x, jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats), cache
+
+
+def segments(config: Config) -> list[tuple[int, tuple[bool, ...], int]]:
+    """The stacks a config needs, as (first layer, period as MoE flags, repeats)."""
+    if config.n_experts == 0:
+        return [(0, (False,), config.n_layers)]
+    first, every = config.first_dense_layers, config.moe_every
+    period = (False,) * (every - 1) + (True,)
+    leading = [(0, (False,), first)] if first else []
+    return [*leading, (first, period, (config.n_layers - first) // every)]
+
+
+def make_stacks(config: Config, *, dtype: DTypeLike, key: PRNGKeyArray) -> tuple[Stack, ...]:
+    """Stacked storage for every segment; layer i is initialised from `split(key, n_layers)[i]`
+    whatever stack it lands in."""
+    keys = jax.random.split(key, config.n_layers)
+    stacks = []
+    for start, period, repeats in segments(config):
+        blocks = []
+        for j, moe in enumerate(period):
+            layer_keys = keys[start + j : start + len(period) * repeats : len(period)]
+            make = lambda k, moe=moe: Block(config, moe=moe, dtype=dtype, key=k)  # noqa: E731
+            blocks.append(eqx.filter_vmap(make)(layer_keys))
+        stacks.append(Stack(tuple(blocks), repeats, len(period), stacked=True))
+    return tuple(stacks)
