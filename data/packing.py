@@ -84,7 +84,9 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.nda
     n_val = max(1, round(n_docs * val_fraction))
     if n_docs - n_val < 1:
         raise ValueError(
-            f"the corpus has {n_docs} document(s): too few to hold out a validation set"
+            f"the corpus has {n_docs} document(s): too few to hold out --val-fraction "
+            f"{val_fraction} of them ({n_val}) for validation and train on the rest: use more "
+            "documents or a smaller --val-fraction"
         )
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 

@@ -3,6 +3,7 @@
     python -m examples.sample --checkpoint path/to/hf-dir-or.gguf --prompt "Once upon a time"
     python -m examples.sample --preset gpt2-124m --tokenizer gpt2 --prompt "Hello"
     python -m examples.sample --preset tiny-llama --prompt 1,2,3      # no tokenizer: token ids
+    python -m examples.sample --preset tiny-llama --prompt 1,2,3 --top-k 5  # temperature 1
     python -m examples.sample --run runs/tiny --prompt "Once upon a time"   # a train.py run
     python -m examples.sample --run runs/tiny --prompt "Hi" --mesh data=2,tensor=4 --rules tp
 
@@ -12,6 +13,10 @@ A checkpoint is loaded with `zoo.load_pretrained` and its tokenizer with
 gets random weights. `--tokenizer` is a tiktoken encoding name (its BPE file must be cached
 offline), a `.tiktoken` rank file or a checkpoint path. `--mesh` with `--rules` generates with
 sharded weights and KV cache (infer.generate's mesh/rules).
+
+Decoding is greedy unless asked: `--top-k`, `--top-p` or `--min-p` samples at temperature 1, or
+at `--temperature`; `--temperature` alone samples from the whole distribution. `--temperature 0`
+with one of them is refused (greedy would ignore it).
 """
 
 import argparse
@@ -25,6 +30,7 @@ import infer
 import shard
 import zoo
 from shard.xla_flags import set_default_xla_flags
+from training.args import FRACTION, NON_NEGATIVE, POSITIVE_INT, PROBABILITY, SEED
 from training.checkpoint import load_run
 
 
@@ -39,6 +45,7 @@ def load_tokenizer(name_or_path: str):
 
 
 def make_sampler(args: argparse.Namespace) -> infer.Sampler:
+    """The sampler the flags name (after `parse_args`, which resolves the temperature)."""
     if args.temperature == 0:
         return infer.Greedy()
     if args.top_k is not None:
@@ -50,28 +57,84 @@ def make_sampler(args: argparse.Namespace) -> infer.Sampler:
     return infer.Temperature(temperature=args.temperature)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group(required=True)
+def _token_ids(text: str) -> list[int]:
+    """`--stop-ids 1,2`: comma-separated non-negative token ids."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated token ids such as 0,50256, got {text!r}"
+        ) from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids are non-negative, got {text!r}")
+    return ids
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="HF directory or .gguf file (zoo.load_pretrained)")
     source.add_argument("--run", help="a train.py run directory (its latest checkpoint)")
     source.add_argument("--preset", help="a zoo preset with random weights", choices=zoo.presets())
-    parser.add_argument("--tokenizer", help="tiktoken encoding name or checkpoint path")
-    parser.add_argument("--prompt", required=True, help="text, or comma-separated token ids")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sampling = parser.add_mutually_exclusive_group()
-    sampling.add_argument("--top-k", type=int)
-    sampling.add_argument("--top-p", type=float)
-    sampling.add_argument("--min-p", type=float)
-    parser.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
-    parser.add_argument("--chunk-size", type=int, default=4, help="tokens per streamed chunk")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mesh", help="device mesh, e.g. data=2,tensor=4 (needs --rules)")
-    parser.add_argument("--rules", choices=shard.presets(), help="sharding strategy for --mesh")
-    args = parser.parse_args()
+    p.add_argument("--tokenizer", help="tiktoken encoding name or checkpoint path")
+    p.add_argument("--prompt", required=True, help="text, or comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT.flag_type(), default=64)
+    p.add_argument(
+        "--temperature",
+        type=NON_NEGATIVE.flag_type(),
+        help="softmax temperature; 0 = greedy. Default: 0 (greedy), or 1 with --top-k, --top-p "
+        "or --min-p (which sample)",
+    )
+    sampling = p.add_mutually_exclusive_group()
+    sampling.add_argument(
+        "--top-k", type=POSITIVE_INT.flag_type(), help="sample from the k most likely tokens"
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=PROBABILITY.flag_type(),
+        help="sample from the most likely tokens whose probabilities add up to p (nucleus)",
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=FRACTION.flag_type(),
+        help="sample from the tokens at least p times as likely as the most likely one",
+    )
+    p.add_argument("--stop-ids", type=_token_ids, default=[], help="comma-separated stop token ids")
+    p.add_argument(
+        "--chunk-size", type=POSITIVE_INT.flag_type(), default=4, help="tokens per streamed chunk"
+    )
+    p.add_argument("--seed", type=SEED.flag_type(), default=0)
+    p.add_argument("--mesh", help="device mesh, e.g. data=2,tensor=4 (needs --rules)")
+    p.add_argument("--rules", choices=shard.presets(), help="sharding strategy for --mesh")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with the temperature resolved: --top-k/--top-p/--min-p sample (temperature 1
+    unless given); --temperature 0 (greedy) with one of them is refused, as it would ignore it."""
+    p = parser()
+    args = p.parse_args(argv)
     if (args.mesh is None) != (args.rules is None):
-        parser.error("--mesh and --rules go together")
+        p.error("--mesh and --rules go together")
+    filters = {"--top-k": args.top_k, "--top-p": args.top_p, "--min-p": args.min_p}
+    given = [f"{flag} {value}" for flag, value in filters.items() if value is not None]
+    if args.temperature is None:
+        args.temperature = 1.0 if given else 0.0
+    elif args.temperature == 0 and given:
+        p.error(
+            f"argument --temperature: 0 means greedy, which would ignore {given[0]}: drop "
+            "--temperature (to sample at temperature 1) or give one above 0"
+        )
+    if args.preset and args.tokenizer is None:  # no tokenizer: the prompt is token ids
+        try:
+            _token_ids(args.prompt)
+        except argparse.ArgumentTypeError as error:
+            p.error(f"argument --prompt: with no tokenizer (give --tokenizer) it {error}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     mesh = shard.mesh(**shard.parse_mesh(args.mesh)) if args.mesh else None
     rules = shard.ShardingRules.preset(args.rules) if args.rules else None
 
@@ -89,10 +152,13 @@ def main() -> None:
     if tokenizer_source:
         tokenizer = load_tokenizer(tokenizer_source)
     if tokenizer is None:
-        prompt = [int(t) for t in args.prompt.split(",")]
+        try:
+            prompt = _token_ids(args.prompt)
+        except argparse.ArgumentTypeError as error:
+            parser().error(f"argument --prompt: with no tokenizer (give --tokenizer) it {error}")
     else:
         prompt = tokenizer.encode_ordinary(args.prompt)
-    stops = [int(t) for t in args.stop_ids.split(",") if t]
+    stops = list(args.stop_ids)
     if tokenizer is not None and "<|endoftext|>" in tokenizer.special_tokens_set:
         stops.append(tokenizer.encode_single_token("<|endoftext|>"))
 

@@ -3,11 +3,18 @@
 Each field's type gives the flag's parser (a `Literal` gives choices, a bool gives
 `--x/--no-x`), its `help` metadata the text in `--help`. `--config FILE` (JSON or TOML, keys
 named like the fields) sets defaults that flags on the command line override.
-"""
+
+Every number is checked where it comes in. A numeric field carries `Bounds` (`POSITIVE_INT`,
+`PROBABILITY`, ...; the parser refuses a number field without them), which parse its flag and
+check the same setting given in a config file or in Python (`Args(...)`), so a bad value fails
+as argparse fails, naming the flag (`train.py: error: argument --batch-size: must be a positive
+integer, got -2`, exit status 2), never deep inside JAX. What no single flag can check (settings
+that must agree) is `check(args)`."""
 
 import argparse
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -15,8 +22,85 @@ from pathlib import Path
 from typing import Literal
 
 
-def _help(text: str, **kwargs):
-    return dataclasses.field(metadata={"help": text}, **kwargs)
+class ArgError(ValueError):
+    """A bad setting: `flag` (e.g. "--warmup") and why. `parse_args` prints it as argparse does."""
+
+    def __init__(self, flag: str, reason: str):
+        super().__init__(f"argument {flag}: {reason}")
+        self.flag, self.reason = flag, reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The values of a numeric setting: a finite `kind` (int or float) in [lo, hi], an end left
+    out when `lo_open` / `hi_open`. `what` names the set in messages ("a positive integer")."""
+
+    kind: type
+    lo: float
+    hi: float = math.inf
+    what: str = "a number"
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def parse(self, text: str) -> int | float:
+        """A flag's text -> its value; raises ValueError saying why not."""
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise ValueError(f"must be {self.what}, got {text!r}") from None
+        return self.check(value, shown=text)
+
+    def check(self, value, *, shown: str | None = None) -> int | float:
+        """A value from Python or a config file; raises ValueError saying why it is out."""
+        shown = shown if shown is not None else json.dumps(value)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (self.kind is int and not isinstance(value, int)):
+            raise ValueError(f"must be {self.what}, got {shown}")
+        if not math.isfinite(value) or value < self.lo or (self.lo_open and value == self.lo):
+            raise ValueError(f"must be {self.what}, got {shown}")
+        if value > self.hi or (self.hi_open and value == self.hi):
+            limit = f"at most {self.hi}" if self.kind is int else self.what
+            raise ValueError(f"must be {limit}, got {shown}")
+        return self.kind(value)
+
+    def flag_type(self):
+        """The `type=` of an argparse argument: argparse prints `argument --flag: <why>`."""
+
+        def parse(text: str):
+            try:
+                return self.parse(text)
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+
+        parse.__name__ = self.kind.__name__
+        return parse
+
+
+# Counts reach int32 arrays (optax's step count, the schedule's boundaries): at most 2**31 - 1.
+_INT32 = 2**31 - 1
+POSITIVE_INT = Bounds(int, 1, _INT32, "a positive integer")
+NON_NEGATIVE_INT = Bounds(int, 0, _INT32, "a non-negative integer")
+SEED = Bounds(int, 0, 2**63 - 1, "a non-negative integer")
+# A byte-level BPE has the 256 bytes and <|endoftext|>; the trainer allocates per token, so a
+# (mistyped) billion-token vocabulary would abort the process: 2**20 is 4x the largest in use.
+VOCAB_SIZE = Bounds(int, 257, 2**20, "an integer of at least 257 (256 bytes + <|endoftext|>)")
+POSITIVE = Bounds(float, 0, what="a positive finite number", lo_open=True)
+NON_NEGATIVE = Bounds(float, 0, what="a non-negative finite number")
+FRACTION = Bounds(float, 0, 1, "a number in [0, 1]")
+OPEN_FRACTION = Bounds(float, 0, 1, "a number in (0, 1)", lo_open=True, hi_open=True)
+PROBABILITY = Bounds(float, 0, 1, "a probability in (0, 1]", lo_open=True)
+
+
+def bounds_of(field: dataclasses.Field) -> Bounds | None:
+    return field.metadata.get("bounds")
+
+
+def _help(text: str, *, bounds: Bounds | None = None, **kwargs):
+    """A field with its `--help` text and, for a number, the `Bounds` its flag accepts."""
+    return dataclasses.field(metadata={"help": text, "bounds": bounds}, **kwargs)
+
+
+DEFAULT_WARMUP = 30
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -42,19 +126,33 @@ class Args:
         "cl100k_base, ...) or a .tiktoken rank file",
         default="bpe",
     )
-    vocab_size: int = _help("tokens in a --tokenizer bpe vocabulary", default=2048)
-    steps: int = _help("optimizer steps in all", default=300)
-    batch_size: int = _help("sequences per optimizer step", default=16)
-    grad_accum: int = _help("micro-batches per step (gradient accumulation)", default=1)
-    seq_len: int = _help("tokens per sequence", default=128)
-    lr: float = _help("peak learning rate", default=3e-3)
-    min_lr_ratio: float = _help("final learning rate as a fraction of --lr", default=0.1)
-    warmup: int = _help("linear warm-up steps", default=30)
+    vocab_size: int = _help(
+        "tokens in a --tokenizer bpe vocabulary", default=2048, bounds=VOCAB_SIZE
+    )
+    steps: int = _help("optimizer steps in all", default=300, bounds=POSITIVE_INT)
+    batch_size: int = _help("sequences per optimizer step", default=16, bounds=POSITIVE_INT)
+    grad_accum: int = _help(
+        "micro-batches per step (gradient accumulation)", default=1, bounds=POSITIVE_INT
+    )
+    seq_len: int = _help("tokens per sequence", default=128, bounds=POSITIVE_INT)
+    lr: float = _help("peak learning rate", default=3e-3, bounds=POSITIVE)
+    min_lr_ratio: float = _help(
+        "final learning rate as a fraction of --lr", default=0.1, bounds=FRACTION
+    )
+    warmup: int | None = _help(
+        f"linear warm-up steps, at most --steps (default: {DEFAULT_WARMUP}, or --steps if fewer)",
+        default=None,
+        bounds=NON_NEGATIVE_INT,
+    )
     schedule: Literal["cosine", "wsd"] = _help(
         "after warm-up: cosine decay, or WSD (warmup-stable-decay)", default="cosine"
     )
-    weight_decay: float = _help("AdamW decoupled weight decay (matrices only)", default=0.1)
-    clip: float = _help("clip gradients to this global norm (0: off)", default=1.0)
+    weight_decay: float = _help(
+        "AdamW decoupled weight decay (matrices only)", default=0.1, bounds=NON_NEGATIVE
+    )
+    clip: float = _help(
+        "clip gradients to this global norm (0: off)", default=1.0, bounds=NON_NEGATIVE
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _help("compute dtype", default="float32")
     param_dtype: Literal["float32", "bfloat16", "float16"] = _help(
         "dtype of the stored weights and so of the optimizer state (float32 master weights)",
@@ -85,35 +183,94 @@ class Args:
     rules: Literal["dp", "fsdp", "tp", "fsdp_tp", "ep"] | None = _help(
         "sharding preset for --mesh (default: the one the mesh's shape suggests)", default=None
     )
-    eval_every: int = _help("evaluate on held-out data every N steps", default=100)
-    eval_batches: int = _help("held-out batches per evaluation", default=8)
-    val_fraction: float = _help("fraction of documents held out for validation", default=0.05)
-    log_every: int = _help("log a metrics line every N steps", default=25)
-    checkpoint_every: int = _help("write a checkpoint every N steps", default=200)
-    keep: int = _help("checkpoints to keep", default=3)
-    seed: int = _help("seed for initialisation and data order", default=0)
+    eval_every: int = _help(
+        "evaluate on held-out data every N steps", default=100, bounds=POSITIVE_INT
+    )
+    eval_batches: int = _help("held-out batches per evaluation", default=8, bounds=POSITIVE_INT)
+    val_fraction: float = _help(
+        "fraction of documents held out for validation", default=0.05, bounds=OPEN_FRACTION
+    )
+    log_every: int = _help("log a metrics line every N steps", default=25, bounds=POSITIVE_INT)
+    checkpoint_every: int = _help(
+        "write a checkpoint every N steps", default=200, bounds=POSITIVE_INT
+    )
+    keep: int = _help("checkpoints to keep", default=3, bounds=POSITIVE_INT)
+    seed: int = _help("seed for initialisation and data order", default=0, bounds=SEED)
     cache_dir: str = _help(
         "cache for the stdlib corpus and trained tokenizers", default="~/.cache/eqx-zoo"
     )
     peak_flops: float = _help(
-        "device peak FLOP/s for MFU (0: datasheet or measured at start-up)", default=0.0
+        "device peak FLOP/s for MFU (0: datasheet or measured at start-up)",
+        default=0.0,
+        bounds=NON_NEGATIVE,
     )
-    peak_bandwidth: float = _help("device bandwidth in bytes/s (with --peak-flops)", default=0.0)
+    peak_bandwidth: float = _help(
+        "device bandwidth in bytes/s (with --peak-flops)", default=0.0, bounds=NON_NEGATIVE
+    )
     progress: bool = _help("show a progress bar", default=True)
 
+    def __post_init__(self):
+        """Each number within its bounds, the defaults that depend on other settings resolved,
+        then `check`: an `Args` built in Python is held to what the CLI accepts."""
+        for field in dataclasses.fields(self):
+            bounds, value = bounds_of(field), getattr(self, field.name)
+            if bounds is not None and value is not None:
+                try:
+                    bounds.check(value)
+                except ValueError as error:
+                    raise ArgError(flag_name(field.name), str(error)) from None
+        if self.warmup is None:
+            self.warmup = min(DEFAULT_WARMUP, self.steps)
+        check(self)
 
-def _flag_type(tp):
-    """(argparse kwargs) for a field type."""
+
+def flag_name(field: str) -> str:
+    return f"--{field.replace('_', '-')}"
+
+
+def check(args: Args) -> None:
+    """What no single flag can check: settings that must agree. Raises `ArgError`."""
+    if args.batch_size % args.grad_accum:
+        raise ArgError(
+            "--grad-accum",
+            f"--batch-size {args.batch_size} is not divisible by --grad-accum {args.grad_accum}: "
+            "every micro-batch has the same number of sequences; give a divisor of --batch-size",
+        )
+    if args.warmup > args.steps:
+        raise ArgError(
+            "--warmup",
+            f"{args.warmup} is more than --steps {args.steps}: the learning rate would never "
+            f"reach --lr; give at most {args.steps}",
+        )
+    if (args.peak_flops > 0) != (args.peak_bandwidth > 0):
+        given, missing = ("--peak-flops", "--peak-bandwidth")[:: 1 if args.peak_flops else -1]
+        raise ArgError(
+            missing,
+            f"{given} is given, so {missing} is needed too (both, or neither to use the "
+            "datasheet or measured values)",
+        )
+
+
+def _flag_type(field: dataclasses.Field, tp) -> dict:
+    """(argparse kwargs) for a field of type `tp`."""
+    bounds = bounds_of(field)
+    if bounds is not None:
+        return {"type": bounds.flag_type(), "metavar": bounds.kind.__name__.upper()}
     origin, params = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         (tp,) = [p for p in params if p is not type(None)]
-        return _flag_type(tp)
+        return _flag_type(field, tp)
     if typing.get_origin(tp) is Literal:
         return {"choices": typing.get_args(tp)}
     if tp is bool:
         return {"action": argparse.BooleanOptionalAction}
-    if origin is list:
+    if typing.get_origin(tp) is list:
         return {"action": "append"}
+    if tp in (int, float):
+        raise TypeError(
+            f"Args.{field.name}: a number needs bounds, e.g. _help(..., bounds=POSITIVE_INT), "
+            "so that a bad value fails at its flag"
+        )
     return {"type": tp}
 
 
@@ -126,9 +283,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="JSON or TOML file of settings (flags override it)")
     for field in dataclasses.fields(Args):
         default = field.default_factory() if callable(field.default_factory) else field.default
-        kwargs = _flag_type(field.type)
+        kwargs = _flag_type(field, field.type)
         p.add_argument(
-            f"--{field.name.replace('_', '-')}",
+            flag_name(field.name),
             dest=field.name,
             default=None if kwargs.get("action") == "append" else default,
             help=field.metadata["help"],
@@ -137,25 +294,77 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _config_value(field: dataclasses.Field, value):
+    """A value from a config file, checked as its flag would be; raises ValueError saying why."""
+    tp, shown = field.type, json.dumps(value)
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if optional and value is None:
+        return None
+    bounds = bounds_of(field)
+    if bounds is not None:
+        if isinstance(value, str):
+            raise ValueError(f"must be {bounds.what}, got the string {shown}: write it unquoted")
+        return bounds.check(value)
+    if optional:
+        (tp,) = [p for p in typing.get_args(tp) if p is not type(None)]
+    if typing.get_origin(tp) is Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"must be one of {list(typing.get_args(tp))}, got {shown}")
+    elif tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"must be true or false, got {shown}")
+    elif typing.get_origin(tp) is list:
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f'must be a list of strings such as ["n_layers=2"], got {shown}')
+    elif not isinstance(value, tp):
+        raise ValueError(f"must be a string, got {shown}")
+    return value
+
+
 def _read_config_file(path: str) -> dict:
+    """The settings in a JSON or TOML file; ValueError naming the file (and the key) if bad."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"--config {path!r} does not exist")
-    text = file.read_text()
-    values = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
-    names = {f.name for f in dataclasses.fields(Args)}
-    unknown = sorted(set(values) - names)
+        raise ValueError(f"--config {path!r} does not exist (or is not a file)")
+    try:
+        text = file.read_text(encoding="utf-8")
+        values = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--config {path!r} is not UTF-8 text ({error})") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        kind = "TOML" if file.suffix == ".toml" else "JSON (or name it .toml)"
+        raise ValueError(f"--config {path!r} is not valid {kind}: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"--config {path!r} must hold an object of settings such as "
+            f'{{"steps": 100}}, got {type(values).__name__}'
+        )
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"--config {path!r}: unknown settings {unknown}; known: {sorted(names)}")
+        raise ValueError(f"--config {path!r}: unknown settings {unknown}; known: {sorted(fields)}")
+    for key, value in values.items():
+        try:
+            values[key] = _config_value(fields[key], value)
+        except ValueError as error:
+            raise ValueError(f"--config {path!r}: {key!r} ({flag_name(key)}) {error}") from None
     return values
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
+    """The settings of a run from the command line (and `--config`). A bad value exits as
+    argparse does: status 2 and `<prog>: error: argument --flag: <why>` on stderr."""
     p = parser()
     namespace, _ = p.parse_known_args(argv)
     if namespace.config:
-        p.set_defaults(**_read_config_file(namespace.config))
+        try:
+            p.set_defaults(**_read_config_file(namespace.config))
+        except ValueError as error:
+            p.error(str(error))
     values = vars(p.parse_args(argv))
     values.pop("config")
     values["override"] = values["override"] or []
-    return Args(**values)
+    try:
+        return Args(**values)
+    except ArgError as error:
+        p.error(str(error))

@@ -1,17 +1,43 @@
-"""The CLI: --help lists every setting; a config file sets defaults that flags override."""
+"""The CLI: --help lists every setting; a config file sets defaults that flags override; every
+number is checked at its flag (or its config key), settings that must agree are checked
+together, and the error is argparse's: exit status 2, the flag named."""
 
 import dataclasses
 import json
 
 import pytest
 
-from training.args import Args, parse_args, parser
+from training.args import ArgError, Args, _flag_type, bounds_of, check, parse_args, parser
+
+
+def fails(argv: list[str], capsys) -> str:
+    """The argparse error line of `parse_args(argv)` (which must exit with status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
 
 
 def test_help_lists_every_setting():
     text = parser().format_help()
     for field in dataclasses.fields(Args):
         assert f"--{field.name.replace('_', '-')}" in text
+
+
+def test_every_number_has_bounds():
+    """A numeric field without bounds cannot become a flag: the parser refuses to build."""
+    for field in dataclasses.fields(Args):
+        if field.type in (int, float, int | None, float | None):
+            assert bounds_of(field) is not None, field.name
+
+    @dataclasses.dataclass
+    class New:
+        count: int = dataclasses.field(default=1, metadata={"help": "a new setting"})
+
+    with pytest.raises(TypeError, match=r"Args.count: a number needs bounds"):
+        _flag_type(dataclasses.fields(New)[0], int)
 
 
 def test_config_file_then_flags(tmp_path):
@@ -30,10 +56,113 @@ def test_config_file_then_flags(tmp_path):
     assert args.schedule == "wsd" and args.progress is False
 
 
-def test_bad_config_file(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        parse_args(["--config", str(tmp_path / "none.json")])
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"stepz": 3}))
-    with pytest.raises(ValueError, match="unknown settings \\['stepz'\\]"):
-        parse_args(["--config", str(bad)])
+# The reproductions of the issue ("silent wrong results", "deep tracebacks") and their kin.
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+        (["--lr", "-1"], "argument --lr: must be a positive finite number, got -1"),
+        (["--lr", "nan"], "argument --lr: must be a positive finite number, got nan"),
+        (["--lr", "1e400"], "argument --lr: must be a positive finite number, got 1e400"),
+        (["--batch-size", "-2"], "argument --batch-size: must be a positive integer, got -2"),
+        (["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+        (["--grad-accum", "0"], "argument --grad-accum: must be a positive integer, got 0"),
+        (["--eval-batches", "0"], "argument --eval-batches: must be a positive integer, got 0"),
+        (["--eval-every", "0"], "argument --eval-every: must be a positive integer, got 0"),
+        (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+        (
+            ["--checkpoint-every", "0"],
+            "argument --checkpoint-every: must be a positive integer, got 0",
+        ),
+        (["--keep", "0"], "argument --keep: must be a positive integer, got 0"),
+        (["--seq-len", "-1"], "argument --seq-len: must be a positive integer, got -1"),
+        (["--steps", "1.5"], "argument --steps: must be a positive integer, got '1.5'"),
+        (["--warmup", "-1"], "argument --warmup: must be a non-negative integer, got -1"),
+        (["--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
+        (["--seed", str(2**64)], f"argument --seed: must be at most {2**63 - 1}"),
+        (["--steps", str(10**12)], "argument --steps: must be at most 2147483647"),
+        (["--vocab-size", "0"], "argument --vocab-size: must be an integer of at least 257"),
+        (["--vocab-size", str(10**11)], "argument --vocab-size: must be at most 1048576"),
+        (["--clip", "-1"], "argument --clip: must be a non-negative finite number, got -1"),
+        (["--weight-decay", "-0.1"], "argument --weight-decay: must be a non-negative finite"),
+        (["--min-lr-ratio", "2"], "argument --min-lr-ratio: must be a number in [0, 1], got 2"),
+        (["--val-fraction", "0"], "argument --val-fraction: must be a number in (0, 1), got 0"),
+        (["--val-fraction", "1"], "argument --val-fraction: must be a number in (0, 1), got 1"),
+        (["--peak-flops", "-1"], "argument --peak-flops: must be a non-negative finite number"),
+        (["--peak-flops", "inf"], "argument --peak-flops: must be a non-negative finite number"),
+    ],
+)
+def test_bad_number_names_its_flag(argv, message, capsys):
+    line = fails(argv, capsys)
+    assert line.startswith(f"{parser().prog}: error: {message}")
+
+
+def test_settings_that_must_agree(capsys):
+    line = fails(["--batch-size", "4", "--grad-accum", "3"], capsys)
+    assert "argument --grad-accum: --batch-size 4 is not divisible by --grad-accum 3" in line
+    line = fails(["--steps", "10", "--warmup", "11"], capsys)
+    assert "argument --warmup: 11 is more than --steps 10" in line
+    line = fails(["--peak-flops", "1e12"], capsys)
+    assert "argument --peak-bandwidth: --peak-flops is given, so --peak-bandwidth is needed" in line
+    line = fails(["--peak-bandwidth", "1e12"], capsys)
+    assert "argument --peak-flops: --peak-bandwidth is given" in line
+    # The default warm-up fits a short run; an explicit one is kept.
+    assert parse_args(["--steps", "10"]).warmup == 10
+    assert parse_args([]).warmup == 30
+    assert parse_args(["--steps", "10", "--warmup", "0"]).warmup == 0
+
+
+def test_args_in_python_are_checked_too():
+    """`Args(...)` (a run started from Python) is held to what the CLI accepts."""
+    with pytest.raises(ArgError, match="argument --batch-size: must be a positive integer"):
+        Args(batch_size=0)
+    with pytest.raises(ArgError, match="argument --lr: must be a positive finite number"):
+        Args(lr=float("nan"))
+    with pytest.raises(ArgError, match="argument --grad-accum: --batch-size 6 is not divisible"):
+        Args(batch_size=6, grad_accum=4)
+    args = Args(steps=4)
+    assert args.warmup == 4
+    args.grad_accum = 3  # changed after the fact: check() says so
+    with pytest.raises(ArgError, match="not divisible"):
+        check(args)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"steps": -2}', "'steps' (--steps) must be a positive integer, got -2"),
+        ('{"steps": "10"}', "'steps' (--steps) must be a positive integer, got the string"),
+        ('{"steps": 2.5}', "'steps' (--steps) must be a positive integer, got 2.5"),
+        ('{"steps": true}', "'steps' (--steps) must be a positive integer, got true"),
+        ('{"lr": NaN}', "'lr' (--lr) must be a positive finite number, got NaN"),
+        ('{"schedule": "linear"}', "'schedule' (--schedule) must be one of ['cosine', 'wsd']"),
+        ('{"progress": 1}', "'progress' (--progress) must be true or false, got 1"),
+        ('{"override": "n_layers=2"}', "'override' (--override) must be a list of strings"),
+        ('{"data": 5}', "'data' (--data) must be a string, got 5"),
+        ('{"stepz": 3}', "unknown settings ['stepz']"),
+        ('{"steps": 3,}', "is not valid JSON (or name it .toml): Expecting property name"),
+        ("[1, 2]", "must hold an object of settings"),
+    ],
+)
+def test_bad_config_value_names_file_and_key(tmp_path, text, message, capsys):
+    config = tmp_path / "run.json"
+    config.write_text(text)
+    line = fails(["--config", str(config)], capsys)
+    assert f"error: --config {str(config)!r}" in line and message in line
+
+
+def test_bad_config_file(tmp_path, capsys):
+    assert "does not exist" in fails(["--config", str(tmp_path / "none.json")], capsys)
+    toml = tmp_path / "run.toml"
+    toml.write_text("steps = 3\nsteps = 4\n")
+    assert "is not valid TOML: Cannot overwrite a value (at line 2" in fails(
+        ["--config", str(toml)], capsys
+    )
+    binary = tmp_path / "run.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert "is not UTF-8 text" in fails(["--config", str(binary)], capsys)
+    # A config's value is checked against the flags given with it.
+    toml.write_text("warmup = 50\n")
+    assert "argument --warmup: 50 is more than --steps 10" in fails(
+        ["--config", str(toml), "--steps", "10"], capsys
+    )
