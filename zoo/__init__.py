@@ -1,10 +1,12 @@
-"""The model zoo: configs, presets, the Transformer assembly and transformer math."""
+"""The model zoo: configs, presets, the Transformer assembly, transformer math, and tokenizers
+with chat templates."""
 
 from zoo import math
 from zoo.config import Config
 from zoo.output import ModelOutput, moe_aux_loss
 from zoo.presets import preset, presets
 from zoo.runtime import RUNTIME_FIELDS, with_runtime
+from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Block, Transformer
 
 __all__ = [
@@ -12,8 +14,10 @@ __all__ = [
     "Block",
     "Config",
     "ModelOutput",
+    "Tokenizer",
     "Transformer",
     "load_pretrained",
+    "load_tokenizer",
     "math",
     "moe_aux_loss",
     "preset",
