@@ -51,8 +51,8 @@ def load_tokenizer(path: str | Path, *, chat_template: str | Path | None = None)
 
     `chat_template` replaces the checkpoint's template (or gives one to a checkpoint without):
     a `Path` or a string naming a file (read as UTF-8), or a string holding Jinja (`{{` or `{%`)
-    used as the template itself. Only byte-level BPE vocabularies load (GPT-2, Llama 3, SmolLM2,
-    Qwen2 style); anything tiktoken would encode differently from HF is refused with the reason.
+    used as the template itself. Only byte-level BPE vocabularies load (GPT-2, Llama 3, SmolLM2);
+    anything tiktoken would encode differently from HF is refused with the reason.
     """
     path = Path(path)
     if path.suffix == ".gguf":
