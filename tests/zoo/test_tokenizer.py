@@ -2,6 +2,7 @@
 `apply_chat_template` (the SmolLM2 GGUF, the HF directory transformers saves from it, and two
 more template families), the turn-ending ids, the sandbox, and an error for each bad input."""
 
+import dataclasses
 import datetime
 import json
 import re
@@ -198,8 +199,8 @@ def test_no_chat_template(chat_reference):  # noqa: F811
         "{{ dict.__class__.__subclasses__() }}",
     ],
 )
-def test_sandbox_refuses_python_internals(template):
-    tokenizer = zoo.load_tokenizer(smollm2_gguf(), chat_template=template)
+def test_sandbox_refuses_python_internals(gguf_tokenizer, template):
+    tokenizer = dataclasses.replace(gguf_tokenizer, chat_template=template)
     with pytest.raises(ValueError, match="tried to reach Python internals, which the sandbox"):
         tokenizer.apply_chat_template(USER)
 

@@ -167,7 +167,8 @@ def _plain(value: Any, where: str) -> Any:
                 raise TypeError(f"{where} has a key {key!r} that is not a string")
         return {str(k): _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
     raise TypeError(
         f"{where} is a {type(value).__name__}; a chat template only sees JSON values "
         "(str, int, float, bool, None, lists and dicts of them)"

@@ -54,6 +54,12 @@ def load_tokenizer(path: str | Path, *, chat_template: str | Path | None = None)
     used as the template itself. Only byte-level BPE vocabularies load (GPT-2, Llama 3, SmolLM2);
     anything tiktoken would encode differently from HF is refused with the reason.
     """
+    source = None
+    if chat_template is not None:  # checked first: a bad template fails before the slow part
+        from zoo.tokenizer.chat import compile_template
+
+        source = read_chat_template(chat_template)
+        compile_template(source)
     path = Path(path)
     if path.suffix == ".gguf":
         tokenizer = _from_gguf(path)
@@ -68,29 +74,24 @@ def load_tokenizer(path: str | Path, *, chat_template: str | Path | None = None)
             f"{str(path)!r} is not a tokenizer: pass an HF directory (with tokenizer.json), a "
             "tokenizer.json file or a .gguf file"
         )
-    if chat_template is not None:
-        tokenizer = dataclasses.replace(tokenizer, chat_template=read_chat_template(chat_template))
+    if source is not None:
+        tokenizer = dataclasses.replace(tokenizer, chat_template=source)
     return tokenizer
 
 
 def read_chat_template(template: str | Path) -> str:
-    """The Jinja source `template` gives: its text if it holds Jinja, else the file it names.
-    Checked by compiling it, so a broken template fails here rather than at the first chat."""
-    from zoo.tokenizer.chat import compile_template
-
+    """The Jinja source `template` gives: its text if it holds Jinja, else the file it names."""
     if isinstance(template, str) and ("{{" in template or "{%" in template):
-        source = template
-    else:
-        try:
-            source = Path(template).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(
-                f"cannot read the chat template file {str(template)!r} ({e}); pass a readable "
-                "UTF-8 .jinja file, or the template text itself"
-            ) from e
-        if not source.strip():
-            raise ValueError(f"the chat template file {str(template)!r} is empty")
-    compile_template(source)
+        return template
+    try:
+        source = Path(template).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"cannot read the chat template file {str(template)!r} ({e}); pass a readable "
+            "UTF-8 .jinja file, or the template text itself"
+        ) from e
+    if not source.strip():
+        raise ValueError(f"the chat template file {str(template)!r} is empty")
     return source
 
 

@@ -68,8 +68,6 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """The ids of `text`; special-token strings in it become their ids, and bytes the
         vocabulary has no token for are dropped (both as in HF)."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode takes a str, not a {type(text).__name__}")
         if self._absent_bytes:
             raw = text.encode("utf-8", "surrogatepass")
             if len(raw.translate(None, self._absent_bytes)) != len(raw):
@@ -110,6 +108,7 @@ class Tokenizer:
         `add_generation_prompt`, the text ends with the header of an assistant turn, ready for
         generation. `variables` are extra template variables, as HF's `**kwargs` (`tools=[...]`,
         `enable_thinking=False`); they override the named special tokens."""
+        # Imported here: jinja2 is needed only by those who chat, not to encode.
         from zoo.tokenizer import chat
 
         return chat.render(
