@@ -15,9 +15,9 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from zoo.tokenizer.bpe import GPT2_PATTERN, byte_decoder
+
 EOT = "<|endoftext|>"
-# GPT-2's pre-tokenizer split: contractions, letters, digits, punctuation runs, whitespace runs.
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 OPENAI_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base")
 
 
@@ -30,19 +30,6 @@ def openai_encoding(name: str) -> tiktoken.Encoding:
             f"could not load tiktoken encoding {name!r} ({error}); it is downloaded on first use, "
             "so go online once or point TIKTOKEN_CACHE_DIR at a directory holding its file"
         ) from error
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: the printable stand-in character of each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, *, name: str = "bpe") -> tiktoken.Encoding:
@@ -64,7 +51,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, name: str = "bpe") -> ti
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    to_byte = _byte_decoder()
+    to_byte = byte_decoder()
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     # HF ids put the 256 bytes first and then merges in the order learned: the same priority
     # tiktoken uses (lowest rank merges first), so the ids can be the ranks.

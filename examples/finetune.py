@@ -6,7 +6,7 @@
     python -m examples.finetune --data roneneldan/TinyStories     # a hub dataset (online only)
 
 The model's architecture and its tokenizer come from the checkpoint (`zoo.load_pretrained`,
-`data.pretrained_tokenizer.tokenizer_from_pretrained`, through train.py's `--init-from`); the
+`zoo.load_tokenizer`, through train.py's `--init-from`); the
 loop is train.py's, and so are its run-time flags, passed through and applied to the loaded model
 (`zoo.with_runtime`): e.g. `--dtype bfloat16 --remat full --attention naive`. It prints the
 validation loss before and after, then a greedy continuation of `--prompt` by `infer.generate`.

@@ -8,7 +8,7 @@
     python -m examples.sample --run runs/tiny --prompt "Hi" --mesh data=2,tensor=4 --rules tp
 
 A checkpoint is loaded with `zoo.load_pretrained` and its tokenizer with
-`data.pretrained_tokenizer.tokenizer_from_pretrained`; a train.py run directory with
+`zoo.load_tokenizer`; a train.py run directory with
 `training.checkpoint.load_run` (the latest checkpoint and the tokenizer the run recorded); a preset
 gets random weights. `--tokenizer` is a tiktoken encoding name (its BPE file must be cached
 offline), a `.tiktoken` rank file or a checkpoint path. `--mesh` with `--rules` generates with
@@ -36,9 +36,7 @@ from training.checkpoint import load_run
 
 def load_tokenizer(name_or_path: str):
     if os.path.exists(name_or_path):
-        from data.pretrained_tokenizer import tokenizer_from_pretrained
-
-        return tokenizer_from_pretrained(name_or_path)
+        return zoo.load_tokenizer(name_or_path).encoding
     import tiktoken
 
     return tiktoken.get_encoding(name_or_path)

@@ -191,9 +191,9 @@ def tokenizer_from_spec(spec: str) -> Any:
 
     source = Path(spec)
     if source.is_dir() or source.suffix in (".gguf", ".json"):
-        from data.pretrained_tokenizer import tokenizer_from_pretrained
+        from zoo.tokenizer import load_tokenizer
 
-        return tokenizer_from_pretrained(spec)
+        return load_tokenizer(spec).encoding
     return load_ranks(spec) if source.is_file() else openai_encoding(spec)
 
 

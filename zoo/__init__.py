@@ -1,5 +1,5 @@
-"""The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly
-and transformer math."""
+"""The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly,
+transformer math, and tokenizers with chat templates."""
 
 from zoo import math
 from zoo.block import Block
@@ -8,6 +8,7 @@ from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
 from zoo.stack import Stack
+from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Transformer
 
 __all__ = [
@@ -16,8 +17,10 @@ __all__ = [
     "ModelOutput",
     "Policy",
     "Stack",
+    "Tokenizer",
     "Transformer",
     "load_pretrained",
+    "load_tokenizer",
     "math",
     "preset",
     "presets",

@@ -4,12 +4,14 @@ Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does o
     python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
                                              # and logits of dirs written by zoo.save_pretrained
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
+    python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
 
 JOB.json holds the inputs; results go to JOB["out"] as .npz / .json files.
 """
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -109,7 +111,74 @@ def smollm2(job: dict) -> None:
     np.savez(os.path.join(out, "smollm2.npz"), logits=logits(model, [prompt]))
 
 
+def chat(job: dict) -> None:
+    """transformers' own `apply_chat_template` on each tokenizer directory: for each conversation,
+    without and with the generation prompt, the rendered text and the ids, or the error it raises;
+    and the ids of plain texts (`encode`, no special tokens added). The job's directories come
+    with two made here from the SmolLM2 GGUF (transformers' GGUF reader, SmolLM2's own digit-
+    splitting pre-tokenizer put back): "smollm2" as save_pretrained writes it (the template in
+    chat_template.jinja), and "smollm2-unnamed", where <|im_start|> is neither an added token nor
+    a named one, so that transformers encodes it as ordinary text."""
+    from tokenizers import pre_tokenizers
+
+    folder, name = os.path.split(job["gguf"])
+    gguf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    smollm2_dir = os.path.join(job["out"], "smollm2")
+    gguf_tokenizer.save_pretrained(smollm2_dir)
+    unnamed_dir = os.path.join(job["out"], "smollm2-unnamed")
+    shutil.copytree(smollm2_dir, unnamed_dir, dirs_exist_ok=True)
+    edit_json(
+        os.path.join(unnamed_dir, "tokenizer.json"),
+        lambda spec: spec["added_tokens"].remove(
+            next(t for t in spec["added_tokens"] if t["content"] == "<|im_start|>")
+        ),
+    )
+    edit_json(
+        os.path.join(unnamed_dir, "tokenizer_config.json"),
+        lambda config: config.update(bos_token="<|endoftext|>"),
+    )
+    dirs = {"smollm2": smollm2_dir, "smollm2-unnamed": unnamed_dir, **job["dirs"]}
+    results = {}
+    for dir_name, path in dirs.items():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        cases = {}
+        for conversation_name, messages in job["conversations"].items():
+            for prompt in (False, True):
+                cases[f"{conversation_name}-{prompt}"] = render_chat(tokenizer, messages, prompt)
+        texts = [tokenizer.encode(text, add_special_tokens=False) for text in job["texts"]]
+        results[dir_name] = {"dir": path, "cases": cases, "texts": texts}
+    with open(os.path.join(job["out"], "chat.json"), "w") as f:
+        json.dump(results, f)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> dict:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
+    except Exception as error:  # the template's raise_exception: the test expects it too
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"text": text, "ids": ids}
+
+
+def edit_json(path: str, edit) -> None:
+    with open(path) as f:
+        value = json.load(f)
+    edit(value)
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
 if __name__ == "__main__":
     command, job_file = sys.argv[1:]
     with open(job_file) as f:
-        {"tiny": tiny, "smollm2": smollm2}[command](json.load(f))
+        {"tiny": tiny, "smollm2": smollm2, "chat": chat}[command](json.load(f))

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import zoo
-from data.pretrained_tokenizer import tokenizer_from_pretrained
 from tests.reference.runner import smollm2_gguf
 from tests.reference.smollm2 import NEW_TOKENS, PROMPT, smollm2_reference  # noqa: F401
 
@@ -57,9 +56,9 @@ def test_logits_match_transformers(continuation, smollm2_reference):  # noqa: F8
 
 
 def test_greedy_continuation_says_paris(continuation, smollm2_reference):  # noqa: F811
-    encoding = tokenizer_from_pretrained(smollm2_gguf())
-    prompt = encoding.encode(PROMPT)
+    tokenizer = zoo.load_tokenizer(smollm2_gguf())
+    prompt = tokenizer.encode(PROMPT)
     assert prompt == smollm2_reference["prompt"]
     ids = continuation[0]
     assert ids == smollm2_reference["greedy"]
-    assert " Paris" in encoding.decode(ids[len(prompt) :])
+    assert " Paris" in tokenizer.decode(ids[len(prompt) :])
