@@ -2,6 +2,10 @@
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, kv_seq, kv_heads, head_dim]; mask: AttentionMask.
 `naive` is the specification; `xla` uses jax.nn.dot_product_attention; `flash` is Pallas.
+
+`paged/` is attention over a paged KV pool (a decode step or a prefill chunk against pages):
+its own interface, `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
+sliding_window, kernel)`, with `GatherKernel()` (XLA) or `PallasDecodeKernel(...)`.
 """
 
 from collections.abc import Callable
@@ -9,6 +13,13 @@ from collections.abc import Callable
 from layers.kernels.flash import BlockSizes, flash_attention
 from layers.kernels.mask import AttentionMask, causal_mask
 from layers.kernels.naive import naive_attention
+from layers.kernels.paged import (
+    GatherKernel,
+    PallasDecodeKernel,
+    check_page_table,
+    paged_attention,
+    write_pages,
+)
 from layers.kernels.xla import xla_attention
 
 KERNELS: dict[str, Callable] = {
@@ -29,9 +40,14 @@ __all__ = [
     "KERNELS",
     "AttentionMask",
     "BlockSizes",
+    "GatherKernel",
+    "PallasDecodeKernel",
     "causal_mask",
+    "check_page_table",
     "flash_attention",
     "get_kernel",
     "naive_attention",
+    "paged_attention",
+    "write_pages",
     "xla_attention",
 ]
