@@ -11,7 +11,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 
@@ -265,15 +264,6 @@ def test_bad_inputs_are_refused(changes, kwargs, message):
     kwargs = {"kernel": GatherKernel(), **kwargs}
     with pytest.raises(ValueError, match=message):
         paged_attention(*args, q_positions=q_positions, **kwargs)
-
-
-@pytest.fixture
-def without_runtime_typechecks():
-    """The tests run beartype on every jaxtyping annotation, which already refuses inputs whose
-    shapes contradict the signature; users run without it and get these ValueErrors."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def test_mismatched_shapes_are_refused(without_runtime_typechecks):
