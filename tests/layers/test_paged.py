@@ -155,6 +155,18 @@ def test_row_holding_nothing_outputs_zero(kernel):
     assert_close(got[1], want[1], case, contiguous[1])
 
 
+@pytest.mark.parametrize("kernel", ["gather", "pallas-splits"])
+def test_lengths_past_the_table_under_jit_see_the_table_only(kernel):
+    """Under jit nothing can check a length against the table: keys past the table's slots do
+    not exist (no read through the padding or past the row's last page)."""
+    case = Case(lengths=(20, 64))
+    paged, q_positions, contiguous = build(case, seed=6)
+    too_long = (*paged[:4], jnp.array([20, 64 + 9], jnp.int32))
+    got = run(KERNELS[kernel], case, too_long, q_positions + jnp.array([[0], [9]]))
+    want = reference(case, paged[0], q_positions + jnp.array([[0], [9]]), contiguous)
+    assert_close(got, want, case, contiguous[1])
+
+
 def test_random_lengths_compile_once():
     """Lengths and page tables are runtime values: new ones reuse the compiled step."""
     kernel = KERNELS["pallas-splits"]

@@ -52,10 +52,9 @@ def _decode_kernel(
     group_pad, head_dim = q_ref.shape
     ppb = plan.pages_per_block
     block = ppb * k_ref.shape[1]
-    capacity = table_ref.shape[0] * k_ref.shape[1]
     # Visible keys are the positions [first, end): one contiguous run.
     first = 0 if plan.window is None else jnp.maximum(q_pos - plan.window + 1, 0)
-    end = jnp.minimum(jnp.minimum(q_pos + 1, length), capacity)
+    end = jnp.minimum(q_pos + 1, length)
     lo = first // block
     hi = jnp.where(end > first, (end + block - 1) // block, lo)
     # This program's share of the blocks [lo, hi): every block it visits holds a visible key.
@@ -116,6 +115,8 @@ def paged_decode(
     qg = q.reshape(b, n_kv, group, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     ppb, splits = plan.pages_per_block, plan.splits
+    # A row holds at most its table's slots: keys past them do not exist (as in the XLA path).
+    lengths = jnp.minimum(lengths.astype(jnp.int32), page_table.shape[1] * page_size)
     table = page_table.astype(jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; page 0 is valid
 
@@ -148,7 +149,7 @@ def paged_decode(
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         interpret=plan.interpret,
         name="paged_decode",
-    )(lengths.astype(jnp.int32), q_positions[:, 0].astype(jnp.int32), table, qg, k_pages, v_pages)
+    )(lengths, q_positions[:, 0].astype(jnp.int32), table, qg, k_pages, v_pages)
     out = _merge(o, m, denom)[:, :, :group]  # [batch, kv_heads, group, head_dim]
     return out.reshape(b, 1, n_heads, d).astype(q.dtype)
 
