@@ -262,13 +262,13 @@ def filter_logits(
         lambda: off,
     )
     kth = jnp.where(use_k, kth, off)
-    # Top-p over the top-k survivors: unnormalised probabilities against p * their total.
-    mass = jnp.where(logits >= kth[:, None], jnp.exp(logits - top[:, None]), 0.0)
-    nucleus = jax.lax.cond(
-        jnp.any(use_p),
-        lambda: _search_threshold(logits, mass, params.top_p * jnp.sum(mass, axis=-1)),
-        lambda: off,
-    )
+
+    def nucleus_threshold():
+        # Top-p over the top-k survivors: unnormalised probabilities against p * their total.
+        mass = jnp.where(logits >= kth[:, None], jnp.exp(logits - top[:, None]), 0.0)
+        return _search_threshold(logits, mass, params.top_p * jnp.sum(mass, axis=-1))
+
+    nucleus = jax.lax.cond(jnp.any(use_p), nucleus_threshold, lambda: off)
     nucleus = jnp.where(use_p, nucleus, off)
     # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
     floor = top + jnp.log(params.min_p)
@@ -281,10 +281,20 @@ def sample(
     logits: Float[Array, "batch vocab"], params: SamplingParams, key: PRNGKeyArray
 ) -> Int[Array, " batch"]:
     """One token per row, each row with its own settings: argmax where temperature is 0, else a
-    draw from softmax of the filtered logits / temperature."""
+    draw from softmax of the filtered logits / temperature (Gumbel-max through
+    `jax.random.categorical`: exact for every token, tail included, but one random number per
+    logit). An all-greedy batch skips the filters and the draw."""
     greedy = params.temperature == 0
-    tempered = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, params.temperature)[:, None]
-    drawn = jax.random.categorical(key, filter_logits(tempered, params), axis=-1)
+
+    def draw():
+        tempered = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, params.temperature)[:, None]
+        drawn = jax.random.categorical(key, filter_logits(tempered, params), axis=-1)
+        return drawn.astype(jnp.int32)
+
+    def no_draw():
+        return jnp.zeros(greedy.shape, jnp.int32)
+
+    drawn = jax.lax.cond(jnp.all(greedy), no_draw, draw)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
 
 
