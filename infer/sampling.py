@@ -102,7 +102,7 @@ class SamplingParams(eqx.Module):
         return self.temperature.shape[0]
 
     def broadcast(self, batch: int) -> "SamplingParams":
-        """One row's settings repeated for `batch` rows."""
+        """These settings for `batch` rows: one row is repeated, `batch` rows kept as they are."""
         if self.batch not in (1, batch):
             raise ValueError(f"SamplingParams has {self.batch} rows, cannot serve {batch}")
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,)), self)
@@ -117,12 +117,12 @@ class Sampler(eqx.Module):
 
     def filter(self, logits: Float[Array, "batch vocab"]) -> Float[Array, "batch vocab"]:
         """The (already tempered) logits with the tokens this sampler excludes set to -inf."""
-        return filter_logits(logits, self.params().broadcast(logits.shape[0]))
+        return filter_logits(logits, self.params())
 
     def __call__(
         self, logits: Float[Array, "batch vocab"], key: PRNGKeyArray
     ) -> Int[Array, " batch"]:
-        return sample(logits, self.params().broadcast(logits.shape[0]), key)
+        return sample(logits, self.params(), key)
 
 
 def _row(temperature, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
@@ -247,7 +247,9 @@ def filter_logits(
     the tokens strictly more likely than it is < p (so the most likely token always stays, and
     tokens tied with a kept one are kept: the set does not depend on vocabulary order); min-p
     keeps p_i >= min_p * p_max. Each is a threshold on the logits, found without sorting.
+    `params` has one row per logits row, or one row for all.
     """
+    params = params.broadcast(logits.shape[0])
     logits = logits.astype(jnp.float32)
     top = jnp.max(logits, axis=-1)
     off = jnp.full(top.shape, -jnp.inf)
@@ -283,7 +285,9 @@ def sample(
     """One token per row, each row with its own settings: argmax where temperature is 0, else a
     draw from softmax of the filtered logits / temperature (Gumbel-max through
     `jax.random.categorical`: exact for every token, tail included, but one random number per
-    logit). An all-greedy batch skips the filters and the draw."""
+    logit). An all-greedy batch skips the filters and the draw. `params` has one row per logits
+    row, or one row for all."""
+    params = params.broadcast(logits.shape[0])
     greedy = params.temperature == 0
 
     def draw():

@@ -260,6 +260,10 @@ def test_new_settings_reuse_the_compiled_sampler():
             "1-D arrays of one length",
         ),
         (lambda: stack_samplers([]), "at least one sampler"),
+        (
+            lambda: sample(LOGITS[:2], stack_samplers([infer.Greedy()] * 3), jax.random.key(0)),
+            "SamplingParams has 3 rows, cannot serve 2",
+        ),
     ],
 )
 def test_bad_settings_name_the_parameter(without_runtime_typechecks, make, message):
