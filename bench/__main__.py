@@ -1,7 +1,8 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
-(train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes) with sizes
-for the device found, each printing predicted (zoo.math roofline) vs measured beside the
-ceilings measured once in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
+(train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
+samplers) with sizes for the device found, each printing predicted (zoo.math roofline) vs
+measured beside the ceilings measured once in this run, and writes `results.json` and
+`results.md` to RESULTS_DIR.
 
     python -m bench all --out results/
     python -m bench decode                 # one benchmark
@@ -23,6 +24,7 @@ BENCHMARKS = {
     "layout": "bench.decode_layout",
     "moe": "bench.moe",
     "flash-blocks": "bench.flash_blocks",
+    "sampling": "bench.sampling",
 }
 
 

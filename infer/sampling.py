@@ -2,115 +2,316 @@
 
 Greedy; temperature (Ackley et al. 1985's Boltzmann sampling); top-k (Fan et al. 2018); top-p /
 nucleus (Holtzman et al. 2020); min-p (Nguyen et al. 2024). Temperature is applied first, then
-the filter (as HF transformers does). Each sampler is a small frozen module, validated when built,
-and a pure function of (logits, key): the same key gives the same tokens.
+the filters (as HF transformers does). Sampling is a pure function of (logits, parameters, key):
+the same key gives the same tokens.
+
+Every parameter is data, never static: `SamplingParams` holds one value per row
+(`temperature` 0 = greedy, `top_k` 0 = off, `top_p` 1 = off, `min_p` 0 = off), so one compiled
+`sample` serves any mix of requests and a new setting never recompiles. The user-facing
+samplers (`Greedy()`, `Temperature(t)`, `TopK(k)`, `TopP(p)`, `MinP(p)`) are small modules whose
+fields are arrays, validated when built; `stack_samplers` turns one per request into the rows of
+a `SamplingParams`.
+
+No sort of the vocabulary: each filter keeps the tokens at or above a threshold logit, and the
+top-k and top-p thresholds are found exactly by bisection over the float32 values in their order
+(`_search_threshold`: 32 masked sums over the logits), each only when some row uses that filter.
 """
+
+import abc
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
-
-_NEG_INF = -jnp.inf
-
-
-def _tempered(
-    logits: Float[Array, "batch vocab"], temperature: float
-) -> Float[Array, "batch vocab"]:
-    return logits.astype(jnp.float32) / temperature
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 
-def _draw(logits: Float[Array, "batch vocab"], key: PRNGKeyArray) -> Int[Array, " batch"]:
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def _is_traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def _argmax(logits: Float[Array, "batch vocab"]) -> Int[Array, " batch"]:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _temperature(value: ArrayLike, name: str = "temperature") -> Array:
+    if not _is_traced(value):
+        t = np.asarray(value, np.float64)
+        bad = ~np.isfinite(t) | (t < 0)
+        if bad.any():
+            raise ValueError(
+                f"{name} must be >= 0 and finite (0 means greedy), got {t[bad].flat[0]}"
+            )
+    return jnp.asarray(value, jnp.float32)
+
+
+def _probability(value: ArrayLike, name: str, *, zero_ok: bool) -> Array:
+    if not _is_traced(value):
+        p = np.asarray(value, np.float64)
+        bad = ~((p >= 0 if zero_ok else p > 0) & (p <= 1))  # NaN fails both
+        if bad.any():
+            interval = "[0, 1]" if zero_ok else "(0, 1]"
+            raise ValueError(f"{name} must be in {interval}, got {p[bad].flat[0]}")
+    return jnp.asarray(value, jnp.float32)
+
+
+def _top_k(value: ArrayLike, name: str, *, zero_ok: bool) -> Array:
+    if not _is_traced(value):
+        k = np.asarray(value)
+        if k.dtype == bool or not (
+            np.issubdtype(k.dtype, np.integer)
+            or (np.issubdtype(k.dtype, np.floating) and np.all(k == np.round(k)))
+        ):
+            raise ValueError(f"{name} must be an integer, got {k.flat[0] if k.size else k}")
+        low = 0 if zero_ok else 1
+        bad = (k < low) | (k > np.iinfo(np.int32).max)
+        if bad.any():
+            raise ValueError(f"{name} must be >= {low} and < 2**31, got {k[bad].flat[0]}")
+    return jnp.asarray(value, jnp.int32)
+
+
+class SamplingParams(eqx.Module):
+    """Per-row sampler settings, all runtime data: `temperature` (0 = greedy), `top_k` (0 = off),
+    `top_p` (1 = off), `min_p` (0 = off). Filters compose as HF's do: temperature, then top-k,
+    then top-p over the top-k survivors (renormalised), then min-p. Values are checked when
+    built from concrete arrays (a ValueError names the field)."""
+
+    temperature: Float[Array, " batch"]
+    top_k: Int[Array, " batch"]
+    top_p: Float[Array, " batch"]
+    min_p: Float[Array, " batch"]
+
+    def __init__(
+        self,
+        *,
+        temperature: Float[ArrayLike, " batch"],
+        top_k: Int[ArrayLike, " batch"],
+        top_p: Float[ArrayLike, " batch"],
+        min_p: Float[ArrayLike, " batch"],
+    ):
+        self.temperature = _temperature(temperature, "SamplingParams.temperature")
+        self.top_k = _top_k(top_k, "SamplingParams.top_k", zero_ok=True)
+        self.top_p = _probability(top_p, "SamplingParams.top_p", zero_ok=False)
+        self.min_p = _probability(min_p, "SamplingParams.min_p", zero_ok=True)
+        shapes = {x.shape for x in (self.temperature, self.top_k, self.top_p, self.min_p)}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+            raise ValueError(
+                f"SamplingParams fields must be 1-D arrays of one length (one per row), got "
+                f"shapes {sorted(shapes)}"
+            )
+
+    @property
+    def batch(self) -> int:
+        return self.temperature.shape[0]
+
+    def broadcast(self, batch: int) -> "SamplingParams":
+        """These settings for `batch` rows: one row is repeated, `batch` rows kept as they are."""
+        if self.batch not in (1, batch):
+            raise ValueError(f"SamplingParams has {self.batch} rows, cannot serve {batch}")
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,)), self)
 
 
 class Sampler(eqx.Module):
-    """Base of every sampler: `temperature` (0 = greedy) then `filter` the tempered logits.
-    (Equinox runs every class's `__check_init__`, so this check covers the subclasses too.)"""
+    """One request's sampler: its settings as a row of `SamplingParams`."""
 
-    temperature: float = eqx.field(static=True, default=1.0)
-
-    def __check_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+    @abc.abstractmethod
+    def params(self) -> SamplingParams:
+        """This sampler's settings as one row."""
 
     def filter(self, logits: Float[Array, "batch vocab"]) -> Float[Array, "batch vocab"]:
-        """Tempered logits with the excluded tokens set to -inf (none here)."""
-        return logits
+        """The (already tempered) logits with the tokens this sampler excludes set to -inf."""
+        return filter_logits(logits, self.params())
 
     def __call__(
         self, logits: Float[Array, "batch vocab"], key: PRNGKeyArray
     ) -> Int[Array, " batch"]:
-        if self.temperature == 0:
-            return _argmax(logits)
-        return _draw(self.filter(_tempered(logits, self.temperature)), key)
+        return sample(logits, self.params(), key)
+
+
+def _row(temperature, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
+    return SamplingParams(
+        temperature=jnp.reshape(temperature, (1,)),
+        top_k=jnp.reshape(top_k, (1,)),
+        top_p=jnp.reshape(top_p, (1,)),
+        min_p=jnp.reshape(min_p, (1,)),
+    )
 
 
 class Greedy(Sampler):
     """The most likely token, always (temperature 0)."""
 
-    temperature: float = eqx.field(static=True, default=0.0)
-
-    def __check_init__(self):
-        if self.temperature != 0:
-            raise ValueError(f"Greedy has temperature 0, got {self.temperature}")
+    def params(self) -> SamplingParams:
+        return _row(0.0)
 
 
 class Temperature(Sampler):
-    """Sample from softmax(logits / temperature) over the whole vocabulary."""
+    """Sample from softmax(logits / temperature) over the whole vocabulary (0 = greedy)."""
+
+    temperature: Float[Array, ""]
+
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = _temperature(temperature)
+
+    def params(self) -> SamplingParams:
+        return _row(self.temperature)
 
 
 class TopK(Sampler):
-    """Sample among the `k` most likely tokens only."""
+    """Sample among the `k` most likely tokens only (and any tied with the k-th)."""
 
-    k: int = eqx.field(static=True, default=50)
+    k: Int[Array, ""]
+    temperature: Float[Array, ""]
 
-    def __check_init__(self):
-        if self.k < 1:
-            raise ValueError(f"TopK.k must be >= 1, got {self.k}")
+    def __init__(self, k: int = 50, temperature: float = 1.0):
+        self.k = _top_k(k, "TopK.k", zero_ok=False)
+        self.temperature = _temperature(temperature)
 
-    def filter(self, logits: Float[Array, "batch vocab"]) -> Float[Array, "batch vocab"]:
-        kth = jax.lax.top_k(logits, min(self.k, logits.shape[-1]))[0][:, -1:]
-        return jnp.where(logits >= kth, logits, _NEG_INF)
+    def params(self) -> SamplingParams:
+        return _row(self.temperature, top_k=self.k)
 
 
 class TopP(Sampler):
     """Nucleus sampling: the smallest set of most likely tokens whose probability reaches `p`."""
 
-    p: float = eqx.field(static=True, default=0.9)
+    p: Float[Array, ""]
+    temperature: Float[Array, ""]
 
-    def __check_init__(self):
-        if not 0 < self.p <= 1:
-            raise ValueError(f"TopP.p (top-p) must be in (0, 1], got {self.p}")
+    def __init__(self, p: float = 0.9, temperature: float = 1.0):
+        self.p = _probability(p, "TopP.p (top-p)", zero_ok=False)
+        self.temperature = _temperature(temperature)
 
-    def filter(self, logits: Float[Array, "batch vocab"]) -> Float[Array, "batch vocab"]:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
-        # Keep a token while the mass before it is still short of p (so the top one always stays).
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < self.p
-        keep = (
-            jnp.zeros_like(keep_sorted)
-            .at[jnp.arange(logits.shape[0])[:, None], order]
-            .set(keep_sorted)
-        )
-        return jnp.where(keep, logits, _NEG_INF)
+    def params(self) -> SamplingParams:
+        return _row(self.temperature, top_p=self.p)
 
 
 class MinP(Sampler):
     """Keep tokens whose probability is at least `p` times the most likely token's."""
 
-    p: float = eqx.field(static=True, default=0.05)
+    p: Float[Array, ""]
+    temperature: Float[Array, ""]
 
-    def __check_init__(self):
-        if not 0 <= self.p <= 1:
-            raise ValueError(f"MinP.p (min-p) must be in [0, 1], got {self.p}")
+    def __init__(self, p: float = 0.05, temperature: float = 1.0):
+        self.p = _probability(p, "MinP.p (min-p)", zero_ok=True)
+        self.temperature = _temperature(temperature)
 
-    def filter(self, logits: Float[Array, "batch vocab"]) -> Float[Array, "batch vocab"]:
-        # p_i >= p * p_max  <=>  logit_i >= logit_max + log(p)
-        threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(self.p)
-        return jnp.where(logits >= threshold, logits, _NEG_INF)
+    def params(self) -> SamplingParams:
+        return _row(self.temperature, min_p=self.p)
+
+
+def stack_samplers(samplers: Sequence[Sampler]) -> SamplingParams:
+    """The rows of a `SamplingParams`, one per request's sampler, in order."""
+    if not samplers:
+        raise ValueError("stack_samplers needs at least one sampler")
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *(s.params() for s in samplers))
+
+
+def _order_key(x: Float[Array, "..."]) -> Array:
+    """float32 -> uint32 with the same order (-inf < ... < -0.0 < +0.0 < ... < +inf)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_order_key(key: Array) -> Float[Array, "..."]:
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _search_threshold(
+    logits: Float[Array, "batch vocab"],
+    weights: Float[Array, "batch vocab"],
+    limit: Float[Array, " batch"],
+) -> Float[Array, " batch"]:
+    """Per row, the smallest float32 t (above -inf, at most the row's max) with
+    sum(weights[logits > t]) < limit: keeping `logits >= t` keeps exactly the tokens whose
+    strictly-larger tokens weigh less than `limit`.
+
+    The sum shrinks as t grows, so t is found by bisection over the order keys of float32: 32
+    passes, each one masked sum over the row, pin down one float32 value. Float rounding is
+    monotone, so the computed sums keep that order and the search is exact. The passes are
+    unrolled: a rolled loop would cost a GPU a host round trip per iteration for its condition.
+    """
+    lo = jnp.broadcast_to(_order_key(jnp.float32(-jnp.inf)), limit.shape)
+    hi = _order_key(jnp.max(logits, axis=-1))  # the sum over nothing, 0, is < limit (limit > 0)
+    for _ in range(32):  # the width hi - lo < 2^32 at least halves each pass
+        mid = lo + (hi - lo) // 2
+        above = jnp.sum(jnp.where(logits > _from_order_key(mid)[:, None], weights, 0.0), axis=-1)
+        found = above < limit
+        lo, hi = jnp.where(found, lo, mid), jnp.where(found, mid, hi)
+    return _from_order_key(hi)
+
+
+@jax.jit
+def filter_logits(
+    logits: Float[Array, "batch vocab"], params: SamplingParams
+) -> Float[Array, "batch vocab"]:
+    """Tempered logits with every token that a row's top-k, top-p or min-p excludes set to -inf.
+
+    top-k keeps the tokens >= the k-th largest logit; top-p keeps a token iff the probability of
+    the tokens strictly more likely than it is < p (so the most likely token always stays, and
+    tokens tied with a kept one are kept: the set does not depend on vocabulary order); min-p
+    keeps p_i >= min_p * p_max. Each is a threshold on the logits, found without sorting.
+    `params` has one row per logits row, or one row for all.
+    """
+    params = params.broadcast(logits.shape[0])
+    logits = logits.astype(jnp.float32)
+    top = jnp.max(logits, axis=-1)
+    off = jnp.full(top.shape, -jnp.inf)
+    use_k, use_p = params.top_k > 0, params.top_p < 1
+    # Each search runs only when some row uses its filter (greedy and plain temperature batches
+    # skip both); the rows that do not use it ignore its result.
+    kth = jax.lax.cond(
+        jnp.any(use_k),
+        lambda: _search_threshold(
+            logits, jnp.ones_like(logits), jnp.maximum(params.top_k, 1).astype(jnp.float32)
+        ),
+        lambda: off,
+    )
+    kth = jnp.where(use_k, kth, off)
+
+    def nucleus_threshold():
+        # Top-p over the top-k survivors: unnormalised probabilities against p * their total.
+        mass = jnp.where(logits >= kth[:, None], jnp.exp(logits - top[:, None]), 0.0)
+        return _search_threshold(logits, mass, params.top_p * jnp.sum(mass, axis=-1))
+
+    nucleus = jax.lax.cond(jnp.any(use_p), nucleus_threshold, lambda: off)
+    nucleus = jnp.where(use_p, nucleus, off)
+    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
+    floor = top + jnp.log(params.min_p)
+    threshold = jnp.maximum(jnp.maximum(kth, nucleus), floor)
+    return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
+
+
+@jax.jit
+def sample(
+    logits: Float[Array, "batch vocab"], params: SamplingParams, key: PRNGKeyArray
+) -> Int[Array, " batch"]:
+    """One token per row, each row with its own settings: argmax where temperature is 0, else a
+    draw from softmax of the filtered logits / temperature (Gumbel-max through
+    `jax.random.categorical`: exact for every token, tail included, but one random number per
+    logit). An all-greedy batch skips the filters and the draw. `params` has one row per logits
+    row, or one row for all."""
+    params = params.broadcast(logits.shape[0])
+    greedy = params.temperature == 0
+
+    def draw():
+        tempered = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, params.temperature)[:, None]
+        drawn = jax.random.categorical(key, filter_logits(tempered, params), axis=-1)
+        return drawn.astype(jnp.int32)
+
+    def no_draw():
+        return jnp.zeros(greedy.shape, jnp.int32)
+
+    drawn = jax.lax.cond(jnp.all(greedy), no_draw, draw)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def top_p_by_sort(logits: Float[Array, "batch vocab"], p: float) -> Float[Array, "batch vocab"]:
+    """The previous top-p filter (a full argsort per row), kept as the reference the threshold
+    search is tested against and the baseline of bench/sampling.py: keep a token while the
+    probability mass before it in sorted order is still short of p."""
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = (
+        jnp.zeros_like(mass_before < p)
+        .at[jnp.arange(logits.shape[0])[:, None], order]
+        .set(mass_before < p)
+    )
+    return jnp.where(keep, logits, -jnp.inf)

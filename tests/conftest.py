@@ -16,3 +16,17 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import jaxtyping  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def without_runtime_typechecks():
+    """The suite runs beartype on every jaxtyping annotation, which refuses an argument of the
+    wrong type or shape before a function's own checks run; users run without it and get those
+    checks' ValueErrors, which a test asks for with this fixture."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)

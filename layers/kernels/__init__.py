@@ -4,12 +4,23 @@ q: [batch, seq, heads, head_dim]; k, v: [batch, kv_seq, kv_heads, head_dim]; mas
 The functions are `naive_attention` (the specification), `xla_attention`
 (jax.nn.dot_product_attention) and `flash_attention` (Pallas); the objects `Naive()`, `Xla()` and
 `Flash(block_sizes=...)` are what a model's policy holds (kernel.py).
+
+`paged/` is attention over a paged KV pool (a decode step or a prefill chunk against pages):
+its own interface, `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
+sliding_window, kernel)`, with `GatherKernel()` (XLA) or `PallasDecodeKernel(...)`.
 """
 
 from layers.kernels.flash import BlockSizes, flash_attention
 from layers.kernels.kernel import KERNELS, AttentionKernel, Flash, Naive, Xla, kernel_named
 from layers.kernels.mask import AttentionMask, causal_mask
 from layers.kernels.naive import naive_attention
+from layers.kernels.paged import (
+    GatherKernel,
+    PallasDecodeKernel,
+    check_page_table,
+    paged_attention,
+    write_pages,
+)
 from layers.kernels.xla import xla_attention
 
 __all__ = [
@@ -18,11 +29,16 @@ __all__ = [
     "AttentionMask",
     "BlockSizes",
     "Flash",
+    "GatherKernel",
     "Naive",
+    "PallasDecodeKernel",
     "Xla",
     "causal_mask",
+    "check_page_table",
     "flash_attention",
     "kernel_named",
     "naive_attention",
+    "paged_attention",
+    "write_pages",
     "xla_attention",
 ]

@@ -1,0 +1,29 @@
+"""Paged attention: the KV cache as a pool of fixed-size pages with a page table per row (vLLM's
+PagedAttention, Kwon et al. 2023), so memory follows the tokens each request actually holds.
+
+- `pages.py`: the pool layout, the visibility rule, `write_pages` (scatter new keys/values in
+  place) and `check_page_table` (host-side check of a table's values).
+- `attention.py`: `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
+  sliding_window, kernel)` and the two kernel choices, `GatherKernel()` and
+  `PallasDecodeKernel(...)`.
+- `gather.py`: the XLA path (gather the pages, masked attention); any backend, any seq.
+- `decode.py`: the Pallas decode kernel (seq == 1; GPU through Triton, interpreted on CPU).
+"""
+
+from layers.kernels.paged.attention import (
+    GatherKernel,
+    PagedKernel,
+    PallasDecodeKernel,
+    paged_attention,
+)
+from layers.kernels.paged.pages import check_page_table, visible, write_pages
+
+__all__ = [
+    "GatherKernel",
+    "PagedKernel",
+    "PallasDecodeKernel",
+    "check_page_table",
+    "paged_attention",
+    "visible",
+    "write_pages",
+]

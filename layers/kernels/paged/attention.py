@@ -1,0 +1,171 @@
+"""`paged_attention`: attention from a batch of query tokens to each row's pages of the pool,
+with two implementations chosen explicitly by the caller (never one falling back on the other):
+
+- `GatherKernel()`: XLA, any backend, any number of query tokens (decode and prefill chunks);
+- `PallasDecodeKernel(...)`: the Pallas decode kernel (GPU; interpreted on CPU), seq == 1 only.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from layers.kernels.flash.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from layers.kernels.paged.decode import DecodePlan, default_splits, paged_decode
+from layers.kernels.paged.gather import gather_attention
+from layers.kernels.paged.pages import check_page_table, is_concrete
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherKernel:
+    """The XLA path: gathers each row's pages into a contiguous view, then masked attention."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasDecodeKernel:
+    """The Pallas paged decode kernel and its launch settings.
+
+    `keys_per_block`: keys per step of a program's loop (a power of two >= 16), i.e.
+    `max(1, keys_per_block // page_size)` pages gathered per step. `splits`: programs per
+    (row, K/V head), each taking a share of the row's blocks; None picks
+    `decode.default_splits` (about 128 programs in all, at most 16 splits). Triton's
+    `num_warps` / `num_stages`. `interpret=None` interprets on CPU and compiles otherwise.
+    The defaults are reasoned, not yet measured on a GPU.
+    """
+
+    keys_per_block: int = 64
+    splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        if not (_is_power_of_two(self.keys_per_block) and self.keys_per_block >= 16):
+            raise ValueError(
+                f"PallasDecodeKernel.keys_per_block={self.keys_per_block} must be a power of two "
+                ">= 16 (Triton tiles are powers of two and its matmul needs sides >= 16)"
+            )
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"PallasDecodeKernel.splits must be >= 1 or None, got {self.splits}")
+
+
+PagedKernel = GatherKernel | PallasDecodeKernel
+
+
+def _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window):
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(
+            f"paged attention: q must be [batch, seq, heads, head_dim] and the pools [kv_heads, "
+            f"pages, page_size, head_dim], got q {q.shape} and k_pages {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"paged attention: k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
+            f"{v_pages.shape} {v_pages.dtype} must have the same shape and dtype"
+        )
+    b, t, n_heads, d = q.shape
+    n_kv = k_pages.shape[0]
+    if k_pages.shape[3] != d:
+        raise ValueError(
+            f"paged attention: q head_dim {d} differs from the pools' head_dim {k_pages.shape[3]}"
+        )
+    if n_heads % n_kv != 0:
+        raise ValueError(
+            f"paged attention: heads={n_heads} must be a multiple of kv_heads={n_kv} (the pools' "
+            "first axis)"
+        )
+    for name, x, shape in [
+        ("page_table", page_table, (b, page_table.shape[-1])),
+        ("lengths", lengths, (b,)),
+        ("q_positions", q_positions, (b, t)),
+    ]:
+        if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+            want = "[batch, row_pages]" if name == "page_table" else str(list(shape))
+            raise ValueError(
+                f"paged attention: {name} must be integers of shape {want} for q {q.shape}, got "
+                f"{x.dtype} {x.shape}"
+            )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged attention: sliding_window must be >= 1, got {sliding_window}")
+
+
+def _check_pallas(q, k_pages):
+    t, d = q.shape[1], q.shape[3]
+    if t != 1:
+        raise ValueError(
+            f"paged attention: the Pallas decode kernel takes one query token per row (seq == 1), "
+            f"got seq={t}; use GatherKernel() (the XLA gather path) for prefill chunks"
+        )
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"paged attention: the Pallas decode kernel needs head_dim in {SUPPORTED_HEAD_DIMS} "
+            f"(Triton tiles are powers of two >= 16), got {d}; use GatherKernel()"
+        )
+    if not _is_power_of_two(k_pages.shape[2]):
+        raise ValueError(
+            f"paged attention: the Pallas decode kernel needs a power-of-two page_size, got "
+            f"{k_pages.shape[2]}; use GatherKernel()"
+        )
+    if q.dtype != k_pages.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"paged attention: the Pallas decode kernel needs q and the pools in one dtype of "
+            f"{[x.name for x in SUPPORTED_DTYPES]}, got q {q.dtype} and pools {k_pages.dtype}"
+        )
+
+
+def paged_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k_pages: Float[Array, "kv_heads pages page_size head_dim"],
+    v_pages: Float[Array, "kv_heads pages page_size head_dim"],
+    page_table: Int[Array, "batch row_pages"],
+    lengths: Int[Array, " batch"],
+    *,
+    q_positions: Int[Array, "batch seq"],
+    sliding_window: int | None = None,
+    kernel: PagedKernel,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """softmax(q k^T / sqrt(d) + mask) v over each row's keys in the page pool (layout in
+    `pages.py`), with K/V heads shared by groups of query heads (GQA/MQA).
+
+    The key at position j is visible to the query at position `q_positions[b, i]` iff
+    j <= that position, j < lengths[b] and (no window or position - j < sliding_window): a decode
+    step (seq == 1) and a causal prefill chunk over pages already written (seq == C) are the same
+    call. A query that sees no key (an idle row with length 0) outputs 0.
+
+    Shapes, dtypes and the window are checked before tracing (ValueError). Page table values are
+    checked with `check_page_table` when the arguments are concrete; under jit the caller
+    guarantees them (keys past a row's table are then ignored, out-of-pool page ids are
+    undefined behaviour).
+    """
+    _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window)
+    n_kv, n_pages, page_size, d = k_pages.shape
+    if is_concrete(page_table, lengths):
+        check_page_table(page_table, lengths, page_size=page_size, n_pages=n_pages)
+    if isinstance(kernel, GatherKernel):
+        return gather_attention(
+            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window
+        )
+    if not isinstance(kernel, PallasDecodeKernel):
+        raise TypeError(
+            f"paged attention: kernel must be GatherKernel() or PallasDecodeKernel(...), got "
+            f"{kernel!r}"
+        )
+    _check_pallas(q, k_pages)
+    ppb = max(1, kernel.keys_per_block // page_size)
+    blocks = -(-page_table.shape[1] // ppb)
+    plan = DecodePlan(
+        window=sliding_window,
+        scale=1.0 / math.sqrt(d),
+        pages_per_block=ppb,
+        splits=kernel.splits or default_splits(q.shape[0], n_kv, blocks),
+        num_warps=kernel.num_warps,
+        num_stages=kernel.num_stages,
+        interpret=jax.default_backend() == "cpu" if kernel.interpret is None else kernel.interpret,
+    )
+    return paged_decode(q, k_pages, v_pages, page_table, lengths, q_positions, plan)

@@ -1,0 +1,106 @@
+"""The page pool: where each token's key and value live, who may see them, how new ones are
+written, and the host-side check of a page table.
+
+Layout (one layer; vLLM's PagedAttention, Kwon et al. 2023, in the layout of JAX's GPU paged
+attention kernel):
+
+    k_pages, v_pages  [kv_heads, pages, page_size, head_dim]  the pool, shared by every row
+    page_table        [batch, row_pages] int32                 row b's i-th page id
+    lengths           [batch] int32                            tokens row b holds
+
+Row b's token at position j lives in page `page_table[b, j // page_size]` at offset
+`j % page_size`, so a row's positions are 0, 1, ..., lengths[b] - 1 with no padding. `kv_heads`
+leads so that one (row, K/V head) program of the decode kernel reads each page as one contiguous
+`page_size x head_dim` block. Table entries past a row's last page are never read for keys (they
+may point anywhere in the pool, e.g. page 0); a row holds at most `row_pages * page_size` tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+
+def visible(
+    q_pos: Int[Array, "..."], key_pos: Int[Array, "..."], length: Int[Array, "..."],
+    window: int | None,
+) -> Bool[Array, "..."]:  # fmt: skip
+    """The paged attention rule, broadcast elementwise: the key at position j is visible to the
+    query at position i iff j <= i, j < length and (no window or i - j < window)."""
+    allowed = (key_pos <= q_pos) & (key_pos < length)
+    if window is not None:
+        allowed &= q_pos - key_pos < window
+    return allowed
+
+
+def write_pages(
+    k_pages: Float[Array, "kv_heads pages page_size head_dim"],
+    v_pages: Float[Array, "kv_heads pages page_size head_dim"],
+    page_table: Int[Array, "batch row_pages"],
+    positions: Int[Array, "batch seq"],
+    k_new: Float[Array, "batch seq kv_heads head_dim"],
+    v_new: Float[Array, "batch seq kv_heads head_dim"],
+    valid: Bool[Array, "batch seq"],
+) -> tuple[
+    Float[Array, "kv_heads pages page_size head_dim"],
+    Float[Array, "kv_heads pages page_size head_dim"],
+]:
+    """The pools with each valid new token's key and value written at its position (one scatter
+    per pool; cast to the pool's dtype). A decode step passes seq = 1, a prefill chunk seq = C.
+
+    Padding (`valid` False) writes nothing, and so does a position outside the row's page table
+    (negative, or >= row_pages * page_size): the engine allocates pages before writing, and a
+    token without a page must not land in another row's page. Two valid tokens of one row at the
+    same position leave either one. Donate the pools (`jax.jit(..., donate_argnums=...)`) and the
+    scatter updates them in place: a step costs the bytes written, not a copy of the pool.
+    """
+    n_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    row_pages = page_table.shape[1]
+    slot = positions // page_size
+    in_table = valid & (positions >= 0) & (slot < row_pages)
+    page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, row_pages - 1), axis=1)
+    # Out of bounds (a positive index: JAX wraps negative ones), so mode="drop" skips the write.
+    page = jnp.where(in_table, page, n_pages)
+    offset = positions % page_size
+
+    def write(pool, new):
+        # pool.at[:, page, offset] has shape [kv_heads, batch, seq, head_dim].
+        return pool.at[:, page, offset].set(
+            jnp.transpose(new, (2, 0, 1, 3)).astype(pool.dtype), mode="drop"
+        )
+
+    return write(k_pages, k_new), write(v_pages, v_new)
+
+
+def check_page_table(
+    page_table: Int[ArrayLike, "batch row_pages"],
+    lengths: Int[ArrayLike, " batch"],
+    *,
+    page_size: int,
+    n_pages: int,
+) -> None:
+    """Host-side check of a page table's values (numpy; for concrete arrays, not under jit): every
+    length fits the row's table, and every page a row uses is a page of the pool. A ValueError
+    names the first bad row. `paged_attention` runs it whenever its arguments are concrete; an
+    engine runs it where it allocates pages, since under jit values cannot be inspected."""
+    table, lengths = np.asarray(page_table), np.asarray(lengths)
+    capacity = table.shape[1] * page_size
+    for row, length in enumerate(lengths):
+        if not 0 <= length <= capacity:
+            raise ValueError(
+                f"paged attention: row {row} holds {length} tokens but its page table has "
+                f"{table.shape[1]} pages of {page_size} tokens ({capacity} slots); lengths must "
+                f"be in [0, {capacity}]"
+            )
+        used = table[row, : -(-int(length) // page_size)]
+        bad = used[(used < 0) | (used >= n_pages)]
+        if bad.size:
+            raise ValueError(
+                f"paged attention: row {row}'s page table points at page {int(bad[0])}, outside "
+                f"the pool of {n_pages} pages"
+            )
+
+
+def is_concrete(*arrays: ArrayLike) -> bool:
+    """True when every array has values now (not a tracer inside jit, vmap or grad)."""
+    return not any(isinstance(x, jax.core.Tracer) for x in arrays)

@@ -1,0 +1,346 @@
+"""Paged attention: both kernels (the XLA gather path, the Pallas decode kernel interpreted on
+CPU) equal naive attention over the equivalent contiguous cache; write_pages scatters in place;
+bad inputs are refused; the Pallas kernel lowers for CUDA at GPU-like sizes.
+
+Pools are built from a contiguous cache by hand (numpy, pages in random pool order), every pool
+slot that no row owns holds large garbage, and table entries past a row's last page point at
+page 0 (another row's page), so reading a wrong page or an unmasked slot changes the answer."""
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from layers.kernels import AttentionMask, naive_attention
+from layers.kernels.paged import (
+    GatherKernel,
+    PallasDecodeKernel,
+    check_page_table,
+    paged_attention,
+    write_pages,
+)
+from tests.layers.test_flash import cuda_mesh
+
+EPS = float(np.finfo(np.float32).eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lengths: tuple[int, ...]
+    page_size: int = 16
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    row_pages: int = 4
+    seq: int = 1  # query tokens per row, at positions lengths - seq .. lengths - 1
+    window: int | None = None
+
+
+def build(case: Case, seed: int = 0):
+    """q, the pools, the page table and the contiguous cache holding the same keys/values."""
+    rng = np.random.default_rng(seed)
+    b, p, kv, d = len(case.lengths), case.page_size, case.kv_heads, case.head_dim
+    capacity = case.row_pages * p
+    k = rng.standard_normal((b, capacity, kv, d), np.float32)
+    v = rng.standard_normal((b, capacity, kv, d), np.float32)
+    used = [-(-n // p) for n in case.lengths]
+    n_pages = sum(used) + 3  # a few free pages
+    k_pages = 100 * rng.standard_normal((kv, n_pages, p, d), np.float32)  # garbage
+    v_pages = 100 * rng.standard_normal((kv, n_pages, p, d), np.float32)
+    table = np.zeros((b, case.row_pages), np.int32)  # unused entries: page 0
+    order = iter(rng.permutation(n_pages))
+    for row, n in enumerate(case.lengths):
+        for i in range(used[row]):
+            page = next(order)
+            table[row, i] = page
+            held = min(p, n - i * p)  # the slots past the row's length keep their garbage
+            k_pages[:, page, :held] = k[row, i * p : i * p + held].transpose(1, 0, 2)
+            v_pages[:, page, :held] = v[row, i * p : i * p + held].transpose(1, 0, 2)
+    q = rng.standard_normal((b, case.seq, case.heads, d), np.float32)
+    lengths = np.asarray(case.lengths, np.int32)
+    q_positions = np.maximum(lengths[:, None] - case.seq + np.arange(case.seq), 0)
+    paged = (q, k_pages, v_pages, table, lengths)
+    return tuple(map(jnp.asarray, paged)), jnp.asarray(q_positions, jnp.int32), (k, v)
+
+
+def reference(case: Case, q, q_positions, contiguous):
+    """naive_attention over the contiguous cache; a key past a row's length has segment 0."""
+    k, v = contiguous
+    b, capacity = k.shape[:2]
+    kv_positions = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
+    mask = AttentionMask(
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_segment_ids=jnp.ones(q_positions.shape, jnp.int32),
+        kv_segment_ids=(kv_positions < jnp.asarray(case.lengths)[:, None]).astype(jnp.int32),
+        sliding_window=case.window,
+    )
+    return naive_attention(q, jnp.asarray(k), jnp.asarray(v), mask)
+
+
+def assert_close(got, want, case: Case, v):
+    """float32 rounding bound: each output is a softmax-weighted sum of up to `capacity` values
+    after scores that are `head_dim`-term dot products, so the error is at most about
+    (head_dim + capacity) roundings of the largest value (Higham 2002, 3.1)."""
+    capacity = case.row_pages * case.page_size
+    bound = (case.head_dim + capacity) * EPS * float(np.abs(v).max())
+    err = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    assert err <= bound, f"max error {err:.3g} > bound {bound:.3g}"
+
+
+KERNELS = {
+    "gather": GatherKernel(),
+    "pallas": PallasDecodeKernel(keys_per_block=16, splits=1),
+    "pallas-splits": PallasDecodeKernel(keys_per_block=32, splits=3),
+}
+
+# One token, a partial last page, exactly full pages, and a long row; GQA and MQA; windows
+# shorter and longer than the context.
+DECODE_CASES = {
+    "gqa": Case(lengths=(1, 13, 32, 53)),
+    "mqa-window-short": Case(lengths=(1, 13, 32, 53), kv_heads=1, window=5),
+    "gqa-window-long": Case(lengths=(2, 17, 48), window=1000),
+    "mha-window-page": Case(lengths=(40, 64, 9), heads=2, window=16, page_size=8, row_pages=8),
+}
+
+
+def run(kernel, case, paged, q_positions):
+    return jax.jit(
+        lambda *a: paged_attention(
+            *a[:5], q_positions=a[5], sliding_window=case.window, kernel=kernel
+        )
+    )(*paged, q_positions)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_equals_naive_over_contiguous_cache(name, kernel):
+    case = DECODE_CASES[name]
+    paged, q_positions, contiguous = build(case)
+    got = run(KERNELS[kernel], case, paged, q_positions)
+    assert got.shape == paged[0].shape
+    assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+
+
+@pytest.mark.parametrize("kernel", ["gather", "pallas-splits"])
+def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
+    """A query at position i < length - 1 (later keys already written) sees keys <= i; one at
+    i >= length (its own key not written yet) sees the row's keys only, not the slots after."""
+    case = Case(lengths=(30, 50, 20), window=20)
+    paged, _, contiguous = build(case, seed=1)
+    q_positions = jnp.array([[3], [41], [25]], jnp.int32)
+    got = run(KERNELS[kernel], case, paged, q_positions)
+    assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_chunk_through_gather_equals_naive(window):
+    """seq > 1: a chunk of queries attends causally over pages that already hold it."""
+    case = Case(lengths=(5, 16, 37), seq=5, window=window)
+    paged, q_positions, contiguous = build(case, seed=2)
+    got = run(GatherKernel(), case, paged, q_positions)
+    assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_row_holding_nothing_outputs_zero(kernel):
+    case = Case(lengths=(0, 20))
+    paged, q_positions, contiguous = build(case, seed=3)
+    got = np.asarray(run(KERNELS[kernel], case, paged, q_positions))
+    np.testing.assert_array_equal(got[0], 0.0)
+    want = reference(case, paged[0], q_positions, contiguous)
+    assert_close(got[1], want[1], case, contiguous[1])
+
+
+@pytest.mark.parametrize("kernel", ["gather", "pallas-splits"])
+def test_lengths_past_the_table_under_jit_see_the_table_only(kernel):
+    """Under jit nothing can check a length against the table: keys past the table's slots do
+    not exist (no read through the padding or past the row's last page)."""
+    case = Case(lengths=(20, 64))
+    paged, q_positions, contiguous = build(case, seed=6)
+    too_long = (*paged[:4], jnp.array([20, 64 + 9], jnp.int32))
+    got = run(KERNELS[kernel], case, too_long, q_positions + jnp.array([[0], [9]]))
+    want = reference(case, paged[0], q_positions + jnp.array([[0], [9]]), contiguous)
+    assert_close(got, want, case, contiguous[1])
+
+
+def test_random_lengths_compile_once():
+    """Lengths and page tables are runtime values: new ones reuse the compiled step."""
+    kernel = KERNELS["pallas-splits"]
+    step = jax.jit(
+        lambda *a: paged_attention(*a[:5], q_positions=a[5], sliding_window=9, kernel=kernel)
+    )
+    rng = np.random.default_rng(4)
+    for seed in range(3):
+        case = Case(lengths=tuple(int(n) for n in rng.integers(1, 65, 3)), window=9)
+        paged, q_positions, contiguous = build(case, seed=seed)
+        k_pages = jnp.pad(paged[1], ((0, 0), (0, 16 - paged[1].shape[1]), (0, 0), (0, 0)))
+        v_pages = jnp.pad(paged[2], ((0, 0), (0, 16 - paged[2].shape[1]), (0, 0), (0, 0)))
+        got = step(paged[0], k_pages, v_pages, *paged[3:], q_positions)
+        assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+    assert step._cache_size() == 1
+
+
+def test_write_pages_round_trip():
+    """A prefill chunk with padding, then a decode step, written into an empty pool, read back
+    through the table: every valid token where the table says, nothing else touched."""
+    kv, p, d = 2, 4, 8
+    rng = np.random.default_rng(5)
+    table = np.array([[5, 2, 7], [1, 0, 0]], np.int32)  # row 1 owns page 1 only
+    k_pages, v_pages = jnp.full((kv, 9, p, d), -1.0), jnp.full((kv, 9, p, d), -1.0)
+    k = rng.standard_normal((2, 7, kv, d), np.float32)
+    v = rng.standard_normal((2, 7, kv, d), np.float32)
+    positions = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]], np.int32)
+    valid = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]], bool)  # row 1: 3 tokens + padding
+    write = jax.jit(write_pages, donate_argnums=(0, 1))
+    k_pages, v_pages = write(
+        k_pages, v_pages, table, positions, k[:, :6], v[:, :6], jnp.asarray(valid)
+    )
+    # Decode: row 0 writes position 6 (page 7, offset 2); row 1 is idle (not valid).
+    k_pages, v_pages = write(
+        k_pages, v_pages, table, np.array([[6], [3]], np.int32), k[:, 6:], v[:, 6:],
+        jnp.array([[True], [False]]),
+    )  # fmt: skip
+    want_k = np.full((kv, 9, p, d), -1.0, np.float32)
+    want_v = want_k.copy()
+    for row, n in [(0, 7), (1, 3)]:
+        for pos in range(n):
+            want_k[:, table[row, pos // p], pos % p] = k[row, pos]
+            want_v[:, table[row, pos // p], pos % p] = v[row, pos]
+    np.testing.assert_array_equal(k_pages, want_k)
+    np.testing.assert_array_equal(v_pages, want_v)
+
+
+def test_write_pages_drops_positions_without_a_page():
+    """A position past the row's table (or negative) writes nothing: no wrap-around into another
+    row's page."""
+    table = jnp.array([[1, 2]], jnp.int32)
+    pool = jnp.zeros((1, 4, 2, 16))
+    new = jnp.ones((1, 2, 1, 16))
+    k_pages, _ = write_pages(
+        pool, pool, table, jnp.array([[4, -1]], jnp.int32), new, new, jnp.ones((1, 2), bool)
+    )
+    np.testing.assert_array_equal(k_pages, 0.0)
+
+
+def test_write_pages_updates_the_donated_pool_in_place():
+    """The compiled step aliases each pool to its output and changes it by a scatter: no
+    instruction makes a pool-sized copy."""
+    kv, n_pages, p, d = 2, 64, 16, 32
+    pool = jax.ShapeDtypeStruct((kv, n_pages, p, d), jnp.float32)
+    new = jax.ShapeDtypeStruct((4, 3, kv, d), jnp.float32)
+    index = jax.ShapeDtypeStruct((4, 3), jnp.int32)
+    table = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    valid = jax.ShapeDtypeStruct((4, 3), jnp.bool_)
+    compiled = (
+        jax.jit(write_pages, donate_argnums=(0, 1))
+        .lower(pool, pool, table, index, new, new, valid)
+        .compile()
+    )
+    hlo = compiled.as_text()
+    assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in hlo
+    pool_type = f"f32[{kv},{n_pages},{p},{d}]"
+    ops = [line.split("=", 1)[1].split() for line in hlo.splitlines() if f"= {pool_type}" in line]
+    # Per pool: the entry parameter, one fusion wrapping the scatter, and inside it the
+    # scatter and its operand: no copy, and no other pool-sized instruction.
+    kinds = collections.Counter(words[1].split("(")[0] for words in ops)
+    assert kinds == {"parameter": 4, "fusion": 2, "scatter": 2}, kinds
+
+
+def inputs(b=2, t=1, h=4, kv=2, d=16, p=16, n_pages=8, row_pages=4, dtype=jnp.float32):
+    return (
+        jnp.zeros((b, t, h, d), dtype),
+        jnp.zeros((kv, n_pages, p, d), dtype),
+        jnp.zeros((kv, n_pages, p, d), dtype),
+        jnp.zeros((b, row_pages), jnp.int32),
+        jnp.ones((b,), jnp.int32),
+    ), jnp.zeros((b, t), jnp.int32)
+
+
+@pytest.mark.parametrize(
+    ("changes", "kwargs", "message"),
+    [
+        ({"h": 3}, {}, "heads=3 must be a multiple of kv_heads=2"),
+        ({}, {"sliding_window": 0}, "sliding_window must be >= 1, got 0"),
+        ({"t": 4}, {"kernel": PallasDecodeKernel()}, r"seq == 1\), got seq=4; use GatherKernel"),
+        ({"d": 24}, {"kernel": PallasDecodeKernel()}, "head_dim in"),
+        ({"p": 12}, {"kernel": PallasDecodeKernel()}, "power-of-two page_size, got 12"),
+        ({"dtype": jnp.float8_e4m3fn}, {"kernel": PallasDecodeKernel()}, "one dtype of"),
+    ],
+)
+def test_bad_inputs_are_refused(changes, kwargs, message):
+    args, q_positions = inputs(**changes)
+    kwargs = {"kernel": GatherKernel(), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*args, q_positions=q_positions, **kwargs)
+
+
+def test_mismatched_shapes_are_refused(without_runtime_typechecks):
+    (q, k_pages, v_pages, table, lengths), q_positions = inputs()
+    with pytest.raises(ValueError, match="differs from the pools' head_dim 16"):
+        paged_attention(
+            q[..., :8], k_pages, v_pages, table, lengths, q_positions=q_positions,
+            kernel=GatherKernel(),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="must have the same shape and dtype"):
+        paged_attention(
+            q, k_pages, v_pages[:1], table, lengths, q_positions=q_positions, kernel=GatherKernel()
+        )
+    with pytest.raises(ValueError, match=r"lengths must be integers of shape \[2\]"):
+        paged_attention(
+            q, k_pages, v_pages, table, lengths[:1], q_positions=q_positions, kernel=GatherKernel()
+        )
+
+
+def test_page_table_values_are_checked():
+    (q, k_pages, v_pages, table, _), q_positions = inputs()
+    with pytest.raises(ValueError, match=r"row 1 holds 65 tokens but its page table has 4 pages"):
+        paged_attention(
+            q, k_pages, v_pages, table, jnp.array([3, 65], jnp.int32), q_positions=q_positions,
+            kernel=GatherKernel(),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="row 0's page table points at page 8, outside the pool"):
+        check_page_table(np.array([[0, 8], [1, 2]]), np.array([17, 3]), page_size=16, n_pages=8)
+    # Entries past a row's last page are never read: any value is fine there.
+    check_page_table(np.array([[0, 99], [1, -1]]), np.array([16, 3]), page_size=16, n_pages=8)
+
+
+def test_pallas_settings_are_checked(without_runtime_typechecks):
+    with pytest.raises(ValueError, match="keys_per_block=24 must be a power of two >= 16"):
+        PallasDecodeKernel(keys_per_block=24)
+    with pytest.raises(ValueError, match="splits must be >= 1 or None, got 0"):
+        PallasDecodeKernel(splits=0)
+    args, q_positions = inputs()
+    with pytest.raises(TypeError, match="kernel must be GatherKernel"):
+        paged_attention(*args, q_positions=q_positions, kernel="pallas")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size"),
+    [(8, 2, 64, 16), (32, 8, 128, 32), (12, 4, 64, 64), (16, 2, 128, 16)],
+)
+def test_pallas_decode_lowers_for_cuda_through_triton(heads, kv_heads, head_dim, page_size):
+    """The real (non-interpret) kernel at bf16 GPU-like sizes and the default settings passes
+    Triton's lowering checks without a GPU (groups of 3 query heads included)."""
+    b, n_pages, row_pages = 8, 256, 32
+    shapes = (
+        jax.ShapeDtypeStruct((b, 1, heads, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((kv_heads, n_pages, page_size, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((kv_heads, n_pages, page_size, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, row_pages), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, 1), jnp.int32),
+    )
+
+    def step(q, k_pages, v_pages, table, lengths, q_positions):
+        return paged_attention(
+            q, k_pages, v_pages, table, lengths, q_positions=q_positions, sliding_window=4096,
+            kernel=PallasDecodeKernel(interpret=False),
+        )  # fmt: skip
+
+    with jax.sharding.use_abstract_mesh(cuda_mesh()):
+        lowered = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
