@@ -1,19 +1,22 @@
-"""Flash attention's tile sizes and Triton launch settings swept on the device, forward+backward,
-beside the compute roofline: which `BlockSizes` the defaults should be, read off a measurement.
+"""Flash attention's tile sizes, Triton launch settings and backward dQ scheme swept on the device,
+forward+backward, beside the compute roofline: which `BlockSizes` the defaults should be, read
+off a measurement.
 
     python -m bench flash-blocks
 
 GPU: causal, batch 4, seq 4096, 16 heads (GQA with 4 K/V heads), bfloat16, at head_dim 64
-(Llama 3.2 1B) and 128 (Llama 3 8B); the defaults, then combinations of forward tile
-(block_q x block_k), backward tile, warps and pipeline stages (`settings`). Each setting compiles
-three kernels, so the sweep has a time budget (default 480 s, inside one 10-minute device call),
-split evenly between the head dims: settings left when a head dim's share is spent are listed as
-not run, and the defaults always run first. Each setting has its own try/except: one that fails
-to compile (shared memory, registers) is recorded in its row and the sweep goes on.
-CPU: two settings at seq 256 in the Pallas interpreter, which checks that the sweep runs and says
-nothing about speed.
+(Llama 3.2 1B) and 128 (Llama 3 8B); the defaults, the defaults with the bit-reproducible dQ
+kernel, then combinations of forward tile (block_q x block_k), backward tile, warps and pipeline
+stages (`settings`). Each setting compiles its kernels, so the sweep has a time budget (default
+480 s, inside one 10-minute device call), split evenly between the head dims: settings left when
+a head dim's share is spent are listed as not run, and the defaults always run first. Each
+setting has its own try/except: one that fails to compile (shared memory, registers) is recorded
+in its row and the sweep goes on.
+CPU: the first two settings at seq 256 in the Pallas interpreter, which checks that the sweep
+runs and says nothing about speed.
 """
 
+import dataclasses
 import itertools
 import time
 
@@ -36,11 +39,12 @@ BUDGET_S = 480.0
 
 
 def settings(gpu: bool) -> list[BlockSizes]:
-    """The defaults first (so the table starts with the reference), then the sweep, forward
-    tiles varying slowest so that a budget cut still leaves every forward tile measured with
-    some backward setting."""
+    """The defaults first (so the table starts with the reference), then the defaults with the
+    bit-reproducible backward (`backward_dq="separate"`: is the atomic dQ worth it?), then the
+    sweep, forward tiles varying slowest."""
+    separate = dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_dq="separate")
     if not gpu:
-        return [DEFAULT_BLOCK_SIZES, BlockSizes(block_q=64, block_k=128)]
+        return [DEFAULT_BLOCK_SIZES, separate]
     grid = itertools.product(
         [(128, 64), (64, 64), (128, 128)],  # forward block_q x block_k
         [(64, 64), (32, 64), (64, 128)],  # backward block_q x block_k
@@ -58,7 +62,7 @@ def settings(gpu: bool) -> list[BlockSizes]:
         )
         for (fq, fk), (bq, bk), w, s in grid
     ]
-    return [DEFAULT_BLOCK_SIZES, *(b for b in sweep if b != DEFAULT_BLOCK_SIZES)]
+    return [DEFAULT_BLOCK_SIZES, separate, *(b for b in sweep if b != DEFAULT_BLOCK_SIZES)]
 
 
 def problem(gpu: bool) -> tuple[int, int, int, int, str, tuple[int, ...]]:
@@ -98,6 +102,7 @@ def run(ceilings: Ceilings, budget_s: float = BUDGET_S) -> Table:
                 "bwd tile": f"{blocks.backward_block_q}x{blocks.backward_block_k}",
                 "warps": blocks.warps(head_dim),
                 "stages": blocks.num_stages,
+                "dQ": blocks.backward_dq,
                 "default": "yes" if blocks == DEFAULT_BLOCK_SIZES else "",
             }
             measured, note = float("nan"), ""
