@@ -113,3 +113,23 @@ def _path_with(tmp_path, script: str | None) -> str:
 def test_nvidia_smi_is_recorded_whatever_it_does(monkeypatch, tmp_path, script, recorded):
     monkeypatch.setenv("PATH", _path_with(tmp_path, script) + os.pathsep + "/bin")
     assert gpu_first.nvidia_smi().startswith(recorded)
+
+
+@pytest.mark.parametrize("failure", ["raises", "too large"])
+def test_the_correctness_goal_fails_on_any_failing_case(monkeypatch, tmp_path, failure):
+    cases = gpu_first.error_cases(gpu=False)
+
+    def fake_errors(case):  # no kernels compiled: the stage's verdict is under test
+        if case == cases[1]:
+            if failure == "raises":
+                raise RuntimeError("out of shared memory")
+            return dict.fromkeys(gpu_first.ERROR_TOLERANCE, 100.0)
+        return dict.fromkeys(gpu_first.ERROR_TOLERANCE, 0.5)
+
+    monkeypatch.setattr(gpu_first, "max_errors", fake_errors)
+    run = gpu_first.main(["--out", str(tmp_path), "--stages", "flash-errors"])
+    (goal,) = run.goals
+    assert goal.passed is False
+    assert (cases[1].name in goal.note) == (failure == "raises")
+    notes = [row["note"] for row in run.tables[0].rows]
+    assert notes[1].startswith("error: RuntimeError") == (failure == "raises")
