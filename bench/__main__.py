@@ -6,7 +6,7 @@ ceilings measured once in this run, and writes `results.json` and `results.md` t
     python -m bench all --out results/
     python -m bench decode                 # one benchmark
     python -m bench train --profile        # plus a jax.profiler trace and its top ops
-    python -m bench gpu-first --budget 540 --out DIR   # the first run on a new GPU: see there
+    python -m bench gpu-first --out DIR    # a new GPU's first run (bench/gpu_first.py)
 """
 
 import argparse

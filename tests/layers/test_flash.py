@@ -205,6 +205,12 @@ def test_block_sizes_must_be_powers_of_two(field, value):
         BlockSizes(**{field: value})
 
 
+def test_backward_dq_scheme_must_be_known():
+    # A Literal-typed field: the runtime type check (tests) or BlockSizes' own check names it.
+    with pytest.raises((TypeError, ValueError), match="backward_dq"):
+        BlockSizes(backward_dq="fast")
+
+
 def cuda_mesh():
     """An abstract mesh naming a CUDA device, so that Pallas picks the GPU's Triton target while
     lowering on a CPU-only machine."""

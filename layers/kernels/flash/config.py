@@ -53,8 +53,8 @@ class BlockSizes:
                 )
         if self.backward_dq not in ("atomic", "separate"):
             raise ValueError(
-                f"BlockSizes.backward_dq={self.backward_dq!r} must be 'atomic' (fastest, dQ not "
-                "bit-reproducible on a GPU) or 'separate' (a dQ kernel, bit-reproducible)"
+                f"BlockSizes.backward_dq={self.backward_dq!r} must be 'atomic' (5 matmuls per "
+                "tile pair, dQ not bit-reproducible on a GPU) or 'separate' (7, bit-reproducible)"
             )
 
     def warps(self, head_dim: int) -> int:
