@@ -8,9 +8,8 @@ rewritten after every stage and every row of a long one, so a call cut short kee
 
 1. versions: Python, JAX, jaxlib, equinox, optax, jaxtyping, numpy; the device; XLA_FLAGS; the
    `nvidia-smi` line (recorded as absent where there is no such command).
-2. flash-errors: flash vs naive (the specification, computed in float32 under matmul precision
-   "highest", else XLA's TF32 would make the reference the less exact one) on out, dq, dk and dv,
-   in units of the dtype's epsilon: bfloat16 GQA head_dim 64 causal, float32 head_dim 128, and
+2. flash-errors: flash vs naive on out, dq, dk and dv in units of the dtype's epsilon
+   (bench/flash_errors.py): bfloat16 GQA head_dim 64, float32, bfloat16 head_dim 128, and
    bfloat16 packed documents with a sliding window.
 3. ceilings: matmul rate per dtype on random operands, copy and matrix-vector bandwidth.
 4. attention: flash, cuDNN and xla at head_dim 64 (GQA) and 128, seq 2048-8192, fwd and
@@ -30,7 +29,6 @@ Then the goals: target, predicted, measured and pass. On a CPU the same stages r
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -45,11 +43,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import infer
 import zoo
-from bench import attention, hlo_count, trace_reading
+from bench import attention, flash_errors, hlo_count, trace_reading
 from bench import train as train_bench
 from bench.harness import (
     Ceilings,
@@ -62,7 +59,6 @@ from bench.harness import (
     roofline_cells,
 )
 from infer.step import forward_cached
-from layers.kernels import AttentionMask, causal_mask, flash_attention, naive_attention
 
 DEFAULT_BUDGET_S = 520.0
 # Seconds a stage may run past its budget before the alarm stops it: its soft deadline is checked
@@ -269,83 +265,17 @@ def nvidia_smi() -> str:
     return "; ".join(out.stdout.strip().splitlines())
 
 
-@dataclasses.dataclass(frozen=True)
-class ErrorCase:
-    name: str
-    batch: int
-    seq: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    packed_window: int | None = None  # packed documents with this sliding window
-
-
-def error_cases(gpu: bool) -> list[ErrorCase]:
-    b, t = (2, 1024) if gpu else (1, 64)
-    return [
-        ErrorCase("bf16 GQA d=64 causal", b, t, 8, 2, 64, "bfloat16"),
-        ErrorCase("f32 d=64 causal", b, t, 4, 4, 64 if gpu else 32, "float32"),
-        ErrorCase("bf16 d=128 causal", b, t, 4, 4, 128 if gpu else 32, "bfloat16"),
-        ErrorCase("bf16 packed + window", b, t, 8, 2, 64 if gpu else 16, "bfloat16", t // 8),
-    ]
-
-
-def error_inputs(case: ErrorCase):
-    kq, kk, kv, ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(kq, (case.batch, case.seq, case.heads, case.head_dim))
-    k, v = (
-        jax.random.normal(key, (case.batch, case.seq, case.kv_heads, case.head_dim))
-        for key in (kk, kv)
-    )
-    index = jnp.broadcast_to(jnp.arange(case.seq), (case.batch, case.seq))
-    if case.packed_window is None:
-        mask = causal_mask(index)
-    else:  # documents with random boundaries, positions restarting at each
-        starts = jax.random.bernoulli(ks, 0.02, index.shape).at[:, 0].set(True)
-        segments = jnp.cumsum(starts, axis=1).astype(jnp.int32)
-        positions = index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-        mask = causal_mask(positions, segments, sliding_window=case.packed_window)
-    return *(x.astype(case.dtype) for x in (q, k, v)), mask
-
-
-def max_errors(case: ErrorCase) -> dict[str, float]:
-    """Max |flash - naive| of out, dq, dk, dv over the reference's max |value| (at least 1), in
-    units of the dtype's epsilon (float32's floored at 1e-6, below a softmax's reordering noise),
-    for the cotangent cos(out)."""
-    q, k, v, mask = error_inputs(case)
-
-    def value_and_grads(kernel, q, k, v, mask: AttentionMask):
-        out, vjp = jax.vjp(lambda *a: kernel(*a, mask), q, k, v)
-        return out, *vjp(jnp.cos(out.astype(jnp.float32)).astype(out.dtype))
-
-    got = jax.jit(functools.partial(value_and_grads, flash_attention))(q, k, v, mask)
-    with jax.default_matmul_precision("highest"):
-        up = (x.astype(jnp.float32) for x in (q, k, v))
-        want = jax.jit(functools.partial(value_and_grads, naive_attention))(*up, mask)
-    eps = max(float(jnp.finfo(case.dtype).eps), 1e-6)
-    errors = {}
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        errors[name] = float(np.abs(g - w).max()) / max(float(np.abs(w).max()), 1.0) / eps
-    return errors
-
-
-# Allowed error in epsilons, as in tests/layers/test_flash.py.
-ERROR_TOLERANCE = {"out": 4.0, "dq": 16.0, "dk": 16.0, "dv": 16.0}
-
-
-def flash_errors(run: Run, deadline: float) -> None:
+def errors_stage(run: Run, deadline: float) -> None:
     table = run.table(
         "flash-errors",
         "Flash vs naive: max error in units of the dtype's epsilon",
         [
             "Relative to the reference's largest value; allowed: "
-            + ", ".join(f"{k} {v:g}" for k, v in ERROR_TOLERANCE.items())
+            + ", ".join(f"{k} {v:g}" for k, v in flash_errors.ERROR_TOLERANCE.items())
             + ". Reference: naive in float32, matmul precision highest."
         ],
     )
-    cases = error_cases(run.gpu)
+    cases, allowed = flash_errors.error_cases(run.gpu), flash_errors.ERROR_TOLERANCE
     ratios, failed = [], []  # error / allowed of every measured output; cases that raised
     for case in cases:
         row = {
@@ -353,18 +283,18 @@ def flash_errors(run: Run, deadline: float) -> None:
             "shape": f"{case.batch}x{case.seq}, {case.heads}/{case.kv_heads} heads of "
             f"{case.head_dim}",
         }
-        errors, note = dict.fromkeys(ERROR_TOLERANCE, math.nan), "not run: budget spent"
+        errors, note = dict.fromkeys(allowed, math.nan), "not run: budget spent"
         if time.monotonic() <= deadline:
             try:
-                errors, note = max_errors(case), ""
-                ratios += [errors[k] / ERROR_TOLERANCE[k] for k in errors]
+                errors, note = flash_errors.max_errors(case), ""
+                ratios += [errors[k] / allowed[k] for k in errors]
             except Exception as error:  # recorded in the row; the other cases run
                 note = error_note(error)
                 failed.append(case.name)
         table.add(row | errors | {"note": note})
         run.write()
     worst = max(ratios, default=math.nan)
-    complete = len(ratios) == len(ERROR_TOLERANCE) * len(cases)
+    complete = len(ratios) == len(allowed) * len(cases)
     run.goals.append(
         Goal(
             "flash == naive (out, dq, dk, dv)",
@@ -543,7 +473,7 @@ def train_profile(run: Run, deadline: float) -> None:
 # (name, share of the budget, stage)
 STAGES: list[tuple[str, float, Callable[[Run, float], None]]] = [
     ("versions", 0.02, versions),
-    ("flash-errors", 0.12, flash_errors),
+    ("flash-errors", 0.12, errors_stage),
     ("ceilings", 0.06, ceilings),
     ("attention", 0.30, attention_stage),
     ("train", 0.25, train_stage),

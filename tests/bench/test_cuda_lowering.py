@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import attention, flash_blocks, gpu_first
+from bench import attention, flash_blocks, flash_errors
 from layers.kernels import BlockSizes, causal_mask, flash_attention
 from layers.kernels.flash.config import DEFAULT_BLOCK_SIZES
 from tests.layers.test_flash import cuda_mesh
@@ -65,8 +65,8 @@ def test_flash_block_sweep_settings_lower_for_cuda(blocks, head_dim):
     assert text.count(TRITON_CALL) == kernels_per_call(blocks)
 
 
-@pytest.mark.parametrize("case", gpu_first.error_cases(gpu=True), ids=lambda c: c.name)
-def test_gpu_first_error_cases_lower_for_cuda(case):
+@pytest.mark.parametrize("case", flash_errors.error_cases(gpu=True), ids=lambda c: c.name)
+def test_flash_error_cases_lower_for_cuda(case):
     text = lower_for_cuda(
         case.batch,
         case.seq,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench import gpu_first
+from bench import flash_errors, gpu_first
 
 
 def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
@@ -22,7 +22,7 @@ def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
     assert data["info"]["jax"] and data["info"]["nvidia-smi"]
     tables = {t["name"]: t["rows"] for t in data["tables"]}
     assert set(tables) == {"flash-errors", "ceilings", "attention", "train", "decode"}
-    assert len(tables["flash-errors"]) == len(gpu_first.error_cases(gpu=False))
+    assert len(tables["flash-errors"]) == len(flash_errors.error_cases(gpu=False))
     assert all(math.isfinite(r["measured ms"]) for r in tables["attention"])
     assert {r["kernel"] for r in tables["attention"]} == {"flash", "xla"}  # no cuDNN on a CPU
     assert [r["batch"] for r in tables["decode"]] == list(gpu_first.decode_case(gpu=False)[2])
@@ -117,16 +117,16 @@ def test_nvidia_smi_is_recorded_whatever_it_does(monkeypatch, tmp_path, script, 
 
 @pytest.mark.parametrize("failure", ["raises", "too large"])
 def test_the_correctness_goal_fails_on_any_failing_case(monkeypatch, tmp_path, failure):
-    cases = gpu_first.error_cases(gpu=False)
+    cases = flash_errors.error_cases(gpu=False)
 
     def fake_errors(case):  # no kernels compiled: the stage's verdict is under test
         if case == cases[1]:
             if failure == "raises":
                 raise RuntimeError("out of shared memory")
-            return dict.fromkeys(gpu_first.ERROR_TOLERANCE, 100.0)
-        return dict.fromkeys(gpu_first.ERROR_TOLERANCE, 0.5)
+            return dict.fromkeys(flash_errors.ERROR_TOLERANCE, 100.0)
+        return dict.fromkeys(flash_errors.ERROR_TOLERANCE, 0.5)
 
-    monkeypatch.setattr(gpu_first, "max_errors", fake_errors)
+    monkeypatch.setattr(flash_errors, "max_errors", fake_errors)
     run = gpu_first.main(["--out", str(tmp_path), "--stages", "flash-errors"])
     (goal,) = run.goals
     assert goal.passed is False
