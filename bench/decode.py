@@ -95,17 +95,21 @@ def matmul_seconds(model: zoo.Transformer, batch: int, repeats: int) -> float:
     ]
     weights = [lin.weight.reshape(math.prod(lin.in_shape), -1) for lin in linears]
     dtype = model.config.compute_dtype
+    # Random activations passed in: constant ones built inside the program could let XLA
+    # simplify a product with a broadcast constant into a row sum.
+    key = jax.random.key(0)
+    xs = [jax.random.normal(key, (batch, w.shape[0]), dtype) for w in weights]
+    x = jax.random.normal(key, (batch, model.config.d_model), dtype)
 
     @jax.jit
-    def matmuls(weights, head):
-        outs = [jnp.ones((batch, w.shape[0]), dtype) @ w.astype(dtype) for w in weights]
-        x = jnp.ones((batch, model.config.d_model), dtype)
+    def matmuls(xs, weights, x, head):
+        outs = [a @ w.astype(dtype) for a, w in zip(xs, weights, strict=True)]
         if model.lm_head is None:  # tied: the embedding matrix, [vocab, embed]
             return outs, jnp.einsum("bd,vd->bv", x, head.astype(dtype))
         return outs, x @ head.astype(dtype)
 
     head = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    return median_seconds(lambda: matmuls(weights, head), repeats=max(repeats, 3))
+    return median_seconds(lambda: matmuls(xs, weights, x, head), repeats=max(repeats, 3))
 
 
 def cases() -> tuple[list[tuple[str, zoo.Config, int]], int, int, int]:

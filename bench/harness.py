@@ -9,6 +9,7 @@ GB/s of the model's work over the measured time) and `% of ceiling`.
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,10 +31,17 @@ def device_name() -> str:
     return f"{device.platform} ({device.device_kind})"
 
 
-def device_memory_bytes() -> int | None:
-    """Memory of the first device, where the backend reports it (GPUs do; CPUs do not)."""
+def device_memory_bytes() -> int:
+    """Memory of the first device as the backend reports it (GPUs do), else (CPUs) the host's
+    physical memory."""
     stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
+    return stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def error_note(error: BaseException) -> str:
+    """One short line for a table cell: the error's type and the first line of its message."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"error: {type(error).__name__}: {first[:160]}"
 
 
 def median_seconds(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> float:

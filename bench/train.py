@@ -92,6 +92,12 @@ def sizes() -> list[tuple[str, Config, int, int]]:
 
 def step_seconds(config: Config, batch: int, seq: int, train_step, repeats: int) -> float:
     """Median seconds of one compiled train step after two warm-up steps."""
+    return median_seconds(step_runner(config, batch, seq, train_step), repeats=repeats, warmup=2)
+
+
+def step_runner(config: Config, batch: int, seq: int, train_step):
+    """A zero-argument callable running one compiled train step on a fresh model and random
+    tokens (the donated state carried from call to call); returns the loss."""
     params, _ = split_model(Transformer(config, key=jax.random.key(0)))
     state = [params, jax.device_put(OPTIMIZER.init(params))]
     rng = np.random.default_rng(0)
@@ -103,7 +109,7 @@ def step_seconds(config: Config, batch: int, seq: int, train_step, repeats: int)
         state[0], state[1], metrics = train_step(state[0], state[1], data)  # donated: carry on
         return metrics.loss
 
-    return median_seconds(step, repeats=repeats, warmup=2)
+    return step
 
 
 def run(ceilings: Ceilings) -> Table:
@@ -122,7 +128,7 @@ def run(ceilings: Ceilings) -> Table:
     )
     for name, config, batch, seq in todo:
         if batch is None:
-            config, batch, compiled, needed = fit_step(config, seq, device_memory_bytes() or 80e9)
+            config, batch, compiled, needed = fit_step(config, seq, device_memory_bytes())
         else:
             compiled, needed = compile_step(config, batch, seq)
         measured = step_seconds(config, batch, seq, compiled, repeats=10 if on_gpu() else 3)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jex_core
 
 import zoo
 from layers.kernels import AttentionMask, BlockSizes, causal_mask, flash_attention, naive_attention
@@ -42,6 +43,13 @@ CASES = {
     "cache-offset-mha-f32": Case(1, 32, 2, 2, 16, "offset", s=64),
     "packed-window-gqa-bf16": Case(2, 64, 4, 2, 16, "packed-window", "bfloat16"),
     "causal-mqa-bf16": Case(1, 64, 4, 1, 32, "causal", "bfloat16", blocks=BlockSizes(block_q=32)),
+    # The bit-reproducible backward (a dQ kernel of its own instead of atomic adds).
+    "packed-window-gqa-f32-separate-dq": Case(
+        2, 64, 4, 2, 16, "packed-window", blocks=dataclasses.replace(SMALL, backward_dq="separate")
+    ),
+    "offset-mha-bf16-separate-dq": Case(
+        1, 32, 2, 2, 16, "offset", "bfloat16", s=64, blocks=BlockSizes(backward_dq="separate")
+    ),
 }
 
 
@@ -197,6 +205,12 @@ def test_block_sizes_must_be_powers_of_two(field, value):
         BlockSizes(**{field: value})
 
 
+def test_backward_dq_scheme_must_be_known():
+    # A Literal-typed field: the runtime type check (tests) or BlockSizes' own check names it.
+    with pytest.raises((TypeError, ValueError), match="backward_dq"):
+        BlockSizes(backward_dq="fast")
+
+
 def cuda_mesh():
     """An abstract mesh naming a CUDA device, so that Pallas picks the GPU's Triton target while
     lowering on a CPU-only machine."""
@@ -209,23 +223,88 @@ def cuda_mesh():
 
 
 @pytest.mark.parametrize(
-    ("h", "kv", "d", "dtype", "mask_name"),
-    [(6, 2, 64, "bfloat16", "packed-window"), (2, 2, 128, "float32", "causal")],
+    ("h", "kv", "d", "dtype", "mask_name", "dq"),
+    [
+        (6, 2, 64, "bfloat16", "packed-window", "atomic"),
+        (2, 2, 128, "float32", "causal", "atomic"),
+        (6, 2, 64, "bfloat16", "packed-window", "separate"),
+    ],
 )
-def test_forward_and_backward_lower_for_cuda_through_triton(h, kv, d, dtype, mask_name):
+def test_forward_and_backward_lower_for_cuda_through_triton(h, kv, d, dtype, mask_name, dq):
     """The real (non-interpret) kernels at the default block sizes pass Triton's lowering checks
-    (power-of-two tiles, supported ops), without a GPU. 384 tokens and groups of 3 query heads
-    are not powers of two: only the loaded tiles must be."""
+    (power-of-two tiles, supported ops, atomic adds), without a GPU. 384 tokens and groups of 3
+    query heads are not powers of two: only the loaded tiles must be."""
     case = Case(2, 384, h, kv, d, mask_name, dtype)
     q, k, v, mask = inputs(case)
+    blocks = BlockSizes(backward_dq=dq)
 
     def fwd_bwd(q, k, v):
-        out, vjp = jax.vjp(lambda *a: flash_attention(*a, mask, interpret=False), q, k, v)
+        out, vjp = jax.vjp(
+            lambda *a: flash_attention(*a, mask, block_sizes=blocks, interpret=False), q, k, v
+        )
         return out, vjp(out)
 
     with jax.sharding.use_abstract_mesh(cuda_mesh()):
         lowered = jax.jit(fwd_bwd).trace(q, k, v).lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3  # forward, dK/dV, dQ
+    # forward, then dK/dV/dQ ("atomic") or dK/dV and dQ ("separate")
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == {"atomic": 2, "separate": 3}[dq]
+
+
+def matmuls_per_tile(blocks: BlockSizes, mask: AttentionMask, q, k) -> dict[str, list[list]]:
+    """For each Pallas kernel of forward+backward (by name): for each loop body that does
+    matmuls (one tile step; walk_tiles traces its step three times), the dimension numbers of
+    its dot_generals."""
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(lambda *a: flash_attention(*a, mask, block_sizes=blocks), q, k, v)
+        return vjp(out)
+
+    kernels: dict[str, list[list]] = {}
+
+    def visit(jaxpr, bodies):
+        dots = [
+            e.params["dimension_numbers"] for e in jaxpr.eqns if e.primitive.name == "dot_general"
+        ]
+        if dots and bodies is not None:
+            bodies.append(dots)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                visit(eqn.params["jaxpr"], kernels.setdefault(str(eqn.params["name"]), []))
+        for sub in jex_core.subjaxprs(jaxpr):
+            visit(sub, bodies)
+
+    visit(jax.make_jaxpr(fwd_bwd)(q, k, k).jaxpr, None)
+    return kernels
+
+
+def left_transposed(dimension_numbers) -> bool:
+    """a.T @ b: the left operand contracts its first (row) dimension."""
+    ((lhs_contracting,), _), _ = dimension_numbers
+    return lhs_contracting == 0
+
+
+@pytest.mark.parametrize("dq", ["atomic", "separate"])
+def test_each_tile_step_does_flash_attention_2s_matmuls(dq):
+    """FlashAttention-2's cost, read off the kernels' jaxprs: the forward does 2 matmuls per tile
+    (QK^T, PV); the "atomic" backward 5 per tile pair in one kernel (S^T, dV, dP^T, dK, dQ), of
+    which only dQ's transposes a computed tile (dS^T); "separate" 4 in the dK/dV kernel with no
+    transposed tile, and 3 in its dQ kernel (S and dP recomputed). GQA (2 query heads per K/V
+    head) and packed segments with a window take the same steps."""
+    case = Case(1, 64, 4, 2, 16, "packed-window")
+    q, k, _, mask = inputs(case)
+    kernels = matmuls_per_tile(dataclasses.replace(SMALL, backward_dq=dq), mask, q, k)
+    want = {"atomic": {"flash_forward": 2, "flash_backward": 5}}.get(
+        dq, {"flash_forward": 2, "flash_backward_dkv": 4, "flash_backward_dq": 3}
+    )
+    assert {name: {len(body) for body in bodies} for name, bodies in kernels.items()} == {
+        name: {n} for name, n in want.items()
+    }
+    assert all(len(bodies) == 3 for bodies in kernels.values())  # masked, full, masked runs
+    transposed = {
+        name: {sum(map(left_transposed, body)) for body in bodies}
+        for name, bodies in kernels.items()
+    }
+    assert transposed == {name: {1 if name == "flash_backward" else 0} for name in want}
 
 
 def test_model_trained_with_flash_tracks_naive():

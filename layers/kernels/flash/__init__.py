@@ -4,7 +4,7 @@
   decode (seq == 1) goes to `xla_attention`, see there why. Under active sharding rules it runs
   per shard (`shard.per_shard`, i.e. `jax.shard_map`): XLA cannot partition a Pallas call.
 - `forward.py`: the forward kernel (running max / denominator, saves the log-sum-exp).
-- `backward.py`: the dK/dV and dQ kernels.
+- `backward.py`: the backward kernel(s): dK/dV with dQ by atomic adds, or a separate dQ kernel.
 - `tiles.py`: per-tile visibility from positions and segment ids (tile skipping, element masks).
 - `config.py`: `BlockSizes` and the input checks.
 

@@ -144,6 +144,7 @@ def _flash_local(q, k, v, mask: AttentionMask, *, block_sizes: BlockSizes, inter
         ),
         num_warps=blocks.warps(head_dim),
         num_stages=blocks.num_stages,
+        backward_dq=blocks.backward_dq,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
     )
     rows = (

@@ -1,13 +1,23 @@
 """Backward kernels (FlashAttention-2, Dao 2023, algorithm 2), recomputing each tile's
-probabilities from the saved log-sum-exp instead of storing the [seq, kv_seq] matrix:
+probabilities from the saved log-sum-exp instead of storing the [seq, kv_seq] matrix. On the
+transposed tile, with c = log2(e) / sqrt(d) and delta = rowsum(dO * O):
 
-    P = exp2(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),
-    dK = dS^T Q / sqrt(d),  dQ = dS K / sqrt(d),  with delta = rowsum(dO * O).
+    S^T = K Q^T,  P^T = exp2(S^T c - lse),  dV += P^T dO,  dP^T = V dO^T,
+    dS^T = P^T * (dP^T - delta),  dK += dS^T Q,  dQ += dS K,
 
-Two kernels, so that no two programs write the same output (no atomics):
-- dK/dV: one program per (key tile, batch, K/V head) walks the visible query tiles of every
-  query head in its group, so GQA/MQA gradients are summed in registers, not in a copy of K/V;
-- dQ: one program per (query tile, batch, query head) walks the visible key tiles.
+and dK, dQ times 1/sqrt(d) once at the end. Five matmuls per tile pair, FA2's count. The dK/dV
+kernel computes S^T = K Q^T rather than S = Q K^T: P^T and dS^T, the left operands of the dV and
+dK products, then come out of their matmuls already in the orientation those products take, so
+no tile is transposed in registers; only dS K, for dQ, reads dS^T transposed.
+
+One program per (key tile, batch, K/V head) walks the visible query tiles of every query head in
+its group, so GQA/MQA gradients of K and V are summed in registers, never in a copy of K/V, and
+no two programs write the same dK/dV. dQ, by `BlockSizes.backward_dq`:
+- "atomic": the same program adds each tile's dS K into a float32 dQ buffer with atomic adds
+  (FA2's scheme): one kernel, 5 matmuls. On a GPU the additions land in a varying order, so
+  dQ's last bits vary from run to run.
+- "separate": a second kernel, one program per (query tile, batch, query head), recomputes S and
+  dP and sums dQ in registers: 7 matmuls in all, bit-reproducible.
 """
 
 import functools
@@ -15,20 +25,32 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from layers.kernels.flash.config import Plan
-from layers.kernels.flash.forward import compiler_params, dot_nn, dot_nt, dot_tn, log2_scores
+from layers.kernels.flash.forward import (
+    LOG2E,
+    compiler_params,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    heaviest_first,
+    scores,
+)
 from layers.kernels.flash.tiles import walk_tiles
 
 
 def _dkv_kernel(
     lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref, *, plan: Plan,
+    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, *out_refs, plan: Plan,
 ):  # fmt: skip
+    # "atomic": the dQ buffer comes in aliased (its input ref, unused) and goes out as the third
+    # output, the one the atomic adds target.
+    dk_ref, dv_ref, *dq_ref = out_refs[1:] if plan.backward_dq == "atomic" else out_refs
     k, v = k_ref[...], v_ref[...]  # [block_k, head_dim]
     kv_pos = kv_pos_ref[...]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-    bq = plan.backward_block_q
+    bq, c = plan.backward_block_q, plan.scale * LOG2E
 
     def head(hh, carry):
         def step(i, carry, masked):
@@ -36,11 +58,13 @@ def _dkv_kernel(
             rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
             q, do = q_ref[rows, hh, :], do_ref[rows, hh, :]
             q_seg = None if q_seg_ref is None else q_seg_ref[rows]
-            s = log2_scores(q, k, q_pos_ref[rows], kv_pos, q_seg, kv_seg, plan, masked)
-            p = jnp.exp2(s - lse_ref[hh, rows][:, None])
-            dv = dv + dot_tn(p.astype(do.dtype), do)
-            ds = p * (dot_nt(do, v) - delta_ref[hh, rows][:, None])
-            dk = dk + dot_tn(ds.astype(q.dtype), q)
+            s_t = scores(k, q, q_pos_ref[rows], kv_pos, q_seg, kv_seg, plan, masked, True)
+            p_t = jnp.exp2(s_t * c - lse_ref[hh, rows][None, :])  # [block_k, block_q]
+            dv = dv + dot_nn(p_t.astype(do.dtype), do)
+            ds_t = (p_t * (dot_nt(v, do) - delta_ref[hh, rows][None, :])).astype(q.dtype)
+            dk = dk + dot_nn(ds_t, q)
+            if dq_ref:
+                plgpu.atomic_add(dq_ref[0], (rows, hh, slice(None)), dot_tn(ds_t, k))
             return dk, dv
 
         return walk_tiles((lo_ref, full_lo_ref, full_hi_ref, hi_ref), step, carry)
@@ -59,14 +83,14 @@ def _dq_kernel(
     lse, delta = lse_ref[...], delta_ref[...]
     q_pos = q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
-    bk = plan.backward_block_k
+    bk, c = plan.backward_block_k, plan.scale * LOG2E
 
     def step(j, dq, masked):
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[keys, :], v_ref[keys, :]
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
-        s = log2_scores(q, k, q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
-        p = jnp.exp2(s - lse[:, None])
+        s = scores(q, k, q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
+        p = jnp.exp2(s * c - lse[:, None])
         ds = p * (dot_nt(do, v) - delta[:, None])
         return dq + dot_nn(ds.astype(k.dtype), k)
 
@@ -82,47 +106,66 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
     s_len, n_kv = k.shape[1], k.shape[2]
     bq, bk, g = plan.backward_block_q, plan.backward_block_k, plan.group
     has_seg = q_seg is not None
-    # delta = rowsum(dO * O): one elementwise product and a reduction, left to XLA to fuse.
-    delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    args = (q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_seg)
+    atomic = plan.backward_dq == "atomic"
+    # delta = rowsum(dO * O): a product and a row sum, which XLA fuses into one pass.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    args = (q, k, v, d_out, lse, delta.transpose(0, 2, 1), q_pos, kv_pos, q_seg, kv_seg)
 
-    # dK/dV: grid over (key tile, batch, K/V head); the query heads hh of K/V head kh are
-    # kh*g .. kh*g+g-1, taken as one block of g heads.
+    # dK/dV(/dQ): grid over (key tile, batch, K/V head); the query heads hh of K/V head kh are
+    # kh*g .. kh*g+g-1, taken as one block of g heads. Under a causal mask the first key tile is
+    # seen by every query tile: grid order is already heaviest first.
     per_k_tile = pl.BlockSpec((None, None), lambda j, bi, kh: (bi, j))
     q_group = pl.BlockSpec((None, t, g, d), lambda j, bi, kh: (bi, 0, kh, 0))
     kv_tile = pl.BlockSpec((None, bk, None, d), lambda j, bi, kh: (bi, j, kh, 0))
     stats_group = pl.BlockSpec((None, g, t), lambda j, bi, kh: (bi, kh, 0))
     q_rows = pl.BlockSpec((None, t), lambda j, bi, kh: (bi, 0))
     kv_rows = pl.BlockSpec((None, bk), lambda j, bi, kh: (bi, j))
-    dk, dv = pl.pallas_call(
+    in_specs = [
+        *[per_k_tile] * 4,
+        q_group,
+        kv_tile,
+        kv_tile,
+        q_group,
+        stats_group,
+        stats_group,
+        q_rows,
+        kv_rows,
+        q_rows if has_seg else None,
+        kv_rows if has_seg else None,
+    ]
+    out_specs = [kv_tile, kv_tile]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    inputs = (*ranges["q"], *args)
+    aliases = {}
+    if atomic:  # a zeroed float32 dQ buffer, passed in and aliased to the third output
+        aliases = {len(jax.tree.leaves(inputs)): 2}
+        inputs = (*inputs, jnp.zeros(q.shape, jnp.float32))
+        in_specs.append(q_group)
+        out_specs.append(q_group)
+        out_shape.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    grads = pl.pallas_call(
         functools.partial(_dkv_kernel, plan=plan),
         grid=(s_len // bk, b, n_kv),
-        in_specs=[
-            *[per_k_tile] * 4,
-            q_group,
-            kv_tile,
-            kv_tile,
-            q_group,
-            stats_group,
-            stats_group,
-            q_rows,
-            kv_rows,
-            q_rows if has_seg else None,
-            kv_rows if has_seg else None,
-        ],
-        out_specs=[kv_tile, kv_tile],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler_params(plan),
         interpret=plan.interpret,
-        name="flash_backward_dkv",
-    )(*ranges["q"], *args)
+        name="flash_backward" if atomic else "flash_backward_dkv",
+    )(*inputs)
+    if atomic:
+        dk, dv, dq = grads
+        return (dq * plan.scale).astype(q.dtype), dk, dv
+    dk, dv = grads
 
-    # dQ: grid over (query tile, batch, query head), like the forward.
-    per_q_tile = pl.BlockSpec((None, None), lambda i, bi, hh: (bi, i))
-    q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bi, hh: (bi, i, hh, 0))
+    # dQ: grid over (query tile, batch, query head), heaviest first like the forward.
+    tile = heaviest_first(t // bq)
+    per_q_tile = pl.BlockSpec((None, None), lambda i, bi, hh: (bi, tile(i)))
+    q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bi, hh: (bi, tile(i), hh, 0))
     kv_all = pl.BlockSpec((None, s_len, None, d), lambda i, bi, hh: (bi, 0, hh // g, 0))
-    stats_tile = pl.BlockSpec((None, None, bq), lambda i, bi, hh: (bi, hh, i))
-    q_rows = pl.BlockSpec((None, bq), lambda i, bi, hh: (bi, i))
+    stats_tile = pl.BlockSpec((None, None, bq), lambda i, bi, hh: (bi, hh, tile(i)))
+    q_rows = pl.BlockSpec((None, bq), lambda i, bi, hh: (bi, tile(i)))
     kv_rows = pl.BlockSpec((None, s_len), lambda i, bi, hh: (bi, 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, plan=plan),

@@ -5,6 +5,7 @@ the kernel never falls back to another implementation.
 """
 
 import dataclasses
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -20,12 +21,18 @@ def _is_power_of_two(n: int) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
-    """Tile sizes (powers of two, >= 16) and Triton launch settings.
+    """Tile sizes (powers of two, >= 16), Triton launch settings and how the backward sums dQ.
 
     `block_q` x `block_k` is the forward tile: one program owns `block_q` query rows and walks the
-    keys `block_k` at a time. `backward_block_q` / `backward_block_k` tile both backward kernels
-    (dK/dV: one program per key block; dQ: one program per query block). A block longer than the
-    sequence is clipped to the sequence. `num_warps=None` picks 4 for head_dim <= 64, else 8.
+    keys `block_k` at a time. `backward_block_q` / `backward_block_k` tile the backward (one
+    program per key block walks the query blocks; with `backward_dq="separate"` also one program
+    per query block). A block longer than the sequence is clipped to the sequence.
+    `num_warps=None` picks 4 for head_dim <= 64, else 8.
+
+    `backward_dq` (see backward.py): "atomic" adds each tile's dQ into a float32 buffer with atomic
+    adds inside the dK/dV kernel (FlashAttention-2's 5 matmuls per tile pair; on a GPU the order
+    of the additions, so dQ's last bits, vary from run to run); "separate" runs a second kernel
+    that recomputes S and dP (7 matmuls) and is bit-reproducible.
     """
 
     block_q: int = 128
@@ -34,6 +41,7 @@ class BlockSizes:
     backward_block_k: int = 64
     num_warps: int | None = None
     num_stages: int = 2
+    backward_dq: Literal["atomic", "separate"] = "atomic"
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "backward_block_q", "backward_block_k"):
@@ -43,9 +51,19 @@ class BlockSizes:
                     f"BlockSizes.{field}={value} must be a power of two >= {MIN_BLOCK} "
                     "(Triton tiles are powers of two and its matmul needs sides >= 16)"
                 )
+        if self.backward_dq not in ("atomic", "separate"):
+            raise ValueError(
+                f"BlockSizes.backward_dq={self.backward_dq!r} must be 'atomic' (5 matmuls per "
+                "tile pair, dQ not bit-reproducible on a GPU) or 'separate' (7, bit-reproducible)"
+            )
 
     def warps(self, head_dim: int) -> int:
         return self.num_warps or (4 if head_dim <= 64 else 8)
+
+    @property
+    def backward_kernels(self) -> int:
+        """Pallas calls of the backward: dK/dV(/dQ), plus dQ's own when "separate"."""
+        return 1 if self.backward_dq == "atomic" else 2
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
@@ -113,4 +131,5 @@ class Plan:
     backward_block_k: int
     num_warps: int
     num_stages: int
+    backward_dq: Literal["atomic", "separate"]
     interpret: bool

@@ -3,8 +3,16 @@ head) keeps a running max `m`, a running denominator and an unnormalised output 
 `block_q` rows while walking the visible key tiles, then writes the output and the log-sum-exp
 that the backward kernels reuse.
 
-Exponentials are base 2 (`exp2`, the GPU's native instruction), so scores are scaled by
-`log2(e) / sqrt(head_dim)` and the saved log-sum-exp is in base 2 as well.
+Exponentials are base 2 (`exp2`, the GPU's native instruction) with c = log2(e) / sqrt(head_dim):
+p = exp2(s * c - m * c) on the raw scores s = q k^T, so the softmax scale costs no instruction of
+its own (it is the multiply of the fused multiply-add that subtracts the max, as in FA2's CUDA
+kernel), and the saved log-sum-exp is in base-2 units of the scaled scores. Folding c into q
+once instead would round q * c to bfloat16, which measured 7-18x larger output errors on peaked
+attention (bench/RESULTS.md).
+
+Query tiles run heaviest first: under a causal mask the last query tile sees every key tile and
+the first only one, and a GPU starts programs in grid order, so the long ones start first and the
+short ones fill the tail (FA2's and FA3's schedulers do the same).
 """
 
 import functools
@@ -24,8 +32,8 @@ from layers.kernels.flash.tiles import element_mask, walk_tiles
 # caller (a whole training step) would compile twice on CPU.
 
 LOG2E = math.log2(math.e)
-# Finite stand-in for -inf in masked scores: exp2(MASKED - m) is 0 once any real score is seen,
-# and a masked-only tile never produces inf - inf = NaN.
+# Finite stand-in for -inf in masked scores: exp2((MASKED - m) * c) is 0 once any real score is
+# seen, and a masked-only tile never produces inf - inf = NaN.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -44,13 +52,23 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def log2_scores(q, k, q_pos, kv_pos, q_seg, kv_seg, plan: Plan, masked: bool) -> jax.Array:
-    """Scores of one tile in base-2 units, q k^T * log2(e) / sqrt(d), masked if `masked`."""
-    s = dot_nt(q, k) * (plan.scale * LOG2E)
+def scores(
+    a, b, q_pos, kv_pos, q_seg, kv_seg, plan: Plan, masked: bool, transposed: bool = False
+) -> jax.Array:
+    """Raw scores a b^T of one tile, masked (to MASKED) if `masked`: a = q, b = k gives S
+    [block_q, block_k]; a = k, b = q with `transposed` gives S^T [block_k, block_q]."""
+    s = dot_nt(a, b)
     if not masked:
         return s
-    allowed = element_mask(q_pos, kv_pos, q_seg, kv_seg, causal=plan.causal, window=plan.window)
+    allowed = element_mask(
+        q_pos, kv_pos, q_seg, kv_seg, causal=plan.causal, window=plan.window, transposed=transposed
+    )
     return s if allowed is None else jnp.where(allowed, s, MASKED)
+
+
+def heaviest_first(n_tiles: int):
+    """Grid index -> tile index, last tile first (see the module docstring)."""
+    return lambda i: n_tiles - 1 - i
 
 
 def _forward_kernel(
@@ -61,16 +79,16 @@ def _forward_kernel(
     q_pos = q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
     block_q, head_dim = q.shape
-    bk = plan.block_k
+    bk, c = plan.block_k, plan.scale * LOG2E
 
     def step(j, carry, masked):
-        o, m, denom = carry
+        o, m, denom = carry  # m: running max of the raw scores
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
-        s = log2_scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
+        s = scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        rescale = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
+        rescale = jnp.exp2((m - m_new) * c)
+        p = jnp.exp2(s * c - (m_new * c)[:, None])
         denom = rescale * denom + p.sum(axis=-1)
         v = v_ref[keys, :]
         o = rescale[:, None] * o + dot_nn(p.astype(v.dtype), v)
@@ -87,7 +105,7 @@ def _forward_kernel(
     seen = denom > 0
     denom = jnp.where(seen, denom, 1.0)
     o_ref[...] = (o / denom[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log2(denom), -MASKED)
+    lse_ref[...] = jnp.where(seen, m * c + jnp.log2(denom), -MASKED)
 
 
 def compiler_params(plan: Plan) -> plgpu.CompilerParams:
@@ -102,12 +120,14 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
     s_len = k.shape[1]
     bq, g = plan.block_q, plan.group
     has_seg = q_seg is not None
-    per_q_tile = pl.BlockSpec((None, None), lambda i, bi, hh: (bi, i))
-    q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bi, hh: (bi, i, hh, 0))
+    tile = heaviest_first(t // bq)
+    per_q_tile = pl.BlockSpec((None, None), lambda i, bi, hh: (bi, tile(i)))
+    q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bi, hh: (bi, tile(i), hh, 0))
     # K/V head hh // g serves query head hh (GQA/MQA): shared by index, never copied.
     kv_all = pl.BlockSpec((None, s_len, None, d), lambda i, bi, hh: (bi, 0, hh // g, 0))
-    q_rows = pl.BlockSpec((None, bq), lambda i, bi, hh: (bi, i))
+    q_rows = pl.BlockSpec((None, bq), lambda i, bi, hh: (bi, tile(i)))
     kv_rows = pl.BlockSpec((None, s_len), lambda i, bi, hh: (bi, 0))
+    lse_tile = pl.BlockSpec((None, None, bq), lambda i, bi, hh: (bi, hh, tile(i)))
     return pl.pallas_call(
         functools.partial(_forward_kernel, plan=plan),
         grid=(t // bq, b, h),
@@ -121,7 +141,7 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
             q_rows if has_seg else None,
             kv_rows if has_seg else None,
         ],
-        out_specs=[q_tile, pl.BlockSpec((None, None, bq), lambda i, bi, hh: (bi, hh, i))],
+        out_specs=[q_tile, lse_tile],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, h, t), jnp.float32),

@@ -98,17 +98,25 @@ def element_mask(
     *,
     causal: bool,
     window: int | None,
+    transposed: bool = False,
 ) -> jax.Array | None:
-    """[block_q, block_k] bool, the rule of `AttentionMask` for one tile (None: all visible)."""
+    """[block_q, block_k] bool, the rule of `AttentionMask` for one tile, or [block_k, block_q]
+    when `transposed` (for a kernel that computes S^T = K Q^T); None: all visible."""
+
+    def pair(q, kv):
+        return (q[None, :], kv[:, None]) if transposed else (q[:, None], kv[None, :])
+
     allowed = None
 
     def both(a, b):
         return b if a is None else a & b
 
+    q_pos, kv_pos = pair(q_pos, kv_pos)
     if causal:
-        allowed = both(allowed, kv_pos[None, :] <= q_pos[:, None])
+        allowed = both(allowed, kv_pos <= q_pos)
     if window is not None:
-        allowed = both(allowed, q_pos[:, None] - kv_pos[None, :] < window)
+        allowed = both(allowed, q_pos - kv_pos < window)
     if q_seg is not None:
-        allowed = both(allowed, q_seg[:, None] == kv_seg[None, :])
+        q_seg, kv_seg = pair(q_seg, kv_seg)
+        allowed = both(allowed, q_seg == kv_seg)
     return allowed
