@@ -9,15 +9,21 @@
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
     python train.py --help                   # every setting; --config FILE sets them from a file
 
-Every run writes `metrics.jsonl`, `checkpoints/` and `loss.png` into its run directory, prints
-the predicted (zoo.math roofline) next to the measured step time, and logs loss, tokens/s, step
-time, data-wait time and MFU.
+In Python: `train.run(Args(...)) -> RunResult` (examples/ call it).
+
+Every run owns its run directory (`--out`): it records what defines the run in `run.json`, holds
+a lock while it trains, and writes `metrics.jsonl`, `checkpoints/` and `loss.png`. It prints the
+predicted (zoo.math roofline) next to the measured step time and memory, and logs loss, tokens/s,
+step time, data-wait time and MFU. The step is compiled before the loop, and metrics stay on
+the device until a log step (no host sync per step).
 """
 
+import dataclasses
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -29,15 +35,48 @@ from data.corpus import write_stdlib_corpus
 from data.datasets import load_text, tokenize
 from data.prefetch import Prefetcher
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
+from layers.moe import MoEStats
+from shard import Placement
 from shard.xla_flags import set_default_xla_flags
-from training import checkpoint
-from training.args import Args, parse_args
-from training.model_config import DEFAULT_MODEL, check_fits, imported_changes, preset_config
+from training import run_dir as runs
+from training.args import ArgError, Args, check, given, parse_args
+from training.model_config import (
+    DEFAULT_MODEL,
+    aux_weights,
+    check_fits,
+    check_imported,
+    policy,
+    preset_config,
+)
 from training.optimizer import adamw, learning_rate
-from training.placement import Placement
-from training.step import compile_steps, split_model
+from training.step import abstract_batch, compile_steps, split_model
 from training.telemetry import Telemetry, compiled_memory_bytes, hardware
-from zoo import Transformer, with_runtime
+from zoo import Transformer
+
+# The settings that define a run: a --resume takes them from the run's record and refuses a
+# flag that contradicts one. (--steps may grow; run-time settings such as --remat may change.)
+DEFINING = ("model", "override", "init_from", "data", "text_column", "streaming", "tokenizer",
+            "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
+            "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
+            "moe_balance_weight", "moe_z_weight")  # fmt: skip
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run ends with: its directory, the trained model and tokenizer, the last step, its
+    training and validation loss (and the starting validation loss of a fine-tune), the corpus's
+    unigram entropy, the last MoE statistics and the last metrics record."""
+
+    run_dir: Path
+    model: Transformer
+    encoding: Any
+    step: int
+    loss: float | None
+    val_loss: float | None
+    initial_val_loss: float | None
+    unigram_entropy: float
+    moe: MoEStats | None
+    record: dict
 
 
 def say(message: str) -> None:
@@ -53,16 +92,28 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 
 def init_tokenizer_spec(path: str) -> str:
     """The tokenizer that comes with --init-from: a pretrained checkpoint's own, or the one a
-    train.py run recorded (as `checkpoint.tokenizer_from_spec` reads it)."""
-    if not checkpoint.is_run(path):
+    train.py run recorded (as `run_dir.tokenizer_from_spec` reads it)."""
+    if not runs.is_run(path):
         return str(Path(path).resolve())
-    spec = checkpoint.run_tokenizer_spec(path)
+    spec = runs.run_tokenizer_spec(path)
     if spec is None:
         raise ValueError(f"--init-from {path!r}: the run records no tokenizer; pass --tokenizer")
     return spec
 
 
-def load_data(args: Args):
+def make_tokenizer(args: Args, sample, cache: Path, run_dir: Path):
+    """A resumed run's own tokenizer; --init-from's; else the one --tokenizer names (a BPE is
+    trained on `sample` and cached)."""
+    if args.resume:
+        return runs.tokenizer_from_spec(runs.run_tokenizer_spec(run_dir))
+    if args.init_from and args.tokenizer == "bpe":
+        return runs.tokenizer_from_spec(init_tokenizer_spec(args.init_from))
+    return get_tokenizer(
+        args.tokenizer, texts=sample, vocab_size=args.vocab_size, cache_dir=cache, log=say
+    )
+
+
+def load_data(args: Args, run_dir: Path):
     """Tokenizer, training batches, fixed validation batches and the unigram entropy."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
@@ -71,17 +122,12 @@ def load_data(args: Args):
         dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
         n_val = args.eval_batches * args.batch_size  # documents held out from the stream's head
         val_docs, train_docs = dataset.take(n_val), dataset.skip(n_val)
-        sample = [d[args.text_column] for d in dataset.take(2000)]
+        sample = (d[args.text_column] for d in dataset.take(2000))
     else:
         train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
         train_docs, val_docs = dataset.select(train_idx), dataset.select(val_idx)
         sample = train_docs[args.text_column]
-    if args.init_from and args.tokenizer == "bpe":
-        encoding = checkpoint.tokenizer_from_spec(init_tokenizer_spec(args.init_from))
-    else:
-        encoding = get_tokenizer(
-            args.tokenizer, texts=sample, vocab_size=args.vocab_size, cache_dir=cache, log=say
-        )
+    encoding = make_tokenizer(args, sample, cache, run_dir)
     eot = encoding.eot_token
 
     def ids(docs):
@@ -110,7 +156,7 @@ def evaluate(eval_fn, params, batches) -> float:
     return float(sum(t[0] for t in totals) / sum(t[1] for t in totals))
 
 
-def moe_line(moe) -> str:
+def moe_line(moe: MoEStats) -> str:
     """Per-expert share of the token->expert assignments (averaged over MoE layers; 1/n each
     when balanced) and the fraction of assignments dropped by capacity dispatch."""
     load = np.asarray(moe.expert_load).mean(axis=0)
@@ -118,62 +164,160 @@ def moe_line(moe) -> str:
     return f"expert load [{' '.join(f'{x:.2f}' for x in load)}] | dropped {dropped:.1%}"
 
 
-def build_model(args: Args, placement: Placement, n_vocab: int, key) -> tuple[Transformer, str]:
+def build_model(
+    args: Args, placement: Placement, n_vocab: int, key, run_dir: Path
+) -> tuple[Transformer, str]:
     """(model in its placement, its name): a pretrained checkpoint or a train.py run's latest
-    checkpoint under this run's run-time settings (weights in --param-dtype), or a fresh
-    preset."""
+    checkpoint loaded straight into its shardings, or a fresh preset created in them; the
+    run-time policy from the flags either way. A resumed run's model is built from its record
+    (its weights are restored afterwards)."""
+    run_policy = policy(args)
+    if args.resume:
+        config = runs.checkpoint_config(run_dir)[0]
+        return runs.abstract_model(config, run_policy), args.model or DEFAULT_MODEL
     if args.init_from:
-        if checkpoint.is_run(args.init_from):
-            model = checkpoint.run_model(args.init_from)
+        if runs.is_run(args.init_from):
+            model = runs.run_model(args.init_from, policy=run_policy, placement=placement)
         else:
             from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
 
-            model = load_pretrained(args.init_from, dtype=args.param_dtype)
-        model = with_runtime(model, **imported_changes(args, model.config))
+            model = load_pretrained(args.init_from, policy=run_policy, placement=placement)
+        check_imported(args, model.config)
         check_fits(model.config, args, n_vocab, args.init_from)
-        return placement.place_model(model), args.init_from
+        return model, args.init_from
     config = preset_config(args, n_vocab)
-    return placement.init_model(config, jax.random.fold_in(key, 0)), args.model or DEFAULT_MODEL
+    make = lambda key: Transformer(config, policy=run_policy, key=key)  # noqa: E731
+    return placement.init(make, jax.random.fold_in(key, 0)), args.model or DEFAULT_MODEL
 
 
-def record_tokenizer(args, encoding, run_dir: Path) -> None:
-    """Leave the run's tokenizer in the run directory, so `checkpoint.load_run` (and
-    `examples/sample.py --run`) decode with the same one: a trained or rank-file BPE as a rank
-    file, an OpenAI encoding name or the --init-from tokenizer (`init_tokenizer_spec`) as text."""
+def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
+    """Leave the run's tokenizer in the run directory (so `run_dir.load_run` and
+    `examples/sample.py --run` decode with it): a trained or rank-file BPE as a rank file, an
+    OpenAI encoding name or the --init-from tokenizer as text. Returns its spec."""
     if args.init_from and args.tokenizer == "bpe":
-        (run_dir / "tokenizer.source").write_text(init_tokenizer_spec(args.init_from))
-    elif args.tokenizer in OPENAI_ENCODINGS:
+        spec = init_tokenizer_spec(args.init_from)
+        (run_dir / "tokenizer.source").write_text(spec)
+        return spec
+    if args.tokenizer in OPENAI_ENCODINGS:
         (run_dir / "tokenizer.source").write_text(args.tokenizer)
-    else:
-        save_ranks(encoding, run_dir / "tokenizer.tiktoken")
+        return args.tokenizer
+    save_ranks(encoding, run_dir / "tokenizer.tiktoken")
+    return "tokenizer.tiktoken"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args:
+    """`args` with the run's recorded defining settings; a given flag that contradicts one is an
+    error naming the flag and both values."""
+    recorded = runs.read_record(run_dir)["settings"]
+    changes = {}
+    for name in DEFINING:
+        value = getattr(args, name)
+        if name in given_names and value != recorded[name]:
+            raise ArgError(
+                f"--{name.replace('_', '-')}",
+                f"--resume {str(run_dir)!r} continues a run recorded with {recorded[name]!r}, "
+                f"not {value!r}; drop the flag (or start a new run with another --out)",
+            )
+        changes[name] = recorded[name]
+    args = dataclasses.replace(args, **changes)
+    check(args)
+    return args
+
+
+def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_s,
+             predicted_line) -> dict | None:  # fmt: skip
+    """Print and record one metrics line; the first step's (the starting point, e.g. the
+    pretrained model's loss) has no timing. Returns the timed record."""
+    loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
+    moe = {}
+    if config.n_experts:
+        moe = {
+            "aux_loss": float(metrics.aux_loss),
+            "expert_load": np.asarray(metrics.moe.expert_load).tolist(),
+            "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
+        }
+    if first:
+        telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
+        say(f"step {step}: loss {loss:.4f}")
+        return None
+    if predicted_line:
+        say(telemetry.predicted_line(step_s))
+    record = telemetry.log(
+        step=step,
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=float(schedule(step - 1)),
+        step_s=step_s,
+        data_wait_s=wait_s,
+        tokens_per_s=telemetry.tokens_per_step / step_s,
+        mfu=telemetry.mfu(step_s),
+        **moe,
+    )
+    say(
+        f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+        f"{step_s * 1e3:.0f} ms/step | data wait {wait_s * 1e3:.2f} ms | MFU {record['mfu']:.1%}"
+    )
+    if config.n_experts:
+        say(f"           | aux loss {moe['aux_loss']:.4f} | {moe_line(metrics.moe)}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> RunResult:
+    """The command line: `run` on the parsed flags."""
+    return run(parse_args(argv), given_names=given(argv))
+
+
+def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
+    """Train as `args` say. `given_names` are the settings the user chose (a --resume may not
+    contradict them); default: those that differ from Args' defaults."""
+    if given_names is None:
+        defaults = Args()
+        given_names = frozenset(
+            f.name
+            for f in dataclasses.fields(Args)
+            if getattr(args, f.name) != getattr(defaults, f.name)
+        )
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     run_dir = Path(args.resume or args.out)
-    if args.resume:
-        checkpoint.latest(run_dir)  # fail before loading data when there is nothing to resume
     if args.init_from and Path(args.init_from).resolve() == run_dir.resolve():
         raise ValueError(
             f"--init-from {args.init_from!r} is this run's own directory: --init-from starts a "
             "new run from it (give another --out), --resume continues it"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    encoding, train_data, val_batches, entropy = load_data(args)
-    record_tokenizer(args, encoding, run_dir)
+    with runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite):
+        if args.resume:
+            args = resumed_args(args, given_names, run_dir)
+        return _train(args, placement, run_dir)
+
+
+def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
+    start = 0
+    if args.resume:
+        start = runs.latest_step(run_dir)
+        if args.steps <= start:
+            raise ArgError(
+                "--steps",
+                f"{args.steps} is not beyond the run's step {start}: --resume continues to "
+                f"--steps, so give more than {start}",
+            )
+    encoding, train_data, val_batches, entropy = load_data(args, run_dir)
     say(
         f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
     )
-
     key = jax.random.key(args.seed)
-    model, name = build_model(args, placement, encoding.n_vocab, key)
-    config = model.config
+    model, name = build_model(args, placement, encoding.n_vocab, key, run_dir)
+    config, run_policy = model.config, model.policy
+    if not args.resume:
+        spec = record_tokenizer(args, encoding, run_dir)
+        settings = {name: getattr(args, name) for name in DEFINING}
+        runs.write_record(
+            run_dir, {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
+        )
     params, static = split_model(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     say(
-        f"model: {name}, {n_params / 1e6:.2f}M parameters, compute {config.dtype}, on "
-        f"{placement.describe()}"
+        f"model: {name}, {n_params / 1e6:.2f}M parameters, compute {run_policy.compute_dtype}, "
+        f"kernel {run_policy.kernel_name}, on {placement.describe()}"
     )
     schedule = learning_rate(
         args.schedule,
@@ -183,102 +327,83 @@ def main(argv: list[str] | None = None) -> dict:
         min_ratio=args.min_lr_ratio,
     )
     optimizer = adamw(schedule, weight_decay=args.weight_decay, clip=args.clip)
-    opt_state = placement.init_opt_state(optimizer, model)
-    start, position, rng = 0, 0, key
+    position, rng = 0, key
     if args.resume:
-        restored = checkpoint.restore(run_dir, params=params, opt_state=opt_state, config=config)
-        shardings = placement.shardings(optimizer, model)
-        params, opt_state = placement.put(
-            (restored.params, restored.opt_state), shardings and shardings[:2]
-        )
-        start, position, rng = restored.step, restored.data_position, restored.rng
+        restored = runs.restore(run_dir, model=model, optimizer=optimizer, placement=placement)
+        params, opt_state = restored.params, restored.opt_state
+        position, rng = restored.data_position, restored.rng
         say(f"resumed from {restored.path} at step {start}")
-
+    else:
+        opt_state = placement.init_opt_state(optimizer, params)
     train_fn, eval_fn = compile_steps(
-        static, optimizer, args.grad_accum, placement=placement, model=model
-    )
+        static, optimizer, args.grad_accum, placement=placement, model=model,
+        aux_weights=aux_weights(args),
+    )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
+    t0 = time.perf_counter()
+    batch_spec = abstract_batch(args.batch_size, args.seq_len, placement.batch_sharding())
+    train_fn = train_fn.lower(params, opt_state, batch_spec).compile()
+    hw = hardware(args.peak_flops, args.peak_bandwidth, run_policy.compute_dtype)
+    telemetry = Telemetry(
+        run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum
+    )
+    say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
     val_batches = [placement.batch(b) for b in val_batches]
-    hw = hardware(args.peak_flops, args.peak_bandwidth, config.dtype)
-    telemetry = Telemetry(run_dir, config, args.batch_size, args.seq_len, hw, accum=args.grad_accum)
-    summary = {"val_loss": None, "initial_val_loss": None}
+    result = RunResult(run_dir, None, encoding, start, None, None, None, entropy, None, {})
     if args.init_from and not args.resume:
         val_loss = evaluate(eval_fn, params, val_batches)
         telemetry.log(step=0, val_loss=val_loss)
         say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
-        summary["initial_val_loss"] = val_loss
+        result.initial_val_loss = val_loss
     batches = Prefetcher(train_data.iterate(position), placement.batch)
     bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
-    window, window_wait, first_log = [], batches.wait_s, True
+    # Step time is measured over the steps between two log lines (the device is waited for
+    # only there), less the time spent evaluating and checkpointing in between.
+    window_start, window_wait, window_steps, excluded, first_log = None, 0.0, 0, 0.0, True
     try:
         for step in range(start + 1, args.steps + 1):
-            t0 = time.perf_counter()
             batch = next(batches)
-            if step == start + 1:  # compile ahead of time, to print its memory beside zoo.math's
-                train_fn = train_fn.lower(params, opt_state, batch).compile()
-                say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
             params, opt_state, metrics = train_fn(params, opt_state, batch)
-            loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
-            step_s = time.perf_counter() - t0
+            bar.update(1)
+            window_steps += 1
+            log = step % args.log_every == 0 or step == args.steps or window_start is None
+            evaluate_now = step % args.eval_every == 0 or step == args.steps
+            save = step % args.checkpoint_every == 0 or step == args.steps
+            if not (log or evaluate_now or save):
+                continue
+            loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)  # waits for the step
+            now = time.perf_counter()
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                last = checkpoint.checkpoints(run_dir)
+                last = runs.checkpoints(run_dir)
                 raise FloatingPointError(
                     f"loss {loss} / gradient norm {grad_norm} at step {step} is not finite: "
                     f"stopping. The last good checkpoint is kept: "
                     f"{last[-1] if last else 'none written yet'}. Try a lower --lr or --clip."
                 )
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            moe = {}
-            if config.n_experts:
-                moe = {
-                    "aux_loss": float(metrics.aux_loss),
-                    "expert_load": np.asarray(metrics.moe.expert_load).tolist(),
-                    "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
-                }
-                summary["moe"] = metrics.moe
-            if step == start + 1:
-                # The first step's loss is the starting point (e.g. the pretrained model's).
-                telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
-                say(f"step {step}: loss {loss:.4f}; compile + first step took {step_s:.1f} s")
-            else:
-                window.append(step_s)
-            if (step % args.log_every == 0 or step == args.steps) and window:
-                step_time = float(np.median(window))
-                wait = (batches.wait_s - window_wait) / len(window)
-                if first_log:
-                    say(telemetry.predicted_line(step_time))
-                    first_log = False
-                record = telemetry.log(
-                    step=step,
-                    loss=loss,
-                    grad_norm=grad_norm,
-                    lr=float(schedule(step - 1)),
-                    step_s=step_time,
-                    data_wait_s=wait,
-                    tokens_per_s=telemetry.tokens_per_step / step_time,
-                    mfu=telemetry.mfu(step_time),
-                    **moe,
-                )
-                say(
-                    f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
-                    f"{step_time * 1e3:.0f} ms/step | data wait {wait * 1e3:.2f} ms | "
-                    f"MFU {record['mfu']:.1%}"
-                )
+            result.step, result.loss = step, loss
+            if log:
+                result.record = log_step(
+                    telemetry, step, metrics, config, schedule, first=window_start is None,
+                    step_s=None if window_start is None
+                    else (now - window_start - excluded) / window_steps,
+                    wait_s=(batches.wait_s - window_wait) / window_steps,
+                    predicted_line=first_log and window_start is not None,
+                ) or result.record  # fmt: skip
+                first_log = first_log and window_start is None
                 if config.n_experts:
-                    say(f"           | aux loss {moe['aux_loss']:.4f} | {moe_line(metrics.moe)}")
-                summary.update(record)
-                window, window_wait = [], batches.wait_s
-            if step % args.eval_every == 0 or step == args.steps:
+                    result.moe = metrics.moe
+            t_extra = time.perf_counter()
+            if evaluate_now:
                 val_loss = evaluate(eval_fn, params, val_batches)
                 telemetry.log(step=step, val_loss=val_loss)
                 say(
                     f"step {step:5d} | validation loss {val_loss:.4f} "
                     f"(unigram entropy {entropy:.3f})"
                 )
-                summary["val_loss"] = val_loss
-            if step % args.checkpoint_every == 0 or step == args.steps:
-                checkpoint.save(
+                result.val_loss = val_loss
+            if save:
+                runs.save(
                     run_dir,
                     params=params,
                     opt_state=opt_state,
@@ -286,27 +411,30 @@ def main(argv: list[str] | None = None) -> dict:
                     data_position=position + step - start,
                     rng=rng,
                     config=config,
+                    policy=run_policy,
                     keep=args.keep,
                 )
-            summary.update(step=step, loss=loss)
+            if log:
+                window_start, window_wait, window_steps = now, batches.wait_s, 0
+                excluded = time.perf_counter() - t_extra
+            else:
+                excluded += time.perf_counter() - t_extra
     finally:
         batches.close()
         bar.close()
     plot = telemetry.plot(run_dir / "loss.png", entropy)
-    summary.update(
-        unigram_entropy=entropy,
-        run_dir=str(run_dir),
-        params=eqx.combine(params, static),
-        encoding=encoding,
-    )
-    if summary["val_loss"] is not None:
+    result.model = eqx.combine(params, static)
+    if result.val_loss is not None:
         say(
-            f"done: validation loss {summary['val_loss']:.3f} nats vs unigram entropy "
+            f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
             f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
         )
-    return summary
+    return result
 
 
 if __name__ == "__main__":
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
-    main()
+    try:
+        main()
+    except (ValueError, FloatingPointError, OSError) as error:
+        sys.exit(f"train.py: error: {error}")

@@ -110,8 +110,8 @@ class Args:
         default=None,
     )
     override: list[str] = _help(  # noqa: RUF009 (a field() with help text)
-        "change a Config field of the preset, FIELD=VALUE (repeatable), e.g. n_layers=2; with "
-        "--init-from only the run-time fields (zoo.RUNTIME_FIELDS)",
+        "change an architecture field (zoo.Config) of the preset, FIELD=VALUE (repeatable), e.g. "
+        "n_layers=2; refused with --init-from, whose architecture is the checkpoint's",
         default_factory=list,
     )
     data: str = _help(
@@ -161,10 +161,29 @@ class Args:
     remat: Literal["none", "full", "dots"] = _help(
         "rematerialisation policy of each block", default="none"
     )
-    attention: Literal["naive", "xla", "flash"] | None = _help(
-        "attention kernel (default: the preset's)", default=None
+    attention: Literal["naive", "xla", "flash"] = _help(
+        "attention kernel (zoo.Policy.attention)", default="xla"
+    )
+    moe_dispatch: Literal["dropless", "capacity"] = _help(
+        "how MoE layers send tokens to their experts (zoo.Policy.moe_dispatch)", default="dropless"
+    )
+    capacity_factor: float = _help(
+        "with --moe-dispatch capacity: each expert's slots per sequence as a multiple of an even "
+        "share",
+        default=1.25,
+        bounds=POSITIVE,
+    )
+    moe_balance_weight: float = _help(
+        "weight of the MoE load-balancing loss (Switch)", default=0.01, bounds=NON_NEGATIVE
+    )
+    moe_z_weight: float = _help(
+        "weight of the MoE router z-loss (ST-MoE)", default=0.001, bounds=NON_NEGATIVE
     )
     out: str = _help("run directory: metrics, checkpoints, loss curve", default="runs/default")
+    overwrite: bool = _help(
+        "replace the run already in --out (its checkpoints, metrics and tokenizer are deleted)",
+        default=False,
+    )
     resume: str | None = _help(
         "continue the run in this directory from its latest checkpoint", default=None
     )
@@ -172,7 +191,7 @@ class Args:
         "start from a pretrained checkpoint (HF directory or .gguf) or a train.py run directory "
         "(its latest checkpoint) for fine-tuning: the architecture and the tokenizer (with "
         "--tokenizer bpe) come from it, the optimizer starts afresh; the run-time "
-        "settings (--dtype, --param-dtype, --remat, --attention, run-time --override) apply",
+        "settings (--dtype, --param-dtype, --remat, --attention, --moe-dispatch) apply",
         default=None,
     )
     mesh: str | None = _help(
@@ -242,6 +261,12 @@ def check(args: Args) -> None:
             f"{args.warmup} is more than --steps {args.steps}: the learning rate would never "
             f"reach --lr; give at most {args.steps}",
         )
+    if args.resume is not None and args.init_from is not None:
+        raise ArgError(
+            "--init-from",
+            f"--resume {args.resume!r} continues a run, whose model is its own; --init-from "
+            "starts a new one: give one of them",
+        )
     if (args.peak_flops > 0) != (args.peak_bandwidth > 0):
         given, missing = ("--peak-flops", "--peak-bandwidth")[:: 1 if args.peak_flops else -1]
         raise ArgError(
@@ -274,7 +299,8 @@ def _flag_type(field: dataclasses.Field, tp) -> dict:
     return {"type": tp}
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(*, defaults: bool = True) -> argparse.ArgumentParser:
+    """The CLI; `defaults=False` leaves unset flags out of the parsed namespace (`given`)."""
     p = argparse.ArgumentParser(
         description="Train a transformer from eqx-zoo. With no flags: a small GPT on the Python "
         "standard library's own source code (no download).",
@@ -284,10 +310,14 @@ def parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(Args):
         default = field.default_factory() if callable(field.default_factory) else field.default
         kwargs = _flag_type(field, field.type)
+        if not defaults:
+            default = argparse.SUPPRESS
+        elif kwargs.get("action") == "append":
+            default = None
         p.add_argument(
             flag_name(field.name),
             dest=field.name,
-            default=None if kwargs.get("action") == "append" else default,
+            default=default,
             help=field.metadata["help"],
             **kwargs,
         )
@@ -368,3 +398,13 @@ def parse_args(argv: list[str] | None = None) -> Args:
         return Args(**values)
     except ArgError as error:
         p.error(str(error))
+
+
+def given(argv: list[str] | None = None) -> frozenset[str]:
+    """The settings `argv` sets itself, on the command line or in its `--config` file (what a
+    `--resume` must not contradict), as Args field names."""
+    namespace, _ = parser(defaults=False).parse_known_args(argv)
+    names = set(vars(namespace)) - {"config"}
+    if getattr(namespace, "config", None):
+        names |= set(_read_config_file(namespace.config))
+    return frozenset(names)

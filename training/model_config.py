@@ -1,27 +1,35 @@
-"""The model a run's flags ask for. A fresh run: a preset (`--model`) with the run-time flags
-(`--dtype`, `--param-dtype`, `--remat`, `--attention`) and `--override FIELD=VALUE` applied.
-`--init-from`: the checkpoint's architecture, with the same run-time flags and the run-time
-`--override`s applied to it (`zoo.with_runtime`); a flag that would change the architecture is
-refused, naming the flag. Either way the tokenizer and `--seq-len` must fit the model.
+"""The model a run's flags ask for: an architecture (`zoo.Config`) and a run-time policy
+(`zoo.Policy`).
+
+A fresh run: the `--model` preset with `--override FIELD=VALUE` applied (architecture fields,
+type-checked by the Config). `--init-from`: the checkpoint's architecture, where an `--override`
+is refused unless it repeats the checkpoint's value. Either way the policy comes from the
+run-time flags (`--dtype`, `--param-dtype`, `--remat`, `--attention`, `--moe-dispatch`,
+`--capacity-factor`), and the tokenizer and `--seq-len` must fit the model.
 """
 
 import json
 from typing import Any
 
+from layers.moe import Capacity, Dropless
 from training.args import Args
-from zoo import RUNTIME_FIELDS, Config, preset
+from training.loss import AuxWeights
+from zoo import Config, Policy, preset
 
 DEFAULT_MODEL = "gpt-mini"
 
 
 def overrides(args: Args) -> dict[str, Any]:
     """`--override FIELD=VALUE` items as {field: value}; a value is JSON if it parses as JSON
-    (numbers, true/false, null), else a string."""
+    (numbers, true/false, null), else a string. The Config checks each value's type."""
     changes = {}
     for item in args.override:
         name, sep, value = item.partition("=")
         if not sep or name not in Config.__dataclass_fields__:
-            raise ValueError(f"--override {item!r} must be FIELD=VALUE with a zoo.Config field")
+            raise ValueError(
+                f"--override {item!r} must be FIELD=VALUE with a zoo.Config field; fields: "
+                f"{sorted(Config.__dataclass_fields__)}"
+            )
         try:
             changes[name] = json.loads(value)
         except json.JSONDecodeError:
@@ -29,47 +37,52 @@ def overrides(args: Args) -> dict[str, Any]:
     return changes
 
 
-def runtime_settings(args: Args) -> dict[str, Any]:
-    """The run-time flags as Config changes (`--attention` only when given: else the model's)."""
-    settings = {"dtype": args.dtype, "param_dtype": args.param_dtype, "remat": args.remat}
-    if args.attention:
-        settings["attention"] = args.attention
-    return settings
+def policy(args: Args) -> Policy:
+    """The run-time flags as a Policy."""
+    dispatch = Dropless() if args.moe_dispatch == "dropless" else Capacity(args.capacity_factor)
+    return Policy(
+        compute_dtype=args.dtype,
+        param_dtype=args.param_dtype,
+        remat=args.remat,
+        attention=args.attention,
+        moe_dispatch=dispatch,
+    )
+
+
+def aux_weights(args: Args) -> AuxWeights:
+    return AuxWeights(load_balancing=args.moe_balance_weight, z_loss=args.moe_z_weight)
 
 
 def preset_config(args: Args, n_vocab: int) -> Config:
-    """The `--model` preset with the run-time flags, then the `--override`s, applied."""
+    """The `--model` preset with the `--override`s applied."""
     name = args.model or DEFAULT_MODEL
-    config = preset(name, **{**runtime_settings(args), **overrides(args)})
+    try:
+        config = preset(name, **overrides(args))
+    except ValueError as error:
+        raise ValueError(f"--model {name!r} with --override: {error}") from error
     check_fits(config, args, n_vocab, name)
     return config
 
 
-def imported_changes(args: Args, config: Config) -> dict[str, Any]:
-    """The run-time changes (for `zoo.with_runtime`) that the flags ask of the model loaded from
-    `--init-from`, whose config is `config`. An `--override` of an architecture field is refused
-    unless it repeats the checkpoint's value; so is `--model`."""
+def check_imported(args: Args, config: Config) -> None:
+    """`--model` and architecture `--override`s cannot change the model `--init-from` loads."""
     if args.model is not None:
         raise ValueError(
             f"--model {args.model!r} and --init-from {args.init_from!r} both name the model: "
             "drop --model (the architecture comes from the checkpoint)"
         )
-    changes = runtime_settings(args)
     for name, value in overrides(args).items():
-        if name in RUNTIME_FIELDS:
-            changes[name] = value
-        elif value != getattr(config, name):
+        if value != getattr(config, name):
             raise ValueError(
                 f"--override {name}={value!r} contradicts --init-from {args.init_from!r}, whose "
                 f"{name} is {getattr(config, name)!r}: the architecture comes from the "
-                f"checkpoint; --override can change only the run-time fields {RUNTIME_FIELDS}"
+                "checkpoint (run-time settings are flags: --dtype, --remat, --attention, ...)"
             )
-    return changes
 
 
 def check_fits(config: Config, args: Args, n_vocab: int, name: str) -> None:
     """A token id the embedding table has no row for would be silently clipped by the lookup;
-    learned positions have no row past `max_seq_len`."""
+    no sequence may exceed `max_seq_len`."""
     if n_vocab > config.vocab_size:
         fix = (
             "use a tokenizer with fewer tokens"
@@ -80,7 +93,7 @@ def check_fits(config: Config, args: Args, n_vocab: int, name: str) -> None:
             f"the tokenizer has {n_vocab} tokens but model {name!r} has vocab_size="
             f"{config.vocab_size}: {fix}"
         )
-    if config.position == "learned" and args.seq_len > config.max_seq_len:
-        raise ValueError(
-            f"--seq-len {args.seq_len} exceeds model {name!r}'s max_seq_len={config.max_seq_len}"
-        )
+    try:
+        config.check_length(args.seq_len, f"--seq-len {args.seq_len}")
+    except ValueError as error:
+        raise ValueError(f"model {name!r}: {error}") from error

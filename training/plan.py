@@ -257,9 +257,7 @@ def plan(
         # Adam's two moments in the parameters' dtype and shardings, plus its int32 step count.
         adam_state=2 * held.total + 4,
         activations=activations,
-        kv_cache=kv_cache_bytes_per_device(
-            config, policy, rules, sizes, batch, context or seq
-        ),
+        kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
     )

@@ -6,6 +6,8 @@ position, the model config and the policy's parameter dtype); the last `keep` ar
 `<run>/tokenizer.tiktoken` or `<run>/tokenizer.source` names the tokenizer.
 """
 
+import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -206,3 +208,102 @@ def load_run(
     model = run_model(run_dir, placement=placement)
     spec = tokenizer or run_tokenizer_spec(run_dir)
     return model, None if spec is None else tokenizer_from_spec(spec)
+
+
+# --- ownership: one run per directory, one process at a time ----------------------------------
+
+RECORD = "run.json"
+LOCK = ".lock"
+# What a run's files belong to: replaced by --overwrite, never by a new run without it.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", RECORD, "tokenizer.tiktoken",
+             "tokenizer.source")  # fmt: skip
+
+
+class Lock:
+    """An advisory lock on a run directory (`flock` on `<run>/.lock`, which records the holder's
+    pid): released when closed or when the process ends, however it ends, so a lock is never
+    stale."""
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        self.path = run_dir / LOCK
+        self._file = self.path.open("a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise ValueError(
+                f"run directory {str(run_dir)!r} is in use by process {holder} (lock "
+                f"{self.path}); wait for it to finish or use another --out"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(str(os.getpid()))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()  # closing the file releases the flock
+
+    def __enter__(self) -> "Lock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def holds_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_FILES)
+
+
+def claim(run_dir: str | Path, *, resume: bool, overwrite: bool) -> Lock:
+    """Lock `run_dir` for this process. A new run into a directory that holds one is refused
+    unless `overwrite` (then the old run's files go); a resume needs the run's record."""
+    run_dir = Path(run_dir)
+    if resume:
+        if not (run_dir / RECORD).is_file():
+            raise ValueError(
+                f"--resume {str(run_dir)!r} is not a train.py run directory (no {RECORD}); "
+                "give the --out of an earlier run"
+            )
+        latest(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = Lock(run_dir)
+    if not resume and holds_run(run_dir):
+        if not overwrite:
+            lock.close()
+            raise ValueError(
+                f"--out {str(run_dir)!r} already holds a run; continue it with --resume "
+                f"{str(run_dir)!r}, choose another --out, or pass --overwrite to delete it"
+            )
+        for name in RUN_FILES:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    return lock
+
+
+def write_record(run_dir: str | Path, record: dict[str, Any]) -> None:
+    """What defines the run (settings, model config, tokenizer), written once when it starts."""
+    path = Path(run_dir) / RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.rename(path)
+
+
+def read_record(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is unreadable ({error}); the run cannot be resumed") from error
+
+
+def latest_step(run_dir: str | Path) -> int:
+    """The step of the run's latest checkpoint."""
+    path = latest(run_dir)
+    return int(_meta(path, run_dir)["step"])

@@ -53,6 +53,14 @@ def split_model(model: Transformer) -> tuple[Any, Any]:
     return eqx.partition(model, is_float_array_like)
 
 
+def abstract_batch(batch_size: int, seq_len: int, sharding=None) -> Batch:
+    """Shapes, dtypes (and sharding) of a training batch, as packing makes it: what the step is
+    compiled for before any data arrives."""
+    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
+    mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=sharding)
+    return Batch(inputs=ids, targets=ids, segment_ids=ids, loss_mask=mask)
+
+
 def micro_batches(batch: Batch, accum: int) -> Batch:
     """[batch, ...] arrays -> [accum, batch / accum, ...], micro-batch i holding rows i::accum."""
     if batch.inputs.shape[0] % accum:

@@ -96,7 +96,9 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, KVSlot | None]:
         """(output, router statistics or None, updated cache or None)."""
         with jax.named_scope("attention"):
-            y, cache = self.attn(self.attn_norm(x), mask, rope, kernel=policy.attention, cache=cache)
+            y, cache = self.attn(
+                self.attn_norm(x), mask, rope, kernel=policy.attention, cache=cache
+            )
             x = x + y
         stats = None
         with jax.named_scope("mlp"):

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 import jax.numpy as jnp
 
-from layers.kernels import AttentionKernel, Xla, kernel_named
+from layers.kernels import AttentionKernel, kernel_named
 from layers.moe import Capacity, Dispatch, Dropless
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -37,9 +37,9 @@ class Policy:
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: Remat = "none"
-    attention: AttentionKernel | str = Xla()
+    attention: AttentionKernel | str = "xla"
     scan_layers: bool = True
-    moe_dispatch: Dispatch | str = Dropless()
+    moe_dispatch: Dispatch | str = "dropless"
 
     def __post_init__(self):
         for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat)]:

@@ -67,7 +67,11 @@ class Transformer(eqx.Module):
             None
             if config.tie_embeddings
             else Linear(
-                config.d_model, config.vocab_size, axes=("embed", "vocab"), dtype=dtype, key=head_key
+                config.d_model,
+                config.vocab_size,
+                axes=("embed", "vocab"),
+                dtype=dtype,
+                key=head_key,
             )
         )
 
@@ -119,7 +123,9 @@ class Transformer(eqx.Module):
         """An empty KV cache for `batch` rows of up to `max_len` tokens, shaped like the layer
         storage, in the compute dtype unless `dtype` is given."""
         if batch < 1 or max_len < 1:
-            raise ValueError(f"a KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+            raise ValueError(
+                f"a KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}"
+            )
         self.config.check_length(max_len, "the KV cache")
         dtype = dtype or self.policy.compute
         layers = tuple(s.init_cache(batch, max_len, self.config, dtype) for s in self.stacks)

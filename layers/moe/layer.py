@@ -14,6 +14,7 @@ from layers.moe.router import Router, Scoring
 from layers.moe.stats import MoEStats, routing_stats
 
 Dispatch = Dropless | Capacity
+DROPLESS = Dropless()
 
 
 class MoE(eqx.Module):
@@ -65,7 +66,7 @@ class MoE(eqx.Module):
         )
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], *, dispatch: Dispatch = Dropless()
+        self, x: Float[Array, "batch seq embed"], *, dispatch: Dispatch = DROPLESS
     ) -> tuple[Float[Array, "batch seq embed"], MoEStats]:
         with jax.named_scope("router"):
             routing = self.router(x)

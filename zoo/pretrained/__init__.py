@@ -1,7 +1,7 @@
 """Pretrained checkpoints: HF safetensors directories and GGUF files in, HF directories out.
 
-`load_pretrained(path, dtype=..., mesh=..., rules=...)` (weights placed straight into their
-shardings when given a mesh and rules) and `save_pretrained(model, directory)`; the architectures
+`load_pretrained(path, policy=..., placement=...)` (weights placed straight into their
+shardings under a sharded placement) and `save_pretrained(model, directory)`; the architectures
 the zoo knows (GPT-2, Llama, Mixtral) are listed in `architectures.ARCHITECTURES`.
 """
 

@@ -9,8 +9,17 @@ from safetensors.numpy import save_file
 
 from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
-from zoo.pretrained.tensor_map import hf_names, leaf
+from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
 from zoo.transformer import Transformer
+
+
+def _layer_array(model: Transformer, layer: int | None, path: str) -> np.ndarray:
+    """Our array at `path` for one layer (or outside the layers), on the host."""
+    if layer is None:
+        return np.asarray(leaf(model, path))
+    target, index = layer_path(model, layer, path)
+    array = leaf(model, target)
+    return np.asarray(array if index is None else array[index])
 
 
 def save_pretrained(model: Transformer, directory: str | os.PathLike) -> None:
@@ -21,10 +30,8 @@ def save_pretrained(model: Transformer, directory: str | os.PathLike) -> None:
     arch = architecture_for(config)
     tensors: dict[str, np.ndarray] = {}
     for group in arch.tensors(config):
-        ours = [np.asarray(leaf(model, path)) for path in group.zoo]
-        layers = range(config.n_layers) if group.per_layer else [None]
-        for i in layers:
-            arrays = [a[i] for a in ours] if group.per_layer else ours
+        for i in range(config.n_layers) if group.per_layer else [None]:
+            arrays = [_layer_array(model, i, path) for path in group.zoo]
             for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
                 tensors[name] = np.ascontiguousarray(array)
     directory = os.fspath(directory)
@@ -32,4 +39,4 @@ def save_pretrained(model: Transformer, directory: str | os.PathLike) -> None:
     # transformers refuses safetensors files without the "format" metadata.
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config_to_hf(arch, config), f, indent=2)
+        json.dump(config_to_hf(arch, config, model.policy.param_dtype), f, indent=2)

@@ -1,8 +1,8 @@
 """Build the model's skeleton without allocating it (`eqx.filter_eval_shape`) and fill each leaf
-from a checkpoint, tensor by tensor: per-layer tensors are stacked into the scanned
-`[layers, ...]` arrays, and every array goes to its device through `place` (straight into its
-shard of a mesh when the caller gives sharding rules, so no device ever holds a whole weight it
-should only hold a shard of)."""
+from a checkpoint, tensor by tensor: per-layer tensors are stacked into the stacks' `[repeats,
+...]` arrays, and every array goes to its device through `place` (straight into its shard of a
+mesh under a sharded `Placement`, so no device ever holds a whole weight it should only hold a
+shard of)."""
 
 import re
 from typing import Protocol, runtime_checkable
@@ -10,12 +10,11 @@ from typing import Protocol, runtime_checkable
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import Mesh
-
-from shard import ShardingRules, param_shardings
+from shard import Placement
 from zoo.config import Config
+from zoo.policy import Policy
 from zoo.pretrained.architectures import Architecture
-from zoo.pretrained.tensor_map import TensorGroup, hf_names, leaf
+from zoo.pretrained.tensor_map import TensorGroup, hf_names, layer_path, leaf
 from zoo.transformer import Transformer
 
 
@@ -95,33 +94,38 @@ def load_weights(
     arch: Architecture,
     config: Config,
     *,
-    sharding: tuple[Mesh, ShardingRules] | None = None,
+    policy: Policy,
+    placement: Placement,
 ) -> Transformer:
-    """A Transformer of `config` whose every weight comes from `source`, each placed in its
-    sharding under `sharding = (mesh, rules)` (`shard.param_shardings`), else on the default
-    device."""
-    skeleton = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    """A Transformer of `config` under `policy` whose every weight comes from `source`, each
+    placed in its sharding under `placement` as it is read."""
+    skeleton = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
     # Checked before any tensor is read: a dim that does not divide by its mesh axes fails here.
-    shardings = None if sharding is None else param_shardings(skeleton, sharding[1], sharding[0])
+    shardings = placement.param_shardings(skeleton)
     if not any(name.startswith(arch.prefix) for name in source.names()):
         source = _Prefixed(source, arch.prefix)
     groups = arch.tensors_in(config, source.names())
     _check_tensor_names(source, arch, groups, config)
     paths, arrays = [], []
     for group in groups:
-        likes = [leaf(skeleton, path) for path in group.zoo]
-        if group.per_layer:
-            buffers = [np.empty(like.shape, like.dtype) for like in likes]
-            for i in range(config.n_layers):
-                for buffer, array in zip(buffers, _read_layer(source, group, i), strict=True):
-                    buffer[i] = array
-        else:
-            buffers = [np.asarray(a) for a in _read_layer(source, group, None)]
-        for path, like, buffer in zip(group.zoo, likes, buffers, strict=True):
+        # One group at a time (all layers of it), placed before the next is read: the host
+        # holds one group's tensors, never the whole checkpoint.
+        buffers: dict[str, np.ndarray] = {}
+        for i in range(config.n_layers) if group.per_layer else [None]:
+            for path, array in zip(group.zoo, _read_layer(source, group, i), strict=True):
+                target, index = (path, None) if i is None else layer_path(skeleton, i, path)
+                if index is None:
+                    buffers[target] = np.asarray(array)
+                else:
+                    like = leaf(skeleton, target)
+                    buffers.setdefault(target, np.empty(like.shape, like.dtype))[index] = array
+        for path, buffer in buffers.items():
+            like = leaf(skeleton, path)
             if buffer.shape != like.shape:
                 raise AssertionError(f"{arch.name} mapping gave {path} shape {buffer.shape}")
             paths.append(path)
-            arrays.append(place(buffer, like, None if shardings is None else leaf(shardings, path)))
+            sharding = None if shardings is None else leaf(shardings, path)
+            arrays.append(place(buffer, like, sharding))
         del buffers
     n_leaves = len(jax.tree.leaves(skeleton))
     if len(paths) != n_leaves:

@@ -34,9 +34,8 @@ def declared_dtype(hf: dict) -> str:
     return name
 
 
-def config_from_hf(hf: dict, *, dtype: str) -> tuple[Architecture, Config]:
-    """The architecture named in `hf["architectures"]` and its Config with params and compute in
-    `dtype`."""
+def config_from_hf(hf: dict) -> tuple[Architecture, Config]:
+    """The architecture named in `hf["architectures"]` and its Config."""
     names = hf.get("architectures") or []
     if len(names) != 1:
         raise ValueError(
@@ -48,9 +47,10 @@ def config_from_hf(hf: dict, *, dtype: str) -> tuple[Architecture, Config]:
         config = arch.config_from_hf(hf)
     except KeyError as e:
         raise ValueError(f"config.json of a {arch.name} lacks the field {e}") from e
-    return arch, config.replace(dtype=dtype, param_dtype=dtype)
+    return arch, config
 
 
-def config_to_hf(arch: Architecture, config: Config) -> dict:
-    """config.json for `config` in `arch`'s layout (loadable by transformers)."""
-    return {"architectures": [arch.name], "dtype": config.param_dtype} | arch.config_to_hf(config)
+def config_to_hf(arch: Architecture, config: Config, dtype: str) -> dict:
+    """config.json for `config` with weights in `dtype`, in `arch`'s layout (loadable by
+    transformers)."""
+    return {"architectures": [arch.name], "dtype": dtype} | arch.config_to_hf(config)

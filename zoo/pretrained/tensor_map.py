@@ -3,8 +3,9 @@ they come from, with the conversions both ways.
 
 A group is usually one leaf <-> one tensor (a transposed, reshaped nn.Linear weight), but may fuse
 several (GPT-2 keeps q, k and v in one `c_attn` tensor; Mixtral keeps each expert apart while we
-stack them). Per-layer groups name their tensors with `{i}`; their leaves live under `blocks.` and
-carry the stacked `[layers, ...]` axis, which the loader adds (conversions see one layer).
+stack them). Per-layer groups name their tensors with `{i}` and their leaves `blocks.<field>`, a
+field of the layer's Block (`layer_path` finds it in the model's stacks); conversions see one
+layer.
 """
 
 import dataclasses
@@ -79,5 +80,23 @@ def hf_names(group: TensorGroup, layer: int | None) -> list[str]:
 
 
 def leaf(model, path: str):
-    """The leaf of `model` at dotted `path`, e.g. "blocks.attn.q_proj.weight"."""
-    return functools.reduce(getattr, path.split("."), model)
+    """The leaf of `model` at dotted `path`, e.g. "stacks.0.blocks.0.attn.q_proj.weight" (a
+    number indexes a tuple)."""
+    return functools.reduce(
+        lambda node, part: node[int(part)] if part.isdigit() else getattr(node, part),
+        path.split("."),
+        model,
+    )
+
+
+def layer_path(model, layer: int, path: str) -> tuple[str, int | None]:
+    """Where a per-layer group's leaf `path` ("blocks.<field>...") of `layer` lives: the dotted
+    path of the array in the model's stacks and the index of the layer along its leading axis
+    (None for unrolled storage, whose arrays hold one layer each)."""
+    field = path.removeprefix("blocks.")
+    s, i = model.layer_location(layer)
+    stack = model.stacks[s]
+    if not stack.stacked:
+        return f"stacks.{s}.blocks.{i}.{field}", None
+    repeat, j = divmod(i, stack.period)
+    return f"stacks.{s}.blocks.{j}.{field}", repeat
