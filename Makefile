@@ -30,8 +30,10 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) train.py
 
+# The package layering (pyproject's import-linter contract) is part of the test.
 test: setup $(REF_VENV)/.installed
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports

@@ -2,6 +2,8 @@
 MQA when n_kv_heads == 1), optional QK-norm, rotary positions, a pluggable kernel and an optional
 KV cache."""
 
+from typing import Protocol, runtime_checkable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,10 +11,16 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from layers.kernels import AttentionKernel, AttentionMask
-from layers.kv_cache import KVSlot
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
+
+
+@runtime_checkable
+class CacheView(Protocol):
+    """One layer's view of a KV cache: writes this step's keys and values, then attends."""
+
+    def attend(self, q, k, v, mask: AttentionMask, kernel: AttentionKernel) -> tuple: ...
 
 
 class Attention(eqx.Module):
@@ -111,12 +119,14 @@ class Attention(eqx.Module):
         rope: tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]] | None = None,
         *,
         kernel: AttentionKernel,
-        cache: KVSlot | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVSlot | None]:
-        """(output, updated cache or None). With a `cache`, this step's keys and values are
-        written into it and attention runs over every cached slot (the mask hides the empty
-        ones)."""
+        cache: CacheView | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], CacheView | None]:
+        """(output, updated cache view or None). With a `cache` (a layer's view of a KV cache:
+        `layers.kv_cache.KVSlot` or `layers.paged_cache.PagedSlot`), this step's keys and values
+        are written into it and attention runs over everything it holds (the mask hides the
+        empty slots)."""
         q, k, v = self.project(x, rope)
-        if cache is not None:
-            cache, k, v = cache.update(k, v)
-        return self.o_proj(kernel(q, k, v, mask)), cache
+        if cache is None:
+            return self.o_proj(kernel(q, k, v, mask)), None
+        out, cache = cache.attend(q, k, v, mask, kernel)
+        return self.o_proj(out), cache

@@ -14,7 +14,14 @@ folds into the products' operand layouts.
 
 A layer's arrays may carry leading stacked dims (`[layers, ...]`), mirroring weights stacked for
 `lax.scan`; `KVSlot` then names which layer a block writes.
+
+The forward pass sees a cache through one protocol, which the paged cache (layers/paged_cache.py)
+shares: `append(valid, sliding_window=) -> Appended` (the bookkeeping, positions, mask and a
+per-layer `view`), the view's `attend(q, k, v, mask, kernel) -> (out, view)`, `with_layers`.
 """
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -57,17 +64,16 @@ class KVSlot(eqx.Module):
     layer: Int[Array, ""] | None
     slot: Int[Array, ""]
 
-    def update(
+    def attend(
         self,
+        q: Float[Array, "batch seq heads head_dim"],
         k: Float[Array, "batch seq kv_heads head_dim"],
         v: Float[Array, "batch seq kv_heads head_dim"],
-    ) -> tuple[
-        "KVSlot",
-        Float[Array, "batch kv_seq kv_heads head_dim"],
-        Float[Array, "batch kv_seq kv_heads head_dim"],
-    ]:
-        """Store this step's k, v at `slot`; return the slot and the layer's whole k, v in the
-        kernels' layout."""
+        mask: AttentionMask,
+        kernel: Callable,
+    ) -> tuple[Float[Array, "batch seq heads head_dim"], "KVSlot"]:
+        """Store this step's k, v at `slot`, then `kernel` over every slot of the layer (in the
+        kernels' `[batch, kv_seq, kv_heads, head_dim]` view)."""
         k = k.transpose(0, 2, 1, 3).astype(self.kv.k.dtype)
         v = v.transpose(0, 2, 3, 1).astype(self.kv.v.dtype)
         if self.layer is None:
@@ -80,8 +86,19 @@ class KVSlot(eqx.Module):
             new_v = jax.lax.dynamic_update_slice(self.kv.v, v[None], (i, 0, 0, 0, self.slot))
             layer_k = jax.lax.dynamic_index_in_dim(new_k, i, keepdims=False)
             layer_v = jax.lax.dynamic_index_in_dim(new_v, i, keepdims=False)
-        written = KVSlot(LayerKV(new_k, new_v), self.layer, self.slot)
-        return written, layer_k.transpose(0, 2, 1, 3), layer_v.transpose(0, 3, 1, 2)
+        out = kernel(q, layer_k.transpose(0, 2, 1, 3), layer_v.transpose(0, 3, 1, 2), mask)
+        return out, KVSlot(LayerKV(new_k, new_v), self.layer, self.slot)
+
+
+class Appended(NamedTuple):
+    """What `append` gives the forward pass: the cache with its bookkeeping advanced (layers
+    not yet written), the new tokens' positions, the attention mask from them to every slot,
+    and `view(layer_arrays, layer_index)`, the object each block writes and attends through."""
+
+    cache: Any
+    positions: Int[Array, "batch seq"]
+    mask: AttentionMask
+    view: Callable
 
 
 class KVCache(eqx.Module):
@@ -122,13 +139,15 @@ class KVCache(eqx.Module):
             slot=jnp.zeros((), jnp.int32),
         )
 
+    def with_layers(self, layers: PyTree[LayerKV]) -> "KVCache":
+        return KVCache(layers, self.positions, self.segment_ids, self.lengths, self.slot)
+
     def append(
-        self, valid: Int[Array, "batch seq"]
-    ) -> tuple["KVCache", Int[Array, "batch seq"], Int[Array, ""]]:
+        self, valid: Int[Array, "batch seq"], *, sliding_window: int | None = None
+    ) -> Appended:
         """Claim slots `[slot, slot + seq)` for `seq` new tokens per row, `valid` marking real
-        ones (0 = padding). Returns the cache with its bookkeeping advanced (the layers are
-        written by the blocks), the new tokens' positions (each row continues from its own
-        length) and the first claimed slot."""
+        ones (0 = padding): each real token continues its row from the row's own length, and
+        attends causally to everything its row holds."""
         valid = valid.astype(jnp.int32)
         positions = jnp.where(valid > 0, self.lengths[:, None] + jnp.cumsum(valid, 1) - 1, 0)
         start = self.slot
@@ -139,22 +158,13 @@ class KVCache(eqx.Module):
             lengths=self.lengths + valid.sum(axis=1),
             slot=start + valid.shape[1],
         )
-        return cache, positions, start
-
-    def mask(
-        self,
-        q_positions: Int[Array, "batch seq"],
-        q_segment_ids: Int[Array, "batch seq"],
-        *,
-        sliding_window: int | None = None,
-    ) -> AttentionMask:
-        """Causal attention from these queries to every slot; empty and padding slots (segment
-        0) are seen by no real query (segment 1)."""
-        return AttentionMask(
-            q_positions=q_positions,
-            kv_positions=self.positions,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=self.segment_ids,
+        # Empty and padding slots (segment 0) are seen by no real query (segment 1).
+        mask = AttentionMask(
+            q_positions=positions,
+            kv_positions=cache.positions,
+            q_segment_ids=valid,
+            kv_segment_ids=cache.segment_ids,
             causal=True,
             sliding_window=sliding_window,
         )
+        return Appended(cache, positions, mask, lambda kv, layer: KVSlot(kv, layer, start))

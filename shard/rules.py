@@ -36,6 +36,8 @@ LOGICAL_AXES = (
     "layers",
     "expert_batch",
     "capacity",
+    "pages",
+    "page_size",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 

@@ -11,8 +11,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from layers import MLP, Attention, LayerNorm, RMSNorm, SwiGLU
+from layers.attention import CacheView
 from layers.kernels import AttentionMask
-from layers.kv_cache import KVSlot
 from layers.moe import MoE, MoEStats
 from shard import constrain
 from zoo.config import Config
@@ -92,8 +92,8 @@ class Block(eqx.Module):
         rope: Rope | None,
         *,
         policy: Policy,
-        cache: KVSlot | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, KVSlot | None]:
+        cache: CacheView | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, CacheView | None]:
         """(output, router statistics or None, updated cache or None)."""
         with jax.named_scope("attention"):
             y, cache = self.attn(

@@ -5,6 +5,7 @@ from jaxtyping import Array, Float
 
 from layers.kv_cache import KVCache
 from layers.moe import MoEStats
+from layers.paged_cache import PagedKVCache
 
 
 class ModelOutput(eqx.Module):
@@ -15,4 +16,4 @@ class ModelOutput(eqx.Module):
 
     logits: Float[Array, "batch n vocab"]
     aux: MoEStats
-    cache: KVCache | None = None
+    cache: KVCache | PagedKVCache | None = None

@@ -13,15 +13,16 @@ Unrolled storage is a one-time conversion a caller asks for where per-layer arra
 measures it); nothing converts implicitly.
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from layers.kernels import AttentionMask
 from layers.kernels.flash.attention import RESIDUAL_NAMES as FLASH_RESIDUALS
-from layers.kv_cache import KVSlot, LayerKV
 from layers.moe import MoEStats
 from zoo.block import Block, Rope
 from zoo.config import Config
@@ -73,15 +74,11 @@ class Stack(eqx.Module):
         layers = tuple(self.layer(i) for i in range(self.n_layers))
         return Stack(layers, self.repeats, self.period, stacked=False)
 
-    def init_cache(
-        self, batch: int, max_len: int, config: Config, dtype: DTypeLike
-    ) -> tuple[LayerKV, ...]:
-        """Empty keys and values shaped like the storage: one `LayerKV` per period block with a
-        leading `[repeats]` axis, or one per layer."""
-        shape = (batch, config.n_kv_heads, max_len, config.head_dim, dtype)
-        if self.stacked:
-            return tuple(LayerKV.zeros(*shape, layers=(self.repeats,)) for _ in self.blocks)
-        return tuple(LayerKV.zeros(*shape) for _ in self.blocks)
+    def cache_like(self, make: Callable[..., PyTree]) -> tuple[PyTree, ...]:
+        """A cache's layer arrays shaped like the storage: `make(layers=(repeats,))` per period
+        block (stacked), or `make(layers=())` per layer (unrolled)."""
+        layers = (self.repeats,) if self.stacked else ()
+        return tuple(make(layers=layers) for _ in self.blocks)
 
     def __call__(
         self,
@@ -90,12 +87,13 @@ class Stack(eqx.Module):
         rope: Rope | None,
         *,
         policy: Policy,
-        cache: tuple[LayerKV, ...] | None = None,
-        slot: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, tuple[LayerKV, ...] | None]:
+        cache: tuple[PyTree, ...] | None = None,
+        view: Callable | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, tuple[PyTree, ...] | None]:
         """Every layer in order. Returns the output, the MoE layers' router statistics stacked on
-        a leading axis in layer order (None without MoE layers) and the cache with this call's
-        keys and values written at `slot` (None without a cache). Remat applies when there is
+        a leading axis in layer order (None without MoE layers) and the cache's layer arrays
+        (`cache`, shaped by `cache_like`) with this call's keys and values written through
+        `view(layer_arrays, layer_index)` (None without a cache). Remat applies when there is
         no cache (training); a cached call is inference."""
         remat = policy.remat != "none" and cache is None
 
@@ -105,9 +103,11 @@ class Stack(eqx.Module):
             def run(x, weights, kv, index):
                 new_kv, stats = [], []
                 for j, block in enumerate(eqx.combine(weights, static)):
-                    view = None if kv is None else KVSlot(kv[j], index, slot)
-                    x, layer_stats, view = block(x, mask, rope, policy=policy, cache=view)
-                    new_kv.append(None if view is None else view.kv)
+                    layer_view = None if kv is None else view(kv[j], index)
+                    x, layer_stats, layer_view = block(
+                        x, mask, rope, policy=policy, cache=layer_view
+                    )
+                    new_kv.append(None if layer_view is None else layer_view.kv)
                     stats += [] if layer_stats is None else [layer_stats]
                 return x, (None if kv is None else tuple(new_kv)), stats
 

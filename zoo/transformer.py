@@ -5,6 +5,8 @@ DeepSeek-MoE (Dai et al. 2024) are all configs of it.
 One forward serves training, prefill and decode: `forward(tokens, ..., cache=None)` takes an
 optional KV cache (`init_cache`) and returns it with this call's keys and values written."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from layers import Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm
 from layers.kernels import causal_mask
-from layers.kv_cache import KVCache
+from layers.kv_cache import KVCache, LayerKV
 from layers.moe import MoEStats
+from layers.paged_cache import PagedKVCache
 from layers.rotary import rotary_frequencies
 from shard import constrain
 from zoo.block import Block, Rope, make_norm
@@ -85,7 +88,10 @@ class Transformer(eqx.Module):
         if policy.param_dtype != self.policy.param_dtype:
             cast = lambda w: w.astype(policy.params) if eqx.is_inexact_array(w) else w  # noqa: E731
             model = jax.tree.map(cast, self)
-        return eqx.tree_at(lambda m: m.policy, model, policy)
+        # A static field: rebuilt from the same leaves (no copy) with the new policy set.
+        model = jax.tree.map(lambda leaf: leaf, model)
+        object.__setattr__(model, "policy", policy)
+        return model
 
     def unstacked(self) -> "Transformer":
         """The same model with one block per layer (a one-time copy of the layer weights: keep
@@ -127,9 +133,14 @@ class Transformer(eqx.Module):
                 f"a KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}"
             )
         self.config.check_length(max_len, "the KV cache")
-        dtype = dtype or self.policy.compute
-        layers = tuple(s.init_cache(batch, max_len, self.config, dtype) for s in self.stacks)
-        return KVCache.empty(layers, batch, max_len)
+        c, dtype = self.config, dtype or self.policy.compute
+        make = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
+        return KVCache.empty(self.cache_layers(make), batch, max_len)
+
+    def cache_layers(self, make) -> tuple:
+        """A cache's per-layer arrays shaped like the layer storage, `make(layers=...)` each
+        (`Stack.cache_like`): how a KV cache or a page pool mirrors the model."""
+        return tuple(stack.cache_like(make) for stack in self.stacks)
 
     def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and LM head (the tied embedding matrix when `tie_embeddings`)."""
@@ -154,7 +165,7 @@ class Transformer(eqx.Module):
         *,
         positions: Int[Array, "batch seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         logits_at: Int[Array, "batch n"] | None = None,
     ) -> ModelOutput:
         """Logits, the MoE layers' router statistics and the updated cache.
@@ -177,7 +188,6 @@ class Transformer(eqx.Module):
                     else jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
                 )
             mask = causal_mask(positions, segment_ids, sliding_window=c.sliding_window)
-            slot = None
         else:
             if positions is not None:
                 raise ValueError(
@@ -185,8 +195,8 @@ class Transformer(eqx.Module):
                     "its cached length); do not pass positions"
                 )
             valid = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-            cache, positions, slot = cache.append(valid)
-            mask = cache.mask(positions, valid.astype(jnp.int32), sliding_window=c.sliding_window)
+            step = cache.append(valid, sliding_window=c.sliding_window)
+            cache, positions, mask = step.cache, step.positions, step.mask
         x = self.embed(tokens, dtype=self.policy.compute)
         if self.positions is not None:
             x = x + self.positions(positions, dtype=self.policy.compute)
@@ -194,12 +204,12 @@ class Transformer(eqx.Module):
         rope = self.rope(positions)
         stats, layer_caches = [], []
         for s, stack in enumerate(self.stacks):
-            kv = None if cache is None else cache.layers[s]
-            x, stack_stats, kv = stack(x, mask, rope, policy=self.policy, cache=kv, slot=slot)
+            kv, view = (None, None) if cache is None else (cache.layers[s], step.view)
+            x, stack_stats, kv = stack(x, mask, rope, policy=self.policy, cache=kv, view=view)
             stats += [] if stack_stats is None else [stack_stats]
             layer_caches.append(kv)
         if cache is not None:
-            cache = eqx.tree_at(lambda k: k.layers, cache, tuple(layer_caches))
+            cache = cache.with_layers(tuple(layer_caches))
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         aux = (

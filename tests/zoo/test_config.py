@@ -1,5 +1,7 @@
 """Config checks, presets and their parameter counts."""
 
+import json
+
 import pytest
 
 import zoo
@@ -41,9 +43,12 @@ def base(**changes):
         ({"position": "learned", "head_dim": 16}, "d_model"),
         ({"norm": "batchnorm"}, "norm"),
         ({"position": "alibi"}, "position"),
-        ({"attention": "fast"}, "attention"),
         ({"mlp": "relu"}, "mlp"),
-        ({"dtype": "int8"}, "dtype"),
+        ({"n_layers": "two"}, "n_layers"),
+        ({"n_layers": 2.0}, "n_layers"),
+        ({"tie_embeddings": 1}, "tie_embeddings"),
+        ({"norm_eps": "1e-5"}, "norm_eps"),
+        ({"max_seq_len": True}, "max_seq_len"),
         ({"n_layers": 0}, "n_layers"),
         ({"head_dim": 7}, "head_dim"),
         ({"sliding_window": 0}, "sliding_window"),
@@ -67,3 +72,32 @@ def test_config_is_hashable_and_frozen():
     assert hash(config) == hash(base())
     with pytest.raises(AttributeError):
         config.d_model = 8
+
+
+def test_json_round_trip():
+    config = zoo.preset("llama3-8b")  # rope scaling: a nested dataclass
+    assert Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n_layers": "two"}, "Config.n_layers must be int, got 'two'"),
+        ({"dtype": "float32"}, "unknown Config fields \\['dtype'\\]"),
+        ({"rope_scaling": {"factor": 2.0, "bogus": 1}}, "rope_scaling"),
+    ],
+)
+def test_json_errors_name_the_field_and_the_source(fields, message):
+    good = base().to_dict()
+    with pytest.raises(ValueError, match=f"my.json: .*{message}"):
+        Config.from_dict(good | fields, source="my.json")
+
+
+def test_check_length_refuses_long_sequences_for_every_position_kind():
+    for position in ("rope", "learned"):
+        config = base(position=position)
+        config.check_length(16, "a prompt")
+        with pytest.raises(
+            ValueError, match=r"a prompt \(17 tokens\) exceeds Config.max_seq_len=16"
+        ):
+            config.check_length(17, "a prompt")

@@ -171,8 +171,9 @@ def test_base_model_files_without_prefix_load(reference, tmp_path):
     )
 
 
-def test_dtype_sets_params_and_compute(reference):
-    model = zoo.load_pretrained(reference / "llama-gqa-tied", dtype=jnp.bfloat16)
+def test_policy_sets_params_and_compute(reference):
+    policy = zoo.Policy.of_dtype("bfloat16")
+    model = zoo.load_pretrained(reference / "llama-gqa-tied", policy=policy)
     params = jax.tree.leaves(eqx.filter(model, eqx.is_array))
     assert {p.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
     assert model(jnp.asarray(TOKENS)).dtype == jnp.bfloat16

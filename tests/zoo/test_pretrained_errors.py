@@ -106,8 +106,12 @@ def test_pickle_checkpoints_are_refused(checkpoint):
 
 
 def test_unsupported_dtype(checkpoint):
-    with pytest.raises(ValueError, match="dtype='int8' is not supported"):
-        zoo.load_pretrained(checkpoint, dtype=np.int8)
+    with pytest.raises(ValueError, match=r"Policy\.param_dtype='int8' is unknown"):
+        zoo.load_pretrained(checkpoint, policy=zoo.Policy(param_dtype="int8"))
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(config | {"dtype": "int8"}))
+    with pytest.raises(ValueError, match=r"config\.json dtype='int8' is not supported"):
+        zoo.load_pretrained(checkpoint)
 
 
 def test_config_without_an_hf_architecture_cannot_be_saved(tmp_path):
@@ -206,3 +210,46 @@ def test_mixtral_expert_count_is_checked_against_config(mixtral):
     # Expert 3 of each layer is more than a 3-expert config.json has.
     with pytest.raises(ValueError, match=r"has 6 tensor.*does not: .*experts\.3\.w1\.weight"):
         zoo.load_pretrained(mixtral)
+
+
+def _files(path):
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_save_pretrained_refuses_a_non_empty_directory(checkpoint):
+    (checkpoint / "tokenizer.json").write_text("{}")  # a foreign tokenizer
+    before = _files(checkpoint)
+    with pytest.raises(ValueError, match="is not empty; .* overwrite=True"):
+        zoo.save_pretrained(random_model(CONFIG, 1), checkpoint)
+    assert _files(checkpoint) == before
+
+
+def test_overwrite_leaves_no_stale_index_or_tokenizer(checkpoint):
+    # An old sharded layout: its index would win over a new model.safetensors on load.
+    tensors = load_file(checkpoint / "model.safetensors")
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[::2]}, checkpoint / "model-00001-of-00002.safetensors")
+    save_file({n: tensors[n] for n in names[1::2]}, checkpoint / "model-00002-of-00002.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    index = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    (checkpoint / "tokenizer.json").write_text("{}")
+    (checkpoint / "notes.txt").write_text("mine")
+    new = random_model(CONFIG, 1)
+    zoo.save_pretrained(new, checkpoint, overwrite=True)
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "config.json", "model.safetensors", "notes.txt"
+    ]  # fmt: skip
+    loaded = zoo.load_pretrained(checkpoint)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(new), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_index_naming_a_shard_outside_the_directory_is_refused(checkpoint, tmp_path):
+    tensors = load_file(checkpoint / "model.safetensors")
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    (checkpoint / "model.safetensors").unlink()
+    index = {"weight_map": {name: "../x.safetensors" for name in tensors}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="'../x.safetensors', which is not a file of that"):
+        zoo.load_pretrained(checkpoint)

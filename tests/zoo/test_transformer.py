@@ -1,4 +1,5 @@
-"""The assembled Transformer: shapes, parameter counts, scan == unrolled, compile size, errors."""
+"""The assembled Transformer: shapes, parameter counts, scan == loop == unrolled storage, one
+stack type for dense and interleaved MoE models, compile size, errors."""
 
 import equinox as eqx
 import jax
@@ -34,40 +35,108 @@ def test_forward_shape_and_dtype(name):
 
 
 def test_bfloat16_compute_with_float32_weights():
-    config = zoo.preset("tiny-llama", dtype="bfloat16")
-    model = zoo.Transformer(config, key=jax.random.key(0))
+    policy = zoo.Policy(compute_dtype="bfloat16")
+    model = zoo.Transformer(zoo.preset("tiny-llama"), policy=policy, key=jax.random.key(0))
     assert model.embed.weight.dtype == jnp.float32
     assert model(jnp.zeros((1, 4), jnp.int32)).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("name", TINY)
+# Dense models, and MoE models whose stacks differ: one stack of MoE layers (tiny-moe), a
+# leading dense stack then MoE (tiny-deepseek-moe), and dense/MoE layers alternating in one stack.
+STACKINGS = [
+    ("tiny-gpt2", {}),
+    ("tiny-llama", {}),
+    ("tiny-moe", {}),
+    ("tiny-deepseek-moe", {}),
+    ("tiny-moe", {"n_layers": 5, "first_dense_layers": 1, "moe_every": 2}),
+]
+
+
+@pytest.mark.parametrize("name, changes", STACKINGS)
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
-def test_scan_equals_unrolled_loop(name, remat):
-    config = zoo.preset(name, n_layers=3, remat=remat)
-    scanned = zoo.Transformer(config, key=jax.random.key(0))
-    unrolled = zoo.Transformer(config.replace(scan_layers=False), key=jax.random.key(0))
+def test_scan_equals_loop_equals_unrolled_storage(name, changes, remat):
+    config = zoo.preset(name, **{"n_layers": 3, **changes})
+    policy = zoo.Policy(remat=remat)
+    scanned = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
+    looped = scanned.with_policy(scan_layers=False)
+    unrolled = scanned.unstacked()
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), rtol=1e-5, atol=1e-5)
+    out = scanned.forward(tokens)
+    for other in (looped, unrolled):
+        other_out = other.forward(tokens)
+        np.testing.assert_allclose(out.logits, other_out.logits, rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(out.aux), jax.tree.leaves(other_out.aux), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     def loss(model):
         return jnp.mean(model(tokens) ** 2)
 
     g_scan = jax.tree.leaves(eqx.filter_grad(loss)(scanned))
-    g_loop = jax.tree.leaves(eqx.filter_grad(loss)(unrolled))
+    g_loop = jax.tree.leaves(eqx.filter_grad(loss)(looped))
     for a, b in zip(g_scan, g_loop, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name, changes", STACKINGS)
+def test_layers_are_the_configs_layers_in_order(name, changes):
+    config = zoo.preset(name, **{"n_layers": 3, **changes})
+    model = zoo.Transformer(config, key=jax.random.key(0))
+    moe_layers = tuple(i for i in range(config.n_layers) if hasattr(model.layer(i).mlp, "router"))
+    assert moe_layers == config.moe_layers
+    assert model.forward(jnp.zeros((1, 4), jnp.int32)).aux.z_loss.shape == (len(moe_layers),)
+    unrolled = model.unstacked()
+    for i in range(config.n_layers):
+        for a, b in zip(
+            jax.tree.leaves(model.layer(i)), jax.tree.leaves(unrolled.layer(i)), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name, changes", STACKINGS)
+def test_cached_prefill_and_decode_equal_the_full_forward(name, changes):
+    config = zoo.preset(name, **{"n_layers": 3, **changes})
+    model = zoo.Transformer(config, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)
+    full = model(tokens)
+    for storage in (model, model.unstacked()):
+        out = storage.forward(tokens[:, :6], cache=storage.init_cache(2, 12))
+        np.testing.assert_allclose(out.logits, full[:, :6], rtol=1e-5, atol=1e-5)
+        cache = out.cache
+        for t in range(6, 9):
+            step = storage.forward(tokens[:, t : t + 1], cache=cache)
+            np.testing.assert_allclose(step.logits[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+            cache = step.cache
+        assert int(cache.slot) == 9 and cache.lengths.tolist() == [9, 9]
+
+
+def test_logits_at_picks_positions():
+    model = zoo.Transformer(zoo.preset("tiny-llama"), key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 256)
+    picked = model.forward(tokens, logits_at=jnp.array([[6], [2]])).logits
+    full = model(tokens)
+    np.testing.assert_allclose(picked[:, 0], full[jnp.arange(2), jnp.array([6, 2])], rtol=1e-6)
+
+
+def test_a_cache_numbers_its_own_positions():
+    model = zoo.Transformer(zoo.preset("tiny-llama"), key=jax.random.key(0))
+    cache = model.init_cache(1, 8)
+    with pytest.raises(ValueError, match="do not pass positions"):
+        model.forward(jnp.zeros((1, 2), jnp.int32), positions=jnp.zeros((1, 2), jnp.int32),
+                      cache=cache)  # fmt: skip
+
+
 def hlo_size(n_layers: int) -> int:
-    model = zoo.Transformer(zoo.preset("tiny-llama", n_layers=n_layers), key=jax.random.key(0))
+    config = zoo.preset("tiny-moe", n_layers=n_layers, first_dense_layers=1, moe_every=2)
+    model = zoo.Transformer(config, key=jax.random.key(0))
     tokens = jnp.zeros((1, 8), jnp.int32)
     return len(eqx.filter_jit(lambda m, t: m(t)).lower(model, tokens).as_text())
 
 
 def test_program_size_does_not_grow_with_depth():
-    # Compile time follows program size; a scanned stack keeps one copy of the block.
-    two, eight = hlo_size(2), hlo_size(8)
-    assert abs(eight - two) / two < 0.02
+    # Compile time follows program size; a scanned stack keeps one copy of each period's block,
+    # here a leading dense layer then (dense, MoE) periods, repeated 2 or 6 times.
+    five, thirteen = hlo_size(5), hlo_size(13)
+    assert abs(thirteen - five) / five < 0.02
 
 
 def test_positions_restart_per_segment():
@@ -97,10 +166,14 @@ def test_sliding_window_limits_context():
     assert not np.allclose(model(tokens)[:, 2], model(changed)[:, 2])
 
 
-def test_learned_positions_reject_long_sequences():
-    model = zoo.Transformer(zoo.preset("tiny-gpt2"), key=jax.random.key(0))
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model(jnp.zeros((1, 129), jnp.int32))
+@pytest.mark.parametrize("name", TINY)
+def test_sequences_beyond_max_seq_len_are_refused(name):
+    # Learned positions have no row past max_seq_len; rotary ones were not trained past it.
+    model = zoo.Transformer(zoo.preset(name, max_seq_len=32), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        model(jnp.zeros((1, 33), jnp.int32))
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        model.init_cache(1, 33)
 
 
 def test_tokens_must_be_integers_of_rank_two():
@@ -122,8 +195,9 @@ DOTS_FORWARD_KERNELS = 1 if jax.__version_info__ >= (0, 12) else 2
 def test_dots_remat_keeps_flash_residuals(remat, forward_kernels):
     # "dots" saves flash attention's output and log-sum-exp, so the backward pass reuses them
     # instead of re-running the forward kernel as "full" remat does; gradients are unchanged.
-    config = zoo.preset("tiny-llama", n_layers=2, attention="flash", remat=remat)
-    model = zoo.Transformer(config, key=jax.random.key(0))
+    config = zoo.preset("tiny-llama", n_layers=2)
+    policy = zoo.Policy(attention="flash", remat=remat)
+    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 64), 0, 256)
 
     def loss(model):
@@ -131,6 +205,6 @@ def test_dots_remat_keeps_flash_residuals(remat, forward_kernels):
 
     grad = eqx.filter_grad(loss)
     assert str(eqx.filter_make_jaxpr(grad)(model)[0]).count("name=flash_forward") == forward_kernels
-    reference = zoo.Transformer(config.replace(remat="none"), key=jax.random.key(0))
+    reference = model.with_policy(remat="none")
     for a, b in zip(jax.tree.leaves(grad(model)), jax.tree.leaves(grad(reference)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 
 from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
+from zoo.pretrained.safetensors import INDEX
 from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
 from zoo.transformer import Transformer
 
@@ -22,19 +23,44 @@ def _layer_array(model: Transformer, layer: int | None, path: str) -> np.ndarray
     return np.asarray(array if index is None else array[index])
 
 
-def save_pretrained(model: Transformer, directory: str | os.PathLike) -> None:
+# The files of an HF model directory: what `overwrite` replaces, so that nothing of the old model
+# (a stale shard index would win on load, a foreign tokenizer would decode garbage) survives.
+HF_FILES = ("config.json", "generation_config.json", INDEX, "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+            "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")  # fmt: skip
+
+
+def _clear(directory: str, overwrite: bool) -> None:
+    """Refuse a non-empty directory unless `overwrite`; then remove its HF model files."""
+    if not os.path.isdir(directory) or not os.listdir(directory):
+        return
+    if not overwrite:
+        raise ValueError(
+            f"save_pretrained: {directory!r} is not empty; choose an empty or new directory, or "
+            "pass overwrite=True to replace the model files in it"
+        )
+    for name in os.listdir(directory):
+        if name in HF_FILES or name.endswith(".safetensors"):
+            os.remove(os.path.join(directory, name))
+
+
+def save_pretrained(
+    model: Transformer, directory: str | os.PathLike, *, overwrite: bool = False
+) -> None:
     """Write `model` in the HF layout of the architecture that holds its config (GPT-2, Llama or
     Mixtral), weights in their own dtype. Gathers the weights on the host (one copy of the
-    model)."""
+    model). A non-empty `directory` is refused unless `overwrite`, which first removes every
+    HF model file there (weights, shard index, config, tokenizer)."""
     config = model.config
     arch = architecture_for(config)
+    directory = os.fspath(directory)
+    _clear(directory, overwrite)
     tensors: dict[str, np.ndarray] = {}
     for group in arch.tensors(config):
         for i in range(config.n_layers) if group.per_layer else [None]:
             arrays = [_layer_array(model, i, path) for path in group.zoo]
             for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
                 tensors[name] = np.ascontiguousarray(array)
-    directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     # transformers refuses safetensors files without the "format" metadata.
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})

@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 import equinox as eqx
 import jax
 import numpy as np
+
 from shard import Placement
 from zoo.config import Config
 from zoo.policy import Policy

@@ -36,7 +36,13 @@ class SafetensorsSource:
                 "(never pickled .bin/.pt files): convert them with transformers' save_pretrained"
             )
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        root = os.path.realpath(directory)
         for name in files:
+            if os.path.dirname(os.path.realpath(os.path.join(root, name))) != root:
+                raise ValueError(
+                    f"{INDEX} in {directory!r} lists the shard {name!r}, which is not a file of "
+                    "that directory; a checkpoint's shards must sit beside its index"
+                )
             if not os.path.isfile(os.path.join(directory, name)):
                 raise ValueError(f"{INDEX} lists the shard {name}, which is not in {directory!r}")
         self._files = {name: _open(os.path.join(directory, name)) for name in files}

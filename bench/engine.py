@@ -1,0 +1,157 @@
+"""The serving engine on the real SmolLM2-135M-Instruct weights (GGUF, float32), side by side in
+one run:
+
+- latency of one `infer.generate` call (8 new tokens) on a prompt length it has never seen,
+  after one warm-up call on another length, beside HF transformers' `generate` on the same
+  weights and lengths (bench/hf_engine.py in the reference venv);
+- throughput of 24 mixed requests (prompts of 4-160 tokens, 4-48 new tokens) through one
+  `infer.Engine` (continuous batching, 8 rows) beside static batches of 8 through `generate`
+  (each batch waits for its longest request), with every request's greedy tokens checked
+  against the request run alone;
+- KV-cache bytes the engine's pages held at most, beside a contiguous `8 x max_len` cache;
+- prefix reuse: 8 requests sharing a 128-token system prompt, prompt tokens computed with and
+  without sharing.
+
+    python -m bench engine
+"""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import infer
+import zoo
+from bench.harness import Ceilings, Table
+from examples.chat import smollm2_gguf
+from infer.engine import Engine
+
+NEW_TOKENS = 8
+WARMUP_LEN, UNSEEN = 37, (23, 61, 118)
+ROWS, MAX_LEN = 8, 256
+REF_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ref" / "bin" / "python"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def hf_latency(gguf: Path) -> list[float] | None:
+    python = os.environ.get("ZOO_REF_PYTHON") or str(REF_PYTHON)
+    if not Path(python).exists():
+        return None
+    job = {"gguf": str(gguf), "warmup_len": WARMUP_LEN, "lengths": list(UNSEEN),
+           "new_tokens": NEW_TOKENS}  # fmt: skip
+    out = subprocess.run(
+        [python, str(Path(__file__).with_name("hf_engine.py")), json.dumps(job)],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"bench/hf_engine.py failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["latency_s"]
+
+
+def latency(model, table: Table, hf: list[float] | None) -> None:
+    def call(n):
+        start = time.perf_counter()
+        infer.generate(model, [prompt(n, n)], max_new_tokens=NEW_TOKENS, sampler=infer.Greedy(),
+                       key=jax.random.key(0))  # fmt: skip
+        return time.perf_counter() - start
+
+    call(WARMUP_LEN)
+    for i, n in enumerate(UNSEEN):
+        ours = call(n)
+        row = {"what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new"}
+        row |= {"ours": f"{ours * 1e3:.0f} ms"}
+        if hf is not None:
+            row |= {"peer": f"{hf[i] * 1e3:.0f} ms (HF generate)", "ratio": f"{hf[i] / ours:.2f}x"}
+        table.add(row)
+
+
+def mixed_requests() -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(7)
+    return [(prompt(int(rng.integers(4, 161)), s), int(rng.integers(4, 49))) for s in range(24)]
+
+
+def throughput(model, table: Table) -> None:
+    cases = mixed_requests()
+    engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN, prefix_sharing=False)
+    start = time.perf_counter()
+    requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+    engine.run()
+    engine_s = time.perf_counter() - start
+    generated = sum(len(r.tokens) for r in requests)
+
+    static_tokens, start = [], time.perf_counter()
+    for first in range(0, len(cases), ROWS):
+        batch = cases[first : first + ROWS]
+        out = infer.generate(
+            model, [p for p, _ in batch], max_new_tokens=max(n for _, n in batch),
+            sampler=infer.Greedy(), key=jax.random.key(0), max_len=MAX_LEN,
+        )  # fmt: skip
+        static_tokens += [tokens[:n] for tokens, (_, n) in zip(out, batch, strict=True)]
+    static_s = time.perf_counter() - start
+
+    alone = Engine(model, max_batch=1, max_len=MAX_LEN, prefix_sharing=False)
+    same = 0
+    for (p, n), request in zip(cases, requests, strict=True):
+        single = alone.submit(p, max_new_tokens=n)
+        alone.run()
+        same += single.tokens == request.tokens
+    table.add({
+        "what": f"{len(cases)} mixed requests (prompts 4-160, 4-48 new), {ROWS} rows",
+        "ours": f"{generated / engine_s:.1f} tok/s (engine, continuous batching)",
+        "peer": f"{generated / static_s:.1f} tok/s (static batches of {ROWS}, generate)",
+        "ratio": f"{static_s / engine_s:.2f}x",
+        "note": f"same greedy tokens as alone: {same}/{len(cases)}; "
+        f"static batches agree: {static_tokens == [r.tokens for r in requests]}",
+    })  # fmt: skip
+    table.add({
+        "what": "KV cache held (engine's peak pages vs a contiguous cache)",
+        "ours": f"{engine.peak_pages * engine._page_bytes() / 2**20:.1f} MiB",
+        "peer": f"{engine.contiguous_kv_bytes() / 2**20:.1f} MiB ({ROWS} x {MAX_LEN} slots)",
+        "ratio": f"{engine.contiguous_kv_bytes() / (engine.peak_pages * engine._page_bytes()):.2f}x",
+    })  # fmt: skip
+
+
+def prefix_reuse(model, table: Table) -> None:
+    system = prompt(128, 99)
+    questions = [prompt(12, 100 + i) for i in range(8)]
+    results = {}
+    for sharing in (True, False):
+        engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN, prefix_sharing=sharing)
+        start = time.perf_counter()
+        first = engine.submit(system + questions[0], max_new_tokens=8)
+        engine.run()  # the system prompt is in the cache before the others arrive
+        rest = [engine.submit(system + q, max_new_tokens=8) for q in questions[1:]]
+        engine.run()
+        results[sharing] = (engine.prefill_tokens, time.perf_counter() - start,
+                            [r.tokens for r in [first, *rest]])  # fmt: skip
+    (shared, shared_s, a), (alone, alone_s, b) = results[True], results[False]
+    table.add({
+        "what": "8 requests sharing a 128-token system prompt",
+        "ours": f"{shared} prompt tokens computed, {shared_s:.1f} s (pages shared)",
+        "peer": f"{alone} prompt tokens computed, {alone_s:.1f} s (no sharing)",
+        "ratio": f"{alone_s / shared_s:.2f}x",
+        "note": f"same tokens: {a == b}",
+    })  # fmt: skip
+
+
+def run(ceilings: Ceilings) -> Table:
+    gguf = smollm2_gguf()
+    # Unrolled layers: the one-time conversion a CPU caller makes for decode (bench/decode.py).
+    model = zoo.load_pretrained(gguf).unstacked()
+    table = Table(
+        "engine",
+        "Serving engine on SmolLM2-135M-Instruct (float32)",
+        [f"Engine: {ROWS} rows, max_len {MAX_LEN}, pages of 16, prefill chunks of 64; "
+         "HF transformers' generate in the reference venv on the same GGUF weights."],
+    )  # fmt: skip
+    latency(model, table, hf_latency(gguf))
+    throughput(model, table)
+    prefix_reuse(model, table)
+    return table

@@ -1,0 +1,165 @@
+"""The paged KV cache: every layer's keys and values in a pool of fixed-size pages shared by all
+rows, and a page table per row (vLLM's PagedAttention, Kwon et al. 2023), so memory follows the
+tokens actually held rather than `batch x max_len`. The pool layout is
+layers/kernels/paged/pages.py's: `[kv_heads, pages, page_size, head_dim]` per layer (with leading
+stacked dims when the model's layers are stacked).
+
+The model's forward takes it like the contiguous cache (layers/kv_cache.py's protocol): `append`
+numbers the new tokens from each row's length; each layer's `PagedSlot` scatters the new keys and
+values into the row's pages, then attends. A decode step (one query per row) runs the
+`decode_kernel` over the pages when one is given (the Pallas kernel on GPU); otherwise, and for
+prefill chunks, the row's pages are gathered into a contiguous view and the model's own kernel
+(naive, xla or flash) runs on it, so every kernel serves every prompt length.
+
+The page table and the lengths are host-managed (infer/engine.py allocates and frees pages): they
+are arguments of each call, so new tables never recompile anything.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Bool, Float, Int, PyTree
+
+from layers.kernels import AttentionMask
+from layers.kernels.paged import PallasDecodeKernel, paged_attention
+from layers.kv_cache import Appended
+
+POOL_AXES = ("kv_heads", "pages", "page_size", "head_dim")
+
+
+class LayerPages(eqx.Module):
+    """One layer's key and value pools (leading `layers` dims when stacked)."""
+
+    k: Float[Array, "*layers kv_heads pages page_size head_dim"]
+    v: Float[Array, "*layers kv_heads pages page_size head_dim"]
+
+    @staticmethod
+    def zeros(
+        n_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: DTypeLike, *, layers=()
+    ) -> "LayerPages":
+        shape = (*tuple(layers), kv_heads, n_pages, page_size, head_dim)
+        return LayerPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"k": POOL_AXES, "v": POOL_AXES}
+
+
+class PagedSlot(eqx.Module):
+    """One layer's view for one call: its pools (`pages`, with `layer` its index when stacked),
+    the rows' page tables and lengths (after this call's tokens), and the new tokens' positions
+    and validity."""
+
+    pages: LayerPages
+    layer: Int[Array, ""] | None
+    page_table: Int[Array, "batch row_pages"]
+    lengths: Int[Array, " batch"]
+    positions: Int[Array, "batch seq"]
+    valid: Bool[Array, "batch seq"]
+    sliding_window: int | None = eqx.field(static=True)
+    decode_kernel: PallasDecodeKernel | None = eqx.field(static=True)
+
+    @property
+    def kv(self) -> LayerPages:
+        return self.pages
+
+    def _write(self, pool, new):
+        """Scatter `new` [batch, seq, kv_heads, head_dim] into `pool` at the tokens' pages and
+        offsets; padding and positions past a row's table write nothing (mode="drop")."""
+        page_size, n_pages = pool.shape[-2], pool.shape[-3]
+        row_pages = self.page_table.shape[1]
+        slot = self.positions // page_size
+        keep = self.valid & (self.positions >= 0) & (slot < row_pages)
+        page = jnp.take_along_axis(self.page_table, jnp.clip(slot, 0, row_pages - 1), axis=1)
+        page = jnp.where(keep, page, n_pages)  # out of bounds: dropped
+        offset = self.positions % page_size
+        new = new.astype(pool.dtype)
+        if self.layer is None:  # pool[:, page, offset] is [kv_heads, batch, seq, head_dim]
+            return pool.at[:, page, offset].set(jnp.transpose(new, (2, 0, 1, 3)), mode="drop")
+        # With the layer index apart from page/offset, NumPy indexing puts [batch, seq] first.
+        return pool.at[self.layer, :, page, offset].set(new, mode="drop")
+
+    def _contiguous(self, pool) -> Float[Array, "batch kv_seq kv_heads head_dim"]:
+        """The rows' pages as one `[batch, row_pages * page_size, kv_heads, head_dim]` view."""
+        if self.layer is None:
+            pages = pool[:, self.page_table]  # [kv_heads, batch, row_pages, page_size, d]
+            pages = jnp.moveaxis(pages, 0, 3)
+        else:
+            pages = pool[self.layer, :, self.page_table]  # [batch, row_pages, kv, page_size, d]
+            pages = jnp.swapaxes(pages, 2, 3)
+        b, p, page_size, kv, d = pages.shape
+        return pages.reshape(b, p * page_size, kv, d)
+
+    def attend(
+        self,
+        q: Float[Array, "batch seq heads head_dim"],
+        k: Float[Array, "batch seq kv_heads head_dim"],
+        v: Float[Array, "batch seq kv_heads head_dim"],
+        mask: AttentionMask,
+        kernel,
+    ) -> tuple[Float[Array, "batch seq heads head_dim"], "PagedSlot"]:
+        pages = LayerPages(self._write(self.pages.k, k), self._write(self.pages.v, v))
+        view = eqx.tree_at(lambda s: s.pages, self, pages)
+        if self.decode_kernel is not None and q.shape[1] == 1:
+            if self.layer is not None:
+                raise ValueError(
+                    "the paged decode kernel reads one layer's pool: use a model with unrolled "
+                    "layers (model.unstacked()), or no decode kernel (the gather path)"
+                )
+            out = paged_attention(
+                q, pages.k, pages.v, self.page_table, self.lengths,
+                q_positions=self.positions, sliding_window=self.sliding_window,
+                kernel=self.decode_kernel,
+            )  # fmt: skip
+            return out, view
+        return kernel(q, self._contiguous(pages.k), self._contiguous(pages.v), mask), view
+
+
+class PagedKVCache(eqx.Module):
+    """`layers`: every layer's `LayerPages` (shaped like the model's layer storage:
+    `Transformer.cache_layers`); `page_table` `[batch, row_pages]` and `lengths` `[batch]` say
+    where each row's tokens are and how many it holds."""
+
+    layers: PyTree[LayerPages]
+    page_table: Int[Array, "batch row_pages"]
+    lengths: Int[Array, " batch"]
+    decode_kernel: PallasDecodeKernel | None = eqx.field(static=True, default=None)
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"page_table": ("batch", "pages"), "lengths": ("batch",)}
+
+    @property
+    def page_size(self) -> int:
+        return jax.tree.leaves(self.layers)[0].shape[-2]
+
+    def with_layers(self, layers: PyTree[LayerPages]) -> "PagedKVCache":
+        return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel)
+
+    def append(
+        self, valid: Int[Array, "batch seq"], *, sliding_window: int | None = None
+    ) -> Appended:
+        """`seq` new tokens per row (`valid` marks real ones), at each row's next positions;
+        the mask lets each attend causally to its row's tokens (slot j of a row's contiguous
+        view holds position j)."""
+        valid = valid.astype(jnp.int32)
+        positions = jnp.where(valid > 0, self.lengths[:, None] + jnp.cumsum(valid, 1) - 1, 0)
+        lengths = self.lengths + valid.sum(axis=1)
+        cache = PagedKVCache(self.layers, self.page_table, lengths, self.decode_kernel)
+        kv_seq = self.page_table.shape[1] * self.page_size
+        kv_positions = jnp.broadcast_to(jnp.arange(kv_seq), (valid.shape[0], kv_seq))
+        mask = AttentionMask(
+            q_positions=positions,
+            kv_positions=kv_positions,
+            q_segment_ids=valid,
+            kv_segment_ids=(kv_positions < lengths[:, None]).astype(jnp.int32),
+            causal=True,
+            sliding_window=sliding_window,
+        )
+
+        def view(pages: LayerPages, layer) -> PagedSlot:
+            return PagedSlot(
+                pages, layer, self.page_table, lengths, positions, valid > 0,
+                sliding_window, self.decode_kernel,
+            )  # fmt: skip
+
+        return Appended(cache, positions, mask, view)
