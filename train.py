@@ -27,6 +27,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -149,6 +150,19 @@ def load_data(args: Args, run_dir: Path):
             f"{val_tokens.size:,} held out"
         )
     return encoding, train, val.in_order(args.eval_batches), entropy
+
+
+def stop_not_finite(what: str, run_dir: Path) -> None:
+    last = runs.checkpoints(run_dir)
+    raise FloatingPointError(
+        f"{what} is not finite: stopping. The last good checkpoint is kept: "
+        f"{last[-1] if last else 'none written yet'}. Try a lower --lr or --clip."
+    )
+
+
+@jax.jit
+def all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(params)]))
 
 
 def evaluate(eval_fn, params, batches) -> float:
@@ -375,12 +389,7 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
             loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)  # waits for the step
             now = time.perf_counter()
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                last = runs.checkpoints(run_dir)
-                raise FloatingPointError(
-                    f"loss {loss} / gradient norm {grad_norm} at step {step} is not finite: "
-                    f"stopping. The last good checkpoint is kept: "
-                    f"{last[-1] if last else 'none written yet'}. Try a lower --lr or --clip."
-                )
+                stop_not_finite(f"loss {loss} / gradient norm {grad_norm} at step {step}", run_dir)
             result.step, result.loss = step, loss
             if log:
                 result.record = log_step(
@@ -403,6 +412,8 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 )
                 result.val_loss = val_loss
             if save:
+                if not bool(all_finite(params)):
+                    stop_not_finite(f"the weights after step {step}", run_dir)
                 runs.save(
                     run_dir,
                     params=params,

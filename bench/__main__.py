@@ -1,6 +1,6 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers) with sizes for the device found, each printing predicted (zoo.math roofline) vs
+samplers, the serving engine) with sizes for the device found, each printing predicted (zoo.math roofline) vs
 measured beside the ceilings measured once in this run, and writes `results.json` and
 `results.md` to RESULTS_DIR.
 
@@ -27,6 +27,7 @@ BENCHMARKS = {
     "moe": "bench.moe",
     "flash-blocks": "bench.flash_blocks",
     "sampling": "bench.sampling",
+    "engine": "bench.engine",
 }
 
 

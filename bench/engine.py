@@ -29,6 +29,7 @@ import zoo
 from bench.harness import Ceilings, Table
 from examples.chat import smollm2_gguf
 from infer.engine import Engine
+from zoo import math as zmath
 
 NEW_TOKENS = 8
 WARMUP_LEN, UNSEEN = 37, (23, 61, 118)
@@ -55,7 +56,16 @@ def hf_latency(gguf: Path) -> list[float] | None:
     return json.loads(out.stdout.strip().splitlines()[-1])["latency_s"]
 
 
-def latency(model, table: Table, hf: list[float] | None) -> None:
+def predicted_s(config, ceilings: Ceilings, prompt_len: int, new_tokens: int, batch: int = 1):
+    """zoo.math's roofline: the prompt's forward FLOPs at the matmul rate, then each decode
+    step's bytes (weights once, each row's cache) at the bandwidth, both measured this run."""
+    flops = batch * prompt_len * zmath.forward_flops_per_token(config, prompt_len)
+    prefill = flops / ceilings.matmul_flops("float32")
+    step = zmath.decode_step_bytes(config, batch, prompt_len + new_tokens // 2)
+    return prefill + (new_tokens - 1) * step / ceilings.bandwidth()
+
+
+def latency(model, table: Table, hf: list[float] | None, ceilings: Ceilings) -> None:
     def call(n):
         start = time.perf_counter()
         infer.generate(model, [prompt(n, n)], max_new_tokens=NEW_TOKENS, sampler=infer.Greedy(),
@@ -65,11 +75,15 @@ def latency(model, table: Table, hf: list[float] | None) -> None:
     call(WARMUP_LEN)
     for i, n in enumerate(UNSEEN):
         ours = call(n)
-        row = {"what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new"}
-        row |= {"ours": f"{ours * 1e3:.0f} ms"}
-        if hf is not None:
-            row |= {"peer": f"{hf[i] * 1e3:.0f} ms (HF generate)", "ratio": f"{hf[i] / ours:.2f}x"}
-        table.add(row)
+        predicted = predicted_s(model.config, ceilings, n, NEW_TOKENS)
+        table.add({
+            "what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new",
+            "predicted": f"{predicted * 1e3:.0f} ms",
+            "ours": f"{ours * 1e3:.0f} ms",
+            "peer": "-" if hf is None else f"{hf[i] * 1e3:.0f} ms (HF generate)",
+            "ratio": "-" if hf is None else f"{hf[i] / ours:.2f}x",
+            "note": "",
+        })  # fmt: skip
 
 
 def mixed_requests() -> list[tuple[list[int], int]]:
@@ -77,8 +91,11 @@ def mixed_requests() -> list[tuple[list[int], int]]:
     return [(prompt(int(rng.integers(4, 161)), s), int(rng.integers(4, 49))) for s in range(24)]
 
 
-def throughput(model, table: Table) -> None:
+def throughput(model, table: Table, ceilings: Ceilings) -> None:
     cases = mixed_requests()
+    context = sum(len(p) + n // 2 for p, n in cases) // len(cases)
+    # The decode roofline of a full batch (weights once, every row's cache), prefill aside.
+    step_s = zmath.decode_step_bytes(model.config, ROWS, context) / ceilings.bandwidth()
     engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN, prefix_sharing=False)
     start = time.perf_counter()
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
@@ -104,6 +121,7 @@ def throughput(model, table: Table) -> None:
         same += single.tokens == request.tokens
     table.add({
         "what": f"{len(cases)} mixed requests (prompts 4-160, 4-48 new), {ROWS} rows",
+        "predicted": f"{ROWS / step_s:.1f} tok/s (a full batch of {ROWS} rows decoding)",
         "ours": f"{generated / engine_s:.1f} tok/s (engine, continuous batching)",
         "peer": f"{generated / static_s:.1f} tok/s (static batches of {ROWS}, generate)",
         "ratio": f"{static_s / engine_s:.2f}x",
@@ -112,9 +130,11 @@ def throughput(model, table: Table) -> None:
     })  # fmt: skip
     table.add({
         "what": "KV cache held (engine's peak pages vs a contiguous cache)",
-        "ours": f"{engine.peak_pages * engine._page_bytes() / 2**20:.1f} MiB",
+        "predicted": "-",
+        "ours": f"{engine.peak_kv_bytes() / 2**20:.1f} MiB",
         "peer": f"{engine.contiguous_kv_bytes() / 2**20:.1f} MiB ({ROWS} x {MAX_LEN} slots)",
-        "ratio": f"{engine.contiguous_kv_bytes() / (engine.peak_pages * engine._page_bytes()):.2f}x",
+        "ratio": f"{engine.contiguous_kv_bytes() / engine.peak_kv_bytes():.2f}x",
+        "note": "",
     })  # fmt: skip
 
 
@@ -134,6 +154,7 @@ def prefix_reuse(model, table: Table) -> None:
     (shared, shared_s, a), (alone, alone_s, b) = results[True], results[False]
     table.add({
         "what": "8 requests sharing a 128-token system prompt",
+        "predicted": f"{8 * 140 - 7 * 128} prompt tokens computed",
         "ours": f"{shared} prompt tokens computed, {shared_s:.1f} s (pages shared)",
         "peer": f"{alone} prompt tokens computed, {alone_s:.1f} s (no sharing)",
         "ratio": f"{alone_s / shared_s:.2f}x",
@@ -151,7 +172,7 @@ def run(ceilings: Ceilings) -> Table:
         [f"Engine: {ROWS} rows, max_len {MAX_LEN}, pages of 16, prefill chunks of 64; "
          "HF transformers' generate in the reference venv on the same GGUF weights."],
     )  # fmt: skip
-    latency(model, table, hf_latency(gguf))
-    throughput(model, table)
+    latency(model, table, hf_latency(gguf), ceilings)
+    throughput(model, table, ceilings)
     prefix_reuse(model, table)
     return table

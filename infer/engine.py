@@ -403,6 +403,10 @@ class Engine:
         """Bytes of the pages that running requests hold (shared pages once)."""
         return self.pool.in_use * self._page_bytes()
 
+    def peak_kv_bytes(self) -> int:
+        """The most bytes of pages that running requests held at once."""
+        return self.peak_pages * self._page_bytes()
+
     def contiguous_kv_bytes(self) -> int:
         """What a contiguous cache of `max_batch x max_len` would hold."""
         return self.max_batch * self.max_len * self._page_bytes() // self.page_size

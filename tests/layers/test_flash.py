@@ -313,7 +313,8 @@ def test_model_trained_with_flash_tracks_naive():
     optimizer = optax.adam(1e-2)
 
     def train(attention):
-        model = zoo.Transformer(config.replace(attention=attention), key=jax.random.key(0))
+        policy = zoo.Policy(attention=attention)
+        model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
         state = optimizer.init(eqx.filter(model, eqx.is_array))
 
         @eqx.filter_jit

@@ -21,7 +21,6 @@ from data.packing import to_batch
 from layers.kernels import AttentionMask, BlockSizes, causal_mask, flash_attention, naive_attention
 from layers.kernels.flash import DEFAULT_BLOCK_SIZES
 from tests.layers.test_flash import cuda_mesh, random_segments
-from training.placement import Placement
 from training.step import compile_steps, split_model
 from zoo.transformer import positions_from_segments
 
@@ -105,17 +104,21 @@ def test_model_step_with_flash_under_fsdp_tp_matches_unsharded_naive():
         logits = model.forward(tokens[:, :-1]).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    naive = zoo.Transformer(config.replace(attention="naive"), key=jax.random.key(0))
+    naive = zoo.Transformer(config, policy=zoo.Policy(attention="naive"), key=jax.random.key(0))
     want_loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(naive, tokens)
     want = jax.tree.map(lambda p, g: p - g, eqx.filter(naive, eqx.is_array), grads)
 
-    placement = Placement(shard.mesh(fsdp=2, tensor=4), shard.ShardingRules.preset("fsdp_tp"))
-    flash = zoo.Transformer(config.replace(attention="flash"), key=jax.random.key(0))
-    model = placement.place_model(flash)
+    placement = shard.Placement(
+        shard.mesh(fsdp=2, tensor=4), shard.ShardingRules.preset("fsdp_tp")
+    )
+    flash_policy = zoo.Policy(attention="flash")
+    model = placement.init(
+        lambda key: zoo.Transformer(config, policy=flash_policy, key=key), jax.random.key(0)
+    )
     optimizer = optax.sgd(1.0)
-    state = placement.init_opt_state(optimizer, model)
-    batch = placement.batch(to_batch(tokens, np.ones_like(tokens)))
     params, static = split_model(model)
+    state = placement.init_opt_state(optimizer, params)
+    batch = placement.batch(to_batch(tokens, np.ones_like(tokens)))
     step, _ = compile_steps(static, optimizer, placement=placement, model=model)
     compiled = step.lower(params, state, batch).compile()
     gathered = re.findall(r"= (\S+) all-gather", compiled.as_text())

@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layers.kernels import AttentionMask, causal_mask, get_kernel, naive_attention, xla_attention
+from layers.kernels import (
+    AttentionMask,
+    Flash,
+    Naive,
+    Xla,
+    causal_mask,
+    kernel_named,
+    naive_attention,
+    xla_attention,
+)
 
 
 def qkv(b=2, t=16, h=4, kv=2, d=8, seed=0):
@@ -53,5 +62,10 @@ def test_naive_window_matches_explicit_mask():
 
 
 def test_unknown_kernel_is_an_error():
-    with pytest.raises(ValueError, match="unknown attention kernel"):
-        get_kernel("fast")
+    with pytest.raises(ValueError, match="unknown attention kernel 'fast'"):
+        kernel_named("fast")
+
+
+def test_kernels_by_name_are_the_objects():
+    assert [kernel_named(n) for n in ("naive", "xla", "flash")] == [Naive(), Xla(), Flash()]
+    assert hash(Flash()) == hash(Flash())  # static under jit

@@ -9,21 +9,31 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from layers.moe import Capacity, Dropless, MoE, MoEStats, Router, aux_loss
+from zoo import Policy
 
 B, T, D, F, E = 2, 12, 16, 24, 6
 
 
 def make_moe(*, k=2, dispatch="dropless", capacity_factor=1.25, **kwargs):
-    return MoE(
-        D,
-        F,
-        n_experts=E,
-        n_experts_per_token=k,
-        dispatch=dispatch,
-        capacity_factor=capacity_factor,
-        key=jax.random.key(0),
-        **kwargs,
-    )
+    """The layer, called with the dispatch the arguments name (dispatch is a per-call choice)."""
+    moe = MoE(D, F, n_experts=E, n_experts_per_token=k, key=jax.random.key(0), **kwargs)
+    strategy = {"dropless": Dropless, "capacity": lambda: Capacity(capacity_factor)}[dispatch]()
+    return Dispatching(moe, strategy)
+
+
+class Dispatching(eqx.Module):
+    """An MoE layer with its dispatch fixed, called like the layer: x -> (y, stats)."""
+
+    moe: MoE
+    dispatch: Dropless | Capacity
+
+    def __getattr__(self, name):  # the layer's router, experts, shared experts
+        if name == "moe":
+            raise AttributeError(name)
+        return getattr(self.moe, name)
+
+    def __call__(self, x):
+        return self.moe(x, dispatch=self.dispatch)
 
 
 def x_input():
@@ -220,9 +230,13 @@ def test_bad_inputs_say_what_is_wrong():
         make_moe(k=7)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         make_moe(dispatch="capacity", capacity_factor=0.0)
-    # Literal-typed options: the runtime type check (tests) or the layer's own check names them.
+    # A dispatch is an object; the policy names the choices for a string.
     with pytest.raises(Exception, match="dispatch"):
-        make_moe(dispatch="sorted")
+        MoE(D, F, n_experts=E, n_experts_per_token=2, key=jax.random.key(0))(
+            x_input(), dispatch="sorted"
+        )
+    with pytest.raises(ValueError, match=r"Policy\.moe_dispatch='sorted' is unknown"):
+        Policy(moe_dispatch="sorted")
     with pytest.raises(Exception, match="scoring"):
         make_moe(scoring="relu")
     with pytest.raises(ValueError, match="n_shared=-1"):
@@ -234,7 +248,8 @@ def test_bad_inputs_say_what_is_wrong():
 def test_capacity_dispatch_runs_with_experts_sharded_over_devices():
     # Every stacked expert weight split over 8 devices on its leading `experts` axis (the ep
     # layout); tokens split over the batch. Same numbers as on one device.
-    moe = MoE(D, F, n_experts=8, n_experts_per_token=2, dispatch="capacity", key=jax.random.key(0))
+    layer = MoE(D, F, n_experts=8, n_experts_per_token=2, key=jax.random.key(0))
+    moe = Dispatching(layer, Capacity(1.25))
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
     experts = jax.tree.map(
         lambda w: jax.device_put(w, NamedSharding(mesh, PartitionSpec("expert"))), moe.experts

@@ -23,15 +23,15 @@ def train() -> tuple[list[float], list[np.ndarray]]:
     import shard
     import zoo
     from data.packing import to_batch
-    from training.placement import Placement
     from training.step import compile_steps, split_model
 
     config = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
-    placement = Placement(shard.mesh(fsdp=4, tensor=2), shard.ShardingRules.preset("fsdp_tp"))
-    model = placement.init_model(config, jax.random.key(0))
+    rules = shard.ShardingRules.preset("fsdp_tp")
+    placement = shard.Placement(shard.mesh(fsdp=4, tensor=2), rules)
+    model = placement.init(lambda key: zoo.Transformer(config, key=key), jax.random.key(0))
     optimizer = optax.adam(1e-2)
-    state = placement.init_opt_state(optimizer, model)
     params, static = split_model(model)
+    state = placement.init_opt_state(optimizer, params)
     step, _ = compile_steps(static, optimizer, placement=placement, model=model)
     # One batch, seen every step, so the loss must fall.
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 9)).astype(np.int32)

@@ -35,10 +35,10 @@ def test_every_parameter_is_named(name):
     for array, names in zip(params, axes, strict=True):
         assert len(names.names) == array.ndim
         assert set(names.names) <= VOCABULARY
-    stacked = logical_axes(model).blocks.attn.q_proj.weight
-    assert stacked.names == ("layers", "embed", "heads", "head_dim")
+    last = logical_axes(model).stacks[-1].blocks[-1]  # the last stack's period ends with MoE
+    assert last.attn.q_proj.weight.names == ("layers", "embed", "heads", "head_dim")
     if model.config.n_experts:
-        experts = logical_axes(model).blocks.mlp.experts
+        experts = last.mlp.experts
         assert experts.gate.names == ("layers", "experts", "embed", "mlp")
         assert experts.down.names == ("layers", "experts", "mlp", "embed")
 

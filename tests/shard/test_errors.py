@@ -6,7 +6,7 @@ import pytest
 
 import shard
 import zoo
-from shard.plan import plan
+from training.plan import plan
 from zoo.math import HARDWARE
 
 CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
@@ -47,13 +47,17 @@ def test_indivisible_parameter_names_parameter_axis_and_sizes():
     config = CONFIG.replace(n_heads=2, n_kv_heads=2, head_dim=32)
     rules, mesh = shard.ShardingRules.preset("tp"), shard.mesh(data=2, tensor=4)
     message = (
-        r"\.blocks\.attn\.q_proj\.weight: dimension 'heads' of size 2 does not divide by "
+        r"\.stacks\[0\]\.blocks\[0\]\.attn\.q_proj\.weight: dimension 'heads' of size 2 "
+        r"does not divide by "
         r"mesh axis 'tensor' of size 4"
     )
     with pytest.raises(ValueError, match=message):
-        shard.init_sharded(config, rules, mesh, jax.random.key(0))
+        shard.init_sharded(
+            lambda key: zoo.Transformer(config, key=key), rules, mesh, jax.random.key(0)
+        )
     with pytest.raises(ValueError, match=message):
-        plan(config, rules, {"data": 2, "tensor": 4}, batch=8, seq=8, hardware=HARDWARE["h100"])
+        plan(config, zoo.Policy(), rules, {"data": 2, "tensor": 4}, batch=8, seq=8,
+             hardware=HARDWARE["h100"])  # fmt: skip
 
 
 def test_indivisible_batch():

@@ -35,7 +35,8 @@ def initialiser():
     rules, mesh, key = shard.ShardingRules.preset("fsdp_tp"), shard.mesh(fsdp=2, tensor=4), KEY
     abstract = eqx.filter_eval_shape(zoo.Transformer, CONFIG, key=key)
     shardings = shard.param_shardings(abstract, rules, mesh)
-    lowered = sharded_initialiser(zoo.Transformer, CONFIG, shardings).lower(key)
+    make = lambda key: zoo.Transformer(CONFIG, key=key)  # noqa: E731
+    lowered = sharded_initialiser(make, shardings).lower(key)
     return abstract, shardings, lowered.compile(FAST_COMPILE)
 
 
@@ -69,8 +70,8 @@ def test_sharded_init_equals_unsharded_init(initialiser):
     static = eqx.partition(abstract, shard.axes.is_array_like)[1]
     sharded = eqx.combine(compiled(KEY), static)
     plain = one_device_init(KEY)
-    assert plain.blocks.mlp.up.weight.sharding.num_devices == 1
-    assert sharded.blocks.mlp.up.weight.sharding.spec == jax.P(None, "fsdp", "tensor")
+    assert plain.stacks[0].blocks[0].mlp.up.weight.sharding.num_devices == 1
+    assert sharded.stacks[0].blocks[0].mlp.up.weight.sharding.spec == jax.P(None, "fsdp", "tensor")
     for a, b in zip(
         jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
         jax.tree.leaves(eqx.filter(plain, eqx.is_array)),
@@ -84,5 +85,6 @@ def test_shard_model_places_an_existing_model():
     plain = one_device_init(jax.random.key(1))
     placed = shard.shard_model(plain, rules, mesh)
     assert placed.lm_head.weight.sharding.spec == jax.P(None, "tensor")
-    assert placed.blocks.attn.o_proj.weight.addressable_shards[0].data.shape == (1, 1, 16, 64)
+    o_proj = placed.stacks[0].blocks[0].attn.o_proj.weight
+    assert o_proj.addressable_shards[0].data.shape == (1, 1, 16, 64)
     np.testing.assert_array_equal(placed.lm_head.weight, plain.lm_head.weight)

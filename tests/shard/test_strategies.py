@@ -21,25 +21,29 @@ import pytest
 import shard
 import zoo
 from data.packing import to_batch
-from layers.moe import expert_capacity
-from training.placement import Placement
+from layers.moe import aux_loss, expert_capacity
 from training.step import compile_steps, split_model
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
-DENSE = zoo.preset(
-    "tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
+NAIVE = zoo.Policy(attention="naive")
+DENSE = (
+    zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256),
+    NAIVE,
 )
-MOE = zoo.preset("tiny-moe", n_layers=1, attention="naive", moe_dispatch="capacity")
-TOKENS = np.random.default_rng(0).integers(0, DENSE.vocab_size, (8, 17)).astype(np.int32)
+MOE = (zoo.preset("tiny-moe", n_layers=1), NAIVE.replace(moe_dispatch="capacity"))
+MOE_DROPLESS = (MOE[0], NAIVE)
+TOKENS = np.random.default_rng(0).integers(0, DENSE[0].vocab_size, (8, 17)).astype(np.int32)
 # One document per row: every target counts.
 BATCH = to_batch(TOKENS, np.ones_like(TOKENS))
 # Slots per expert and sequence of MOE (16 tokens per sequence).
-CAPACITY = expert_capacity(16, MOE.n_experts_per_token, MOE.n_experts, MOE.capacity_factor)
+CAPACITY = expert_capacity(
+    16, MOE[0].n_experts_per_token, MOE[0].n_experts, MOE[1].moe_dispatch.capacity_factor
+)
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
-# Config, preset, mesh, and by how much it should split each named parameter dim (written out
-# by hand, independently of the rules' code).
+# (Config, policy), preset, mesh, and by how much it should split each named parameter dim
+# (written out by hand, independently of the rules' code).
 CASES = {
     "dp": (DENSE, "dp", {"data": 8}, {}),
     "fsdp": (DENSE, "fsdp", {"fsdp": 8}, {"embed": 8}),
@@ -57,7 +61,7 @@ CASES = {
     ),
     "ep": (MOE, "ep", {"fsdp": 2, "expert": 4}, {"embed": 2, "experts": 4}),
     "ep-dropless": (
-        MOE.replace(moe_dispatch="dropless"),
+        MOE_DROPLESS,
         "ep",
         {"fsdp": 2, "expert": 4},
         {"embed": 2, "experts": 4},
@@ -70,7 +74,7 @@ def loss_fn(model, tokens):
     training/loss.py: the reference the step is checked against."""
     out = model.forward(tokens[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:]).mean()
-    aux = zoo.moe_aux_loss(out.aux, model.config)
+    aux = aux_loss(out.aux, load_balancing_weight=0.01, z_loss_weight=0.001)  # AuxWeights()
     return ce + aux, (ce, aux)
 
 
@@ -80,14 +84,16 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
     return [(op, shape) for shape, op in re.findall(pattern, hlo)]
 
 
-def reference(config):
+def reference(spec):
     """Unsharded model (on one device), (cross-entropy, aux loss) and gradients. Jitted: one
     fast compile costs less than running the initialiser and the gradient op by op."""
+    config, policy = spec
     key = jax.random.key(0)
-    static = eqx.partition(eqx.filter_eval_shape(zoo.Transformer, config, key=key), eqx.is_array)[1]
+    make = lambda key: zoo.Transformer(config, policy=policy, key=key)  # noqa: E731
+    static = eqx.partition(eqx.filter_eval_shape(make, key), eqx.is_array)[1]
 
     def init(key):
-        return eqx.filter(zoo.Transformer(config, key=key), eqx.is_array)
+        return eqx.filter(make(key), eqx.is_array)
 
     def value_and_grad(params, tokens):
         objective = jax.value_and_grad(
@@ -115,14 +121,14 @@ def run(request, references):
     """One SGD step (lr 1, so new = old - grad) of each case by train.py's step, compiled once."""
     name = request.param
     config, preset, mesh_shape, _ = CASES[name]
-    placement = Placement(shard.mesh(**mesh_shape), shard.ShardingRules.preset(preset))
+    placement = shard.Placement(shard.mesh(**mesh_shape), shard.ShardingRules.preset(preset))
     # Placed rather than created sharded, to save a compile (tests/shard/test_init.py
     # covers init_sharded).
-    model = placement.place_model(references[config][0])
+    model = placement.place(references[config][0])
     optimizer = optax.sgd(1.0)
-    state = placement.init_opt_state(optimizer, model)
-    batch = placement.batch(BATCH)
     params, static = split_model(model)
+    state = placement.init_opt_state(optimizer, params)
+    batch = placement.batch(BATCH)
     step, _ = compile_steps(static, optimizer, placement=placement, model=model)
     compiled = step.lower(params, state, batch).compile(FAST_COMPILE)
     params, _, metrics = compiled(params, state, batch)
@@ -172,7 +178,7 @@ def test_compiled_step_runs_the_strategys_collectives(run):
         assert "reduce-scatter" in kinds or ("all-reduce" in kinds and "dynamic-slice" in hlo)
     if name in ("ep", "ep-dropless"):
         return
-    block = new_model.blocks
+    block = new_model.stacks[0].blocks[0]
     # Full (one layer's) shapes of the weights TP splits and FSDP gathers.
     weights = [
         block.attn.q_proj.weight,
@@ -195,7 +201,7 @@ def buffer_all_to_alls(hlo: str) -> list[str]:
     found = []
     for op, shape in collectives(hlo):
         dims = [set(map(int, d.split(","))) for d in re.findall(r"\[([\d,]+)\]", shape)]
-        if op == "all-to-all" and dims and all({CAPACITY, MOE.d_model} <= d for d in dims):
+        if op == "all-to-all" and dims and all({CAPACITY, MOE[0].d_model} <= d for d in dims):
             found.append(shape)
     return found
 

@@ -1,6 +1,7 @@
 """A tiny local corpus and tiny train.py settings shared by the training tests."""
 
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -45,6 +46,19 @@ def make_argv(corpus: Path, cache_dir: Path):
         ]  # fmt: skip
 
     return argv
+
+
+def stopped_copy(run_dir: Path, out: Path, step: int) -> Path:
+    """`run_dir` as it was when its run stopped after the checkpoint of `step` (later
+    checkpoints and metrics dropped): what a killed run leaves to --resume."""
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns(".lock"))
+    for checkpoint in (out / "checkpoints").iterdir():
+        if int(checkpoint.name.removeprefix("step_")) > step:
+            shutil.rmtree(checkpoint)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    return out
 
 
 @pytest.fixture

@@ -2,10 +2,12 @@
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
 import train
-from training import checkpoint
+from training import run_dir
 
 
 def test_missing_data_path(tmp_path, tiny_argv):
@@ -37,29 +39,31 @@ def test_tokenizer_larger_than_model_vocab(tmp_path, tiny_argv):
         train.main([*tiny_argv(tmp_path / "run"), "--override", "vocab_size=256"])
 
 
-def test_resume_from_directory_without_checkpoint(tmp_path, tiny_argv):
+def test_resume_from_directory_without_a_run(tmp_path, tiny_argv):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds no checkpoint"):
+    with pytest.raises(ValueError, match=r"is not a train\.py run directory"):
         train.main([*tiny_argv(tmp_path / "run"), "--resume", str(tmp_path / "empty")])
 
 
 def test_nan_loss_stops_and_keeps_checkpoints_then_corrupt_resume(tmp_path, tiny_argv):
     run = tmp_path / "run"
-    train.main(tiny_argv(run))
-    kept = checkpoint.checkpoints(run)
-    assert [p.name for p in kept] == ["step_00000002", "step_00000004"]
-    state = (kept[-1] / "state.eqx").read_bytes()
-
-    # An absurd learning rate (and no clipping) overflows the weights: the run must stop.
-    argv = [*tiny_argv(run), "--resume", str(run), "--steps", "8", "--lr", "1e30", "--clip", "0"]
+    # The warm-up starts at lr 0, so step 1 is harmless (and checkpointed); then an absurd
+    # peak learning rate without clipping overflows the weights and the run must stop.
+    argv = [*tiny_argv(run), "--steps", "8", "--warmup", "4", "--lr", "1e30", "--clip", "0",
+            "--checkpoint-every", "1"]  # fmt: skip
     with pytest.raises(FloatingPointError, match=r"not finite.*last good checkpoint is kept"):
         train.main(argv)
-    assert checkpoint.checkpoints(run) == kept
-    assert (kept[-1] / "state.eqx").read_bytes() == state
+    kept = run_dir.checkpoints(run)
+    assert kept and kept[0].name == "step_00000001"
+    # No checkpoint holds a non-finite weight: an overflowing update is caught before saving.
+    restored = run_dir.run_model(run)
+    assert all(np.isfinite(np.asarray(w)).all() for w in jax.tree.leaves(restored))
+    state = (kept[-1] / "state.eqx").read_bytes()
 
     # Damage the newest checkpoint: resuming says it is corrupt, and names it.
     damaged = bytearray(state)
     damaged[len(damaged) // 2] ^= 0xFF
     (kept[-1] / "state.eqx").write_bytes(bytes(damaged))
-    with pytest.raises(ValueError, match="step_00000004 is corrupt"):
-        train.main([*tiny_argv(run), "--resume", str(run)])
+    with pytest.raises(ValueError, match=f"{kept[-1].name} is corrupt"):
+        train.main([*argv, "--resume", str(run), "--steps", "9"])
+    assert (kept[-1] / "state.eqx").read_bytes() == bytes(damaged)

@@ -2,7 +2,6 @@
 checkpoints, and a bad mesh is refused before anything loads or compiles (8 fake CPU devices)."""
 
 import json
-import shutil
 import typing
 
 import jax
@@ -11,6 +10,7 @@ import pytest
 
 import shard
 import train
+from tests.training.conftest import stopped_copy
 from training.args import Args
 
 
@@ -24,22 +24,18 @@ def test_sharded_run_matches_one_device_and_resumes(tmp_path, tiny_argv, full_ru
     plain_dir, plain = full_run
     argv = tiny_argv(tmp_path / "mesh", "--steps", "6", "--checkpoint-every", "3")
     sharded = train.main([*argv, "--mesh", "fsdp=4,tensor=2"])
-    params = jax.tree.leaves(sharded["params"])
+    params = jax.tree.leaves(sharded.model)
     assert any(len(p.sharding.device_set) == 8 and not p.is_fully_replicated for p in params)
     a, b = _losses(plain_dir), _losses(tmp_path / "mesh")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=1e-4)
-    np.testing.assert_allclose(sharded["val_loss"], plain["val_loss"], rtol=1e-4)
+    np.testing.assert_allclose(sharded.val_loss, plain.val_loss, rtol=1e-4)
 
     # Resume the sharded run from its step-3 checkpoint (saved gathered, placed back sharded).
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(
-        tmp_path / "mesh/checkpoints/step_00000003", resumed / "checkpoints/step_00000003"
-    )
+    resumed = stopped_copy(tmp_path / "mesh", tmp_path / "resumed", step=3)
     train.main([*argv, "--mesh", "fsdp=4,tensor=2", "--resume", str(resumed)])
     again = _losses(resumed)
-    assert sorted(again) == [4, 5, 6]
+    assert sorted(again) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([again[s] for s in (4, 5, 6)], [b[4], b[5], b[6]], rtol=1e-6)
 
 

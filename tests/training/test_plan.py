@@ -9,14 +9,14 @@ import pytest
 import shard
 import zoo
 from shard.axes import is_array_like
-from shard.plan import main, plan
+from training.plan import main, plan
 from zoo.math import HARDWARE
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
-CONFIG = zoo.preset(
-    "tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256, attention="naive"
-)
-MOE = zoo.preset("tiny-moe", attention="naive", moe_dispatch="capacity")
+CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+MOE = zoo.preset("tiny-moe")
+NAIVE = zoo.Policy(attention="naive")
+CAPACITY = NAIVE.replace(moe_dispatch="capacity")
 MESHES = {"fsdp": {"fsdp": 8}, "tp": {"data": 2, "tensor": 4}, "fsdp_tp": {"fsdp": 2, "tensor": 4}}
 EP_MESH = {"fsdp": 2, "expert": 4}
 
@@ -30,11 +30,11 @@ def bytes_per_device(tree) -> int:
     return max(held.values())
 
 
-def zeros_in_shardings(config, rules, mesh):
+def zeros_in_shardings(config, policy, rules, mesh):
     """A model of zeros, each parameter a real array in its sharding: bytes are what count
     here, and zeros compile and run faster than the initialiser (tests/shard/test_init.py
     covers init_sharded)."""
-    abstract = eqx.filter_eval_shape(zoo.Transformer, config, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(zoo.Transformer, config, policy=policy, key=jax.random.key(0))
     params, static = eqx.partition(abstract, is_array_like)
     zeros = jax.jit(
         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params),
@@ -46,30 +46,30 @@ def zeros_in_shardings(config, rules, mesh):
 @pytest.mark.parametrize("name", [*MESHES, "ep"])
 def test_plan_bytes_match_real_shardings(name):
     config, mesh_shape = (MOE, EP_MESH) if name == "ep" else (CONFIG, MESHES[name])
+    policy = CAPACITY if name == "ep" else NAIVE
     rules, mesh = shard.ShardingRules.preset(name), shard.mesh(**mesh_shape)
-    p = plan(config, rules, mesh_shape, batch=8, seq=16, hardware=HARDWARE["h100"])
+    p = plan(config, policy, rules, mesh_shape, batch=8, seq=16, hardware=HARDWARE["h100"])
 
-    model = zeros_in_shardings(config, rules, mesh)
+    model = zeros_in_shardings(config, policy, rules, mesh)
     assert p.params == bytes_per_device(model)
     if name == "ep":
-        assert p.expert_params == bytes_per_device(model.blocks.mlp.experts)
+        assert p.expert_params == bytes_per_device(model.stacks[0].blocks[0].mlp.experts)
         assert p.expert_params * 8 == 4 * 3 * MOE.n_layers * MOE.n_experts * 64 * 64
     else:
         assert p.expert_params == 0
     state = shard.init_opt_state(optax.adam(1e-3), model, rules, mesh)
     assert p.adam_state == bytes_per_device(state)
-    k = jnp.zeros((config.n_layers, 8, config.n_kv_heads, 16, config.head_dim))
-    sharding = shard.named_sharding("layers batch kv_heads kv_seq head_dim", rules, mesh)
-    assert p.kv_cache == 2 * bytes_per_device(jax.device_put(k, sharding))
+    # The real cache (its layout and logical axes from layers/kv_cache.py), placed by them.
+    cache = shard.Placement(mesh, rules).place_arrays(model.init_cache(8, 16))
+    assert p.kv_cache == bytes_per_device(cache.layers)
 
 
 def test_plan_lists_each_strategys_collectives():
     h100 = HARDWARE["h100"]
     kinds = {}
     for name, mesh_shape in MESHES.items():
-        p = plan(
-            CONFIG, shard.ShardingRules.preset(name), mesh_shape, batch=8, seq=16, hardware=h100
-        )
+        rules = shard.ShardingRules.preset(name)
+        p = plan(CONFIG, NAIVE, rules, mesh_shape, batch=8, seq=16, hardware=h100)
         kinds[name] = {(c.name, c.axis) for c in p.collectives}
     assert kinds["fsdp"] == {("all-gather", "fsdp"), ("reduce-scatter", "fsdp")}
     assert kinds["tp"] == {("all-reduce", "data"), ("all-reduce", "tensor")}
@@ -82,7 +82,7 @@ def test_plan_lists_each_strategys_collectives():
 
 def test_plan_moves_the_capacity_buffer_by_all_to_all():
     rules, h100 = shard.ShardingRules.preset("ep"), HARDWARE["h100"]
-    p = plan(MOE, rules, EP_MESH, batch=8, seq=16, hardware=h100)
+    p = plan(MOE, CAPACITY, rules, EP_MESH, batch=8, seq=16, hardware=h100)
     a2a = [c for c in p.collectives if c.name == "all-to-all"]
     assert {c.axis for c in a2a} == {"expert"}
     # Dispatch and combine, forward and backward, in each of the 2 MoE layers.
@@ -93,11 +93,9 @@ def test_plan_moves_the_capacity_buffer_by_all_to_all():
     # The compute beside it: at least the routed experts' matmuls of this device's 16 tokens
     # (2 experts of 3 [64, 64] matmuls each; capacity adds padding slots), twice that backward.
     forward, backward = sorted(a2a, key=lambda c: c.compute_s)
-    assert forward.compute_s >= 16 * 2 * 2 * 3 * 64 * 64 / h100.peak_flops(MOE.dtype)
+    assert forward.compute_s >= 16 * 2 * 2 * 3 * 64 * 64 / h100.peak_flops("float32")
     assert backward.compute_s == 2 * forward.compute_s
-    dropless = plan(
-        MOE.replace(moe_dispatch="dropless"), rules, EP_MESH, batch=8, seq=16, hardware=h100
-    )
+    dropless = plan(MOE, NAIVE, rules, EP_MESH, batch=8, seq=16, hardware=h100)
     assert not [c for c in dropless.collectives if c.name == "all-to-all"]
 
 

@@ -30,19 +30,20 @@ def test_matmul_params_include_the_head_once():
 
 
 def test_kv_cache_bytes():
-    config = zoo.preset("llama3-8b", dtype="bfloat16")
+    config = zoo.preset("llama3-8b")
     # 32 layers x 2 (k, v) x 8 heads x 128 dims x 2 bytes = 128 KiB per token.
-    assert zm.kv_cache_bytes_per_token(config) == 131072
+    assert zm.kv_cache_bytes_per_token(config, zoo.Policy(compute_dtype="bfloat16")) == 131072
 
 
 def test_roofline_picks_the_binding_limit():
     hw = zm.HARDWARE["h100"]
-    decode = zm.decode_step_roofline(
-        zoo.preset("llama3-8b", dtype="bfloat16", param_dtype="bfloat16"), 1, 1024, hw
-    )
+    bf16 = zoo.Policy.of_dtype("bfloat16")
+    decode = zm.decode_step_roofline(zoo.preset("llama3-8b"), 1, 1024, hw, bf16)
     assert decode.bound == "memory"
     assert decode.time_s == pytest.approx(decode.bytes / hw.bandwidth)
-    train = zm.training_step_roofline(zoo.preset("llama3-8b", dtype="bfloat16"), 8, 4096, hw)
+    train = zm.training_step_roofline(
+        zoo.preset("llama3-8b"), 8, 4096, hw, zoo.Policy(compute_dtype="bfloat16")
+    )
     assert train.bound == "compute"
 
 
@@ -52,9 +53,9 @@ def test_unknown_dtype_peak_is_an_error():
 
 
 def test_memory_estimate_shrinks_with_remat():
-    config = zoo.preset("llama3-1b", dtype="bfloat16")
-    full = zm.training_memory_bytes(config, 4, 2048, remat="full")
-    none = zm.training_memory_bytes(config, 4, 2048, remat="none")
+    config, bf16 = zoo.preset("llama3-1b"), zoo.Policy(compute_dtype="bfloat16")
+    full = zm.training_memory_bytes(config, 4, 2048, bf16.replace(remat="full"))
+    none = zm.training_memory_bytes(config, 4, 2048, bf16)
     assert full < none
 
 

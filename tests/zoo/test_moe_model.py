@@ -9,16 +9,24 @@ import pytest
 
 import shard
 import zoo
+from layers.moe import Capacity, aux_loss
+from training.loss import AuxWeights
 from zoo import Config
 
 TOKENS = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
 # Leading dense layer, then groups of (dense, MoE): MoE layers 2 and 4, shared experts, capacity.
-INTERLEAVED = zoo.preset("tiny-deepseek-moe", n_layers=5, moe_every=2, moe_dispatch="capacity")
+INTERLEAVED = zoo.preset("tiny-deepseek-moe", n_layers=5, moe_every=2)
+CAPACITY = zoo.Policy(moe_dispatch="capacity")
+WEIGHTS = AuxWeights()
 
 
-def shapes_of(config):
+def weighted_aux(aux):
+    return aux_loss(aux, load_balancing_weight=WEIGHTS.load_balancing, z_loss_weight=WEIGHTS.z_loss)
+
+
+def shapes_of(config, policy=CAPACITY):
     """The model's parameter shapes without computing any weights."""
-    return eqx.filter_eval_shape(zoo.Transformer, config, key=jax.random.key(0))
+    return eqx.filter_eval_shape(zoo.Transformer, config, policy=policy, key=jax.random.key(0))
 
 
 def is_shape(x):
@@ -27,7 +35,7 @@ def is_shape(x):
 
 @pytest.fixture(scope="module")
 def interleaved():
-    return zoo.Transformer(INTERLEAVED, key=jax.random.key(0))
+    return zoo.Transformer(INTERLEAVED, policy=CAPACITY, key=jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +57,7 @@ def test_published_moe_parameter_counts():
     ("name", "changes"),
     [
         ("tiny-moe", {}),
-        ("tiny-moe", {"moe_dispatch": "capacity", "n_shared_experts": 2}),
+        ("tiny-moe", {"n_shared_experts": 2}),
         ("tiny-moe", {"n_layers": 5, "moe_every": 2, "first_dense_layers": 1}),
         ("tiny-deepseek-moe", {}),
         ("tiny-deepseek-moe", {"n_layers": 7, "moe_every": 3}),
@@ -80,52 +88,51 @@ def test_forward_returns_logits_and_per_layer_stats(interleaved):
     np.testing.assert_allclose(out.aux.expert_load.sum(-1), 1.0, rtol=1e-6)
     assert out.aux.load_balancing_loss.shape == (2,) and out.aux.z_loss.shape == (2,)
     np.testing.assert_array_equal(model(TOKENS), out.logits)
-    loss = zoo.moe_aux_loss(out.aux, config)
+    loss = weighted_aux(out.aux)
     expected = np.mean(
-        config.moe_load_balancing_weight * out.aux.load_balancing_loss
-        + config.moe_z_loss_weight * out.aux.z_loss
+        WEIGHTS.load_balancing * out.aux.load_balancing_loss + WEIGHTS.z_loss * out.aux.z_loss
     )
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
 
 
 def test_dense_model_has_empty_stats_and_zero_aux_loss(dense):
-    config = dense.config
     out = dense.forward(TOKENS)
     assert out.aux.load_balancing_loss.shape == (0,)
-    assert float(zoo.moe_aux_loss(out.aux, config)) == 0.0
+    assert float(weighted_aux(out.aux)) == 0.0
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 def test_one_expert_equals_the_dense_model(dense, dispatch):
-    moe_config = dense.config.replace(
-        n_experts=1, n_experts_per_token=1, moe_dispatch=dispatch, capacity_factor=1.0
-    )
+    moe_config = dense.config.replace(n_experts=1, n_experts_per_token=1)
+    policy = zoo.Policy(moe_dispatch=Capacity(1.0) if dispatch == "capacity" else "dropless")
     # The MoE model's structure, filled with the dense model's weights: each layer's SwiGLU
     # becomes expert 0 and the router (softmax over one expert: gate 1) is random.
-    moe = shapes_of(moe_config)
-    mlp = dense.blocks.mlp
-    router = jax.random.normal(jax.random.key(3), moe.blocks.mlp.router.weight.shape)
+    moe = shapes_of(moe_config, policy)
+    block = dense.stacks[0].blocks[0]
+    mlp = block.mlp
+    moe_block = lambda m: m.stacks[0].blocks[0]  # noqa: E731
+    router = jax.random.normal(jax.random.key(3), moe_block(moe).mlp.router.weight.shape)
     moe = eqx.tree_at(
         lambda m: (
             m.embed,
             m.lm_head,
             m.final_norm,
-            m.blocks.attn,
-            m.blocks.attn_norm,
-            m.blocks.mlp_norm,
-            m.blocks.mlp.experts.gate,
-            m.blocks.mlp.experts.up,
-            m.blocks.mlp.experts.down,
-            m.blocks.mlp.router.weight,
+            moe_block(m).attn,
+            moe_block(m).attn_norm,
+            moe_block(m).mlp_norm,
+            moe_block(m).mlp.experts.gate,
+            moe_block(m).mlp.experts.up,
+            moe_block(m).mlp.experts.down,
+            moe_block(m).mlp.router.weight,
         ),
         moe,
         (
             dense.embed,
             dense.lm_head,
             dense.final_norm,
-            dense.blocks.attn,
-            dense.blocks.attn_norm,
-            dense.blocks.mlp_norm,
+            block.attn,
+            block.attn_norm,
+            block.mlp_norm,
             mlp.gate.weight[:, None],
             mlp.up.weight[:, None],
             mlp.down.weight[:, None],
@@ -137,20 +144,20 @@ def test_one_expert_equals_the_dense_model(dense, dispatch):
 
 
 def test_interleaved_scan_equals_unrolled_loop(interleaved):
-    scanned = zoo.with_runtime(interleaved, remat="full")
-    unrolled = zoo.with_runtime(interleaved, remat="full", scan_layers=False)
-    config = scanned.config
+    scanned = interleaved.with_policy(remat="full")
+    unrolled = interleaved.with_policy(remat="full", scan_layers=False)
     a, b = scanned.forward(TOKENS), unrolled.forward(TOKENS)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
     def loss(model):
         out = model.forward(TOKENS)
-        return jnp.mean(out.logits**2) + zoo.moe_aux_loss(out.aux, config)
+        return jnp.mean(out.logits**2) + weighted_aux(out.aux)
 
     grads = eqx.filter_grad(loss)(scanned)
-    # The aux loss reaches every MoE layer's router through the scanned stack.
-    router_grads = np.abs(np.asarray(grads.blocks.moe.mlp.router.weight))
+    # The aux loss reaches every MoE layer's router through the scanned stack of
+    # (dense, MoE) periods.
+    router_grads = np.abs(np.asarray(grads.stacks[1].blocks[1].mlp.router.weight))
     assert (router_grads.max(axis=(1, 2)) > 0).all()
 
 
@@ -171,9 +178,10 @@ def test_program_size_does_not_grow_with_depth():
 def test_expert_weights_name_experts_first():
     model = zoo.Transformer(zoo.preset("tiny-deepseek-moe"), key=jax.random.key(0))
     axes = shard.logical_axes(model)
-    assert axes.blocks.mlp.experts.gate.names == ("layers", "experts", "embed", "mlp")
-    assert axes.blocks.mlp.router.weight.names == ("layers", "embed", "experts")
-    assert axes.dense_blocks.mlp.up.weight.names == ("layers", "embed", "mlp")
+    moe, leading = axes.stacks[1].blocks[0], axes.stacks[0].blocks[0]
+    assert moe.mlp.experts.gate.names == ("layers", "experts", "embed", "mlp")
+    assert moe.mlp.router.weight.names == ("layers", "embed", "experts")
+    assert leading.mlp.up.weight.names == ("layers", "embed", "mlp")
 
 
 def base(**changes):
@@ -189,9 +197,6 @@ def base(**changes):
     [
         ({"n_experts_per_token": 5}, "n_experts_per_token"),
         ({"n_experts_per_token": 0}, "n_experts_per_token"),
-        ({"capacity_factor": 0.0}, "capacity_factor"),
-        ({"capacity_factor": -1.0}, "capacity_factor"),
-        ({"moe_dispatch": "sorted"}, "moe_dispatch"),
         ({"router_scoring": "relu"}, "router_scoring"),
         ({"n_experts": -1}, "n_experts"),
         ({"n_shared_experts": -1}, "n_shared_experts"),
@@ -200,7 +205,6 @@ def base(**changes):
         ({"moe_every": 0}, "moe_every"),
         ({"first_dense_layers": 4}, "first_dense_layers"),
         ({"mlp": "gelu"}, "mlp"),
-        ({"moe_z_loss_weight": -0.1}, "moe_z_loss_weight"),
     ],
 )
 def test_impossible_moe_configs_name_the_field(changes, field):
@@ -209,14 +213,31 @@ def test_impossible_moe_configs_name_the_field(changes, field):
 
 
 def test_capacity_dispatch_flops():
-    config = zoo.preset("tiny-moe", moe_dispatch="capacity", capacity_factor=1.0)
+    config = zoo.preset("tiny-moe")
     seq = 64
     # capacity = 64 x 2 / 4 = 32 slots per expert: 4 x 32 slots per 64 tokens = k, no padding;
     # the dispatch and combine einsums each do experts x capacity x d_model MACs per token.
     per_layer = 2 * (2 * 4 * 32 * config.d_model)
-    assert zoo.math.capacity_dispatch_flops_per_token(config, seq) == 2 * per_layer
-    padded = config.replace(capacity_factor=2.0)
+    assert zoo.math.capacity_dispatch_flops_per_token(config, seq, 1.0) == 2 * per_layer
     expert_flops = 2 * 3 * config.d_model * config.expert_d_ff
-    extra = zoo.math.capacity_dispatch_flops_per_token(padded, seq)
+    extra = zoo.math.capacity_dispatch_flops_per_token(config, seq, 2.0)
     assert extra == 2 * (2 * per_layer + 2 * expert_flops)
-    assert zoo.math.capacity_dispatch_flops_per_token(zoo.preset("tiny-llama"), seq) == 0
+    assert zoo.math.capacity_dispatch_flops_per_token(zoo.preset("tiny-llama"), seq, 1.0) == 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"moe_dispatch": "sorted"}, r"Policy\.moe_dispatch='sorted' is unknown"),
+        ({"attention": "fast"}, "unknown attention kernel 'fast'"),
+        ({"remat": "some"}, r"Policy\.remat='some' is unknown"),
+        ({"compute_dtype": "int8"}, r"Policy\.compute_dtype='int8' is unknown"),
+    ],
+)
+def test_impossible_policies_name_the_field(policy, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.Policy(**policy)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        Capacity(0.0)
+    with pytest.raises(ValueError, match=r"AuxWeights\.z_loss must be finite and >= 0"):
+        AuxWeights(z_loss=-0.1)

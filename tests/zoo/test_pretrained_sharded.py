@@ -40,7 +40,7 @@ def test_each_weight_is_placed_in_its_sharding(checkpoints, name):
     _, preset, sizes = CASES[name]
     mesh, rules = shard.mesh(**sizes), ShardingRules.preset(preset)
     plain = zoo.load_pretrained(checkpoints / name)
-    sharded = zoo.load_pretrained(checkpoints / name, mesh=mesh, rules=rules)
+    sharded = zoo.load_pretrained(checkpoints / name, placement=shard.Placement(mesh, rules))
     expected = shard.param_shardings(plain, rules, mesh)
     leaves = jax.tree.leaves(eqx.filter(sharded, eqx.is_array))
     wanted = jax.tree.leaves(expected, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -57,9 +57,9 @@ def test_each_weight_is_placed_in_its_sharding(checkpoints, name):
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_mesh_and_rules_go_together(checkpoints):
-    with pytest.raises(ValueError, match="needs both mesh and rules"):
-        zoo.load_pretrained(checkpoints / "llama-fsdp_tp", mesh=shard.mesh(fsdp=8))
+def test_mesh_and_rules_go_together():
+    with pytest.raises(ValueError, match="needs both a mesh and sharding rules"):
+        shard.Placement(shard.mesh(fsdp=8))
 
 
 def test_a_dimension_that_does_not_divide_is_named(checkpoints):
@@ -67,6 +67,5 @@ def test_a_dimension_that_does_not_divide_is_named(checkpoints):
     with pytest.raises(ValueError, match=r"q_proj.*'heads' of size 4 does not divide"):
         zoo.load_pretrained(
             checkpoints / "llama-fsdp_tp",
-            mesh=shard.mesh(tensor=8),
-            rules=ShardingRules.preset("tp"),
+            placement=shard.Placement(shard.mesh(tensor=8), ShardingRules.preset("tp")),
         )

@@ -7,8 +7,8 @@ Exponentials are base 2 (`exp2`, the GPU's native instruction) with c = log2(e) 
 p = exp2(s * c - m * c) on the raw scores s = q k^T, so the softmax scale costs no instruction of
 its own (it is the multiply of the fused multiply-add that subtracts the max, as in FA2's CUDA
 kernel), and the saved log-sum-exp is in base-2 units of the scaled scores. Folding c into q
-once instead would round q * c to bfloat16, which measured 7-18x larger output errors on peaked
-attention (bench/RESULTS.md).
+once instead would round q * c to bfloat16: several times larger output errors on peaked
+attention (bench/RESULTS.md has the measurement).
 
 Query tiles run heaviest first: under a causal mask the last query tile sees every key tile and
 the first only one, and a GPU starts programs in grid order, so the long ones start first and the

@@ -1,0 +1,112 @@
+"""A run directory belongs to one run: nothing a second command does loses or mixes its files.
+Every data-loss case checks the run's files byte for byte afterwards."""
+
+import errno
+import os
+
+import equinox as eqx
+import pytest
+
+import train
+from tests.training.conftest import stopped_copy
+from training import run_dir as runs
+from training import state
+
+
+def snapshot(directory):
+    """Every file under `directory` (but the lock) and its bytes."""
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != runs.LOCK
+    }
+
+
+@pytest.fixture
+def run(full_run, tmp_path):
+    """A copy of a finished 6-step run (checkpoints at steps 3 and 6)."""
+    return stopped_copy(full_run[0], tmp_path / "run", step=6)
+
+
+def test_a_new_run_into_a_run_directory_is_refused(run, tiny_argv):
+    before = snapshot(run)
+    with pytest.raises(ValueError, match="already holds a run; continue it with --resume"):
+        train.main(tiny_argv(run, "--model", "tiny-gpt2", "--override", "vocab_size=320"))
+    assert snapshot(run) == before
+
+
+def test_overwrite_replaces_the_old_run(run, tiny_argv):
+    result = train.main(tiny_argv(run, "--steps", "2", "--overwrite"))
+    assert [p.name for p in runs.checkpoints(run)] == ["step_00000002"]
+    steps = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all('"step": 1' in s or '"step": 2' in s for s in steps)
+    assert result.step == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "recorded"),
+    [("--lr", "0.5", "0.01"), ("--seq-len", "8", "16"), ("--seed", "3", "0")],
+)
+def test_resume_refuses_a_flag_that_contradicts_the_run(run, tiny_argv, flag, value, recorded):
+    before = snapshot(run)
+    argv = [*tiny_argv(run, "--steps", "8"), "--resume", str(run), flag, value]
+    with pytest.raises(ValueError, match=f"argument {flag}: .* recorded with {recorded}"):
+        train.main(argv)
+    assert snapshot(run) == before
+
+
+def test_resume_refuses_other_data_and_keeps_the_tokenizer(run, tiny_argv, tmp_path):
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "another corpus entirely"}\n' * 50)
+    before = snapshot(run)
+    argv = [*tiny_argv(run, "--steps", "8", data=other), "--resume", str(run)]
+    with pytest.raises(ValueError, match=r"argument --data: .* not '.*other\.jsonl'"):
+        train.main(argv)
+    assert snapshot(run) == before  # tokenizer.tiktoken included
+
+
+def test_resume_takes_the_recorded_settings(run, tiny_argv, corpus):
+    # Only --resume and --steps given: data, model, schedule and seed come from run.json.
+    result = train.main(["--resume", str(run), "--steps", "7", "--no-progress",
+                         "--cache-dir", str(run / "cache")])  # fmt: skip
+    assert result.step == 7 and result.model.config.vocab_size == 320
+
+
+def test_steps_not_beyond_the_run_is_an_error(run, tiny_argv):
+    before = snapshot(run)
+    for steps in ("6", "3"):
+        with pytest.raises(ValueError, match=f"argument --steps: {steps} is not beyond .* step 6"):
+            train.main([*tiny_argv(run, "--steps", steps), "--resume", str(run)])
+    assert snapshot(run) == before  # loss.png too
+
+
+def test_resume_and_init_from_are_refused_together(run, tiny_argv, tmp_path):
+    with pytest.raises(SystemExit):  # argparse's error: exit status 2, the flags named
+        train.main([*tiny_argv(run), "--resume", str(run), "--init-from", str(run)])
+
+
+def test_a_held_lock_stops_a_second_process_and_is_released_after(run, tiny_argv):
+    before = snapshot(run)
+    with runs.Lock(run):
+        with pytest.raises(ValueError, match=f"in use by process {os.getpid()}"):
+            train.main([*tiny_argv(run, "--steps", "8"), "--resume", str(run)])
+        with pytest.raises(ValueError, match="in use by process"):
+            train.main(tiny_argv(run, "--overwrite"))
+    assert snapshot(run) == before
+    # Released: the resume goes ahead now (and its own lock is released when it ends).
+    assert train.main([*tiny_argv(run, "--steps", "7"), "--resume", str(run)]).step == 7
+    runs.Lock(run).close()
+
+
+def test_a_full_disk_is_reported_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    def no_space(path, tree):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eqx, "tree_serialise_leaves", no_space)
+    target = tmp_path / "checkpoints" / "step_00000001"
+    with pytest.raises(OSError, match=r"no space left on the disk .* resume from the last"):
+        state.save_state(target, {"w": 1.0}, {"step": 1})
+    assert not target.exists()
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary directory left
