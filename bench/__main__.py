@@ -1,7 +1,7 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers, the serving engine) with sizes for the device found, each printing predicted (zoo.math roofline) vs
-measured beside the ceilings measured once in this run, and writes `results.json` and
+samplers, the serving engine) with sizes for the device found, each printing predicted (zoo.math
+roofline) vs measured beside the ceilings measured once in this run, and writes `results.json` and
 `results.md` to RESULTS_DIR.
 
     python -m bench all --out results/

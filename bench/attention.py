@@ -33,7 +33,7 @@ from bench.harness import (
     on_gpu,
     roofline_cells,
 )
-from layers.kernels import AttentionMask, causal_mask, get_kernel
+from layers.kernels import AttentionMask, causal_mask, kernel_named
 
 # Float32 score-sized buffers alive at the peak: scores and probabilities in the forward, plus
 # their two gradients in the backward (XLA may fuse some away; this errs on the safe side).
@@ -90,7 +90,7 @@ def cudnn_attention(q, k, v, mask: AttentionMask):
 
 def kernels(names: tuple[str, ...]) -> dict:
     """The kernels called `names` that exist on this backend (cuDNN only on a GPU)."""
-    found = {name: get_kernel(name) for name in names if name != "cudnn"}
+    found = {name: kernel_named(name) for name in names if name != "cudnn"}
     if "cudnn" in names and on_gpu():
         found["cudnn"] = cudnn_attention
     return found

@@ -89,12 +89,12 @@ def matmul_seconds(model: zoo.Transformer, batch: int, repeats: int) -> float:
     the LM head on a `[batch, in]` input, in one jitted program."""
     linears = [
         leaf
-        for block in model.layers()
+        for block in (model.layer(i) for i in range(model.config.n_layers))
         for leaf in jax.tree.leaves(block, is_leaf=lambda x: isinstance(x, Linear))
         if isinstance(leaf, Linear)
     ]
     weights = [lin.weight.reshape(math.prod(lin.in_shape), -1) for lin in linears]
-    dtype = model.config.compute_dtype
+    dtype = model.policy.compute
     # Random activations passed in: constant ones built inside the program could let XLA
     # simplify a product with a broadcast constant into a row sum.
     key = jax.random.key(0)
@@ -112,13 +112,15 @@ def matmul_seconds(model: zoo.Transformer, batch: int, repeats: int) -> float:
     return median_seconds(lambda: matmuls(xs, weights, x, head), repeats=max(repeats, 3))
 
 
-def cases() -> tuple[list[tuple[str, zoo.Config, int]], int, int, int]:
-    """(model name, config, batch) cases, prompt length, new tokens, repeats for this device."""
+def cases() -> tuple[list[tuple[str, zoo.Config, zoo.Policy, int]], int, int, int]:
+    """(model name, config, policy, batch) cases, prompt length, new tokens, repeats for this
+    device."""
     if on_gpu():
-        config = zoo.preset("llama3-1b", dtype="bfloat16", param_dtype="bfloat16")
-        return [("llama3-1b", config, b) for b in (1, 32)], 512, 129, 5
+        bf16 = zoo.Policy(compute_dtype="bfloat16", param_dtype="bfloat16")
+        return [("llama3-1b", zoo.preset("llama3-1b"), bf16, b) for b in (1, 32)], 512, 129, 5
     batches = {"gpt2-124m": (1, 8, 32), "smollm2-135m": (1, 8)}
-    return [(n, zoo.preset(n), b) for n, bs in batches.items() for b in bs], 32, 9, 1
+    todo = [(n, zoo.preset(n), zoo.Policy(), b) for n, bs in batches.items() for b in bs]
+    return todo, 32, 9, 1
 
 
 def run(ceilings: Ceilings) -> Table:
@@ -136,9 +138,9 @@ def run(ceilings: Ceilings) -> Table:
         ],
     )
     steps = new_tokens - 1
-    for name, config, batch in todo:
-        # Per-layer weights once, as examples/sample.py does: generate skips its per-call copy.
-        model = zoo.Transformer(config, key=jax.random.key(0)).unstack_layers()
+    for name, config, policy, batch in todo:
+        # Per-layer weights once, as examples/sample.py does: the fast decode layout on CPU.
+        model = zoo.Transformer(config, policy=policy, key=jax.random.key(0)).unstacked()
         prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 1, 1000).tolist()
 
         def generate(n, model=model, prompts=prompts):
@@ -150,8 +152,8 @@ def run(ceilings: Ceilings) -> Table:
         tn = median_seconds(lambda: generate(new_tokens), repeats=repeats)
         step_s = (tn - t1) / steps
         context = prompt_len + steps // 2
-        hardware = ceilings.hardware(config.dtype)
-        predicted = zoo.math.decode_step_roofline(config, batch, context, hardware)
+        hardware = ceilings.hardware(policy.compute_dtype)
+        predicted = zoo.math.decode_step_roofline(config, batch, context, hardware, policy)
         row = {
             "model": name,
             "batch": batch,
@@ -163,7 +165,7 @@ def run(ceilings: Ceilings) -> Table:
             hf = hf_seconds(config, batch, prompt_len, new_tokens, repeats) if batch <= 8 else None
             hf_tps = batch * steps / (hf[1] - hf[0]) if hf else float("nan")
             row |= {"HF decode tok/s": hf_tps, "ours / HF": row["decode tok/s"] / hf_tps}
-        step_bytes = zoo.math.decode_step_bytes(config, batch, context)
+        step_bytes = zoo.math.decode_step_bytes(config, batch, context, policy)
         row |= roofline_cells(predicted.time_s, step_s, step_bytes, bandwidth, "GB/s")
         matmuls_s = matmul_seconds(model, batch, repeats)
         row |= {"matmuls ms": 1e3 * matmuls_s, "step / matmuls": step_s / matmuls_s}

@@ -44,7 +44,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-import infer
 import zoo
 from bench import attention, flash_errors, hlo_count, trace_reading
 from bench import train as train_bench
@@ -58,7 +57,7 @@ from bench.harness import (
     on_gpu,
     roofline_cells,
 )
-from infer.step import forward_cached
+from layers.kv_cache import KVCache
 
 DEFAULT_BUDGET_S = 520.0
 # Seconds a stage may run past its budget before the alarm stops it: its soft deadline is checked
@@ -71,36 +70,33 @@ PACKAGES = ("jax", "jaxlib", "equinox", "optax", "jaxtyping", "numpy")
 # --- and infer APIs (with bench/train.py's fit_step and step_runner, which the train stage uses).
 
 
-def train_case(gpu: bool) -> tuple[str, zoo.Config, int]:
-    """(name, config, seq) of the train stage: Llama 3.2 1B shapes in bf16 with the flash kernel
-    on a GPU, a tiny Llama on a CPU."""
+def train_case(gpu: bool) -> tuple[str, zoo.Config, zoo.Policy, int]:
+    """(name, config, policy, seq) of the train stage: Llama 3.2 1B shapes in bf16 with the flash
+    kernel on a GPU, a tiny Llama on a CPU."""
     if gpu:
-        config = zoo.preset(
-            "llama3-1b", dtype="bfloat16", attention="flash", max_seq_len=train_bench.GPU_SEQ
-        )
-        return "llama3-1b", config, train_bench.GPU_SEQ
-    return "tiny-llama", zoo.preset("tiny-llama", n_layers=2, max_seq_len=64), 64
+        config = zoo.preset("llama3-1b", max_seq_len=train_bench.GPU_SEQ)
+        return "llama3-1b", config, train_bench.GPU_POLICY, train_bench.GPU_SEQ
+    return "tiny-llama", zoo.preset("tiny-llama", n_layers=2, max_seq_len=64), zoo.Policy(), 64
 
 
-def decode_case(gpu: bool) -> tuple[str, zoo.Config, tuple[int, ...], int, int, int]:
-    """(name, config, batches, context, steps, repeats) of the decode stage."""
+def decode_case(gpu: bool) -> tuple[str, zoo.Config, zoo.Policy, tuple[int, ...], int, int, int]:
+    """(name, config, policy, batches, context, steps, repeats) of the decode stage."""
     if gpu:
-        config = zoo.preset("llama3-1b", dtype="bfloat16", param_dtype="bfloat16")
-        return "llama3-1b", config, (1, 32), 512, 65, 5
-    return "tiny-llama", zoo.preset("tiny-llama", n_layers=2), (1, 4), 32, 33, 3
+        policy = zoo.Policy(compute_dtype="bfloat16", param_dtype="bfloat16")
+        return "llama3-1b", zoo.preset("llama3-1b"), policy, (1, 32), 512, 65, 5
+    return "tiny-llama", zoo.preset("tiny-llama", n_layers=2), zoo.Policy(), (1, 4), 32, 33, 3
 
 
-def decode_program(config: zoo.Config, batch: int, context: int, steps: int):
+def decode_program(config: zoo.Config, policy: zoo.Policy, batch: int, context: int, steps: int):
     """(run, hlo): `run(n)` runs n greedy decode steps of a random model in one jitted loop (n is
     a runtime argument: one compile serves every n) on a KV cache already holding `context` tokens
     per row, and returns the last tokens; `hlo` is the compiled loop's optimized HLO."""
-    model = zoo.Transformer(config, key=jax.random.key(0)).unstack_layers()
+    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0)).unstacked()
     max_len = context + steps
-    empty = infer.init_cache(config, batch, max_len)
+    empty = model.init_cache(batch, max_len)
     filled = jnp.broadcast_to(jnp.arange(max_len) < context, (batch, max_len))
-    cache = infer.KVCache(
-        k=empty.k,
-        v=empty.v,
+    cache = KVCache(
+        layers=empty.layers,
         positions=jnp.where(filled, jnp.arange(max_len), 0).astype(jnp.int32),
         segment_ids=filled.astype(jnp.int32),
         lengths=jnp.full((batch,), context, jnp.int32),
@@ -110,8 +106,8 @@ def decode_program(config: zoo.Config, batch: int, context: int, steps: int):
     def loop(model, cache, token, n):
         def step(_, carry):
             token, cache = carry
-            x, cache = forward_cached(model, token[:, None], jnp.ones((batch, 1), bool), cache)
-            return jnp.argmax(model.logits(x)[:, 0], axis=-1).astype(jnp.int32), cache
+            out = model.forward(token[:, None], cache=cache)
+            return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
 
         return jax.lax.fori_loop(0, n, step, (token, cache))[0]
 
@@ -373,14 +369,16 @@ def attention_stage(run: Run, deadline: float) -> None:
 
 
 def train_stage(run: Run, deadline: float) -> None:
-    name, config, seq = train_case(run.gpu)
-    dtype = config.dtype
+    name, config, policy, seq = train_case(run.gpu)
+    dtype = policy.compute_dtype
     peak = run.ceilings.matmul_flops(dtype)
-    config, batch, compiled, needed = train_bench.fit_step(config, seq, device_memory_bytes())
-    step = train_bench.step_runner(config, batch, seq, compiled)
+    memory = device_memory_bytes()
+    policy, batch, compiled, needed = train_bench.fit_step(config, policy, seq, memory)
+    step = train_bench.step_runner(config, policy, batch, seq, compiled)
     measured = median_seconds(step, repeats=10 if run.gpu else 2, warmup=2)
     run.train_step = step
-    predicted = zoo.math.training_step_roofline(config, batch, seq, run.ceilings.hardware(dtype))
+    hardware = run.ceilings.hardware(dtype)
+    predicted = zoo.math.training_step_roofline(config, batch, seq, hardware, policy)
     flops = zoo.math.training_flops_per_token(config, seq) * batch * seq
     table = run.table(
         "train",
@@ -391,10 +389,9 @@ def train_stage(run: Run, deadline: float) -> None:
         "model": name,
         "params": f"{zoo.math.param_count(config) / 1e6:.0f}M",
         "batch x seq": f"{batch} x {seq}",
-        "remat": config.remat,
-        "attention": config.attention,
-        "predicted GB": zoo.math.training_memory_bytes(config, batch, seq, remat=config.remat)
-        / 1e9,
+        "remat": policy.remat,
+        "attention": policy.kernel_name,
+        "predicted GB": zoo.math.training_memory_bytes(config, batch, seq, policy) / 1e9,
         "compiled GB": needed / 1e9,
         "tokens/s": batch * seq / measured,
     }
@@ -416,13 +413,13 @@ def train_stage(run: Run, deadline: float) -> None:
 
 
 def decode_stage(run: Run, deadline: float) -> None:
-    name, config, batches, context, steps, repeats = decode_case(run.gpu)
+    name, config, policy, batches, context, steps, repeats = decode_case(run.gpu)
     bandwidth = run.ceilings.bandwidth()
     table = run.table(
         "decode",
         "Decode: a jitted loop of greedy steps",
         [
-            f"{name}, {config.dtype} weights, a cache holding {context} tokens per row, "
+            f"{name}, {policy.param_dtype} weights, a cache holding {context} tokens per row, "
             f"{steps} steps; step = (t({steps}) - t(1)) / {steps - 1}. Ceiling: bandwidth "
             f"{bandwidth / 1e9:.3g} GB/s measured in this run; predicted = "
             "zoo.math.decode_step_roofline. kernels/step: read off the compiled loop's body."
@@ -432,15 +429,14 @@ def decode_stage(run: Run, deadline: float) -> None:
         if time.monotonic() > deadline:
             print(f"decode batch {batch}: not run, the stage's budget is spent")
             continue
-        step_n, hlo = decode_program(config, batch, context, steps)
+        step_n, hlo = decode_program(config, policy, batch, context, steps)
         t1 = median_seconds(lambda step_n=step_n: step_n(1), repeats=repeats)
         tn = median_seconds(lambda step_n=step_n: step_n(steps), repeats=repeats)
         step_s = (tn - t1) / (steps - 1)
         mid = context + steps // 2
-        predicted = zoo.math.decode_step_roofline(
-            config, batch, mid, run.ceilings.hardware(config.dtype)
-        )
-        n_bytes = zoo.math.decode_step_bytes(config, batch, mid)
+        hardware = run.ceilings.hardware(policy.compute_dtype)
+        predicted = zoo.math.decode_step_roofline(config, batch, mid, hardware, policy)
+        n_bytes = zoo.math.decode_step_bytes(config, batch, mid, policy)
         row = {"model": name, "batch": batch, "tokens/s": batch / step_s}
         row |= roofline_cells(predicted.time_s, step_s, n_bytes, bandwidth, "GB/s")
         row["kernels/step"] = hlo_count.kernel_count(hlo, loop_body=True)

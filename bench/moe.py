@@ -16,11 +16,13 @@ import optax
 
 import zoo
 from bench.harness import Ceilings, Table, median_seconds, on_gpu, roofline_cells
+from layers.moe import aux_loss
+from layers.moe.dispatch import Capacity, Dropless
 from zoo import math as zm
 
 
-def configs() -> tuple[zoo.Config, int, int, int]:
-    """(dense config, batch, seq, repeats) for this device."""
+def configs() -> tuple[zoo.Config, zoo.Policy, int, int, int]:
+    """(dense config, policy, batch, seq, repeats) for this device."""
     if on_gpu():
         dense = zoo.Config(
             vocab_size=32768,
@@ -29,25 +31,26 @@ def configs() -> tuple[zoo.Config, int, int, int]:
             n_heads=16,
             d_ff=4096,
             max_seq_len=2048,
-            dtype="bfloat16",
         )
-        return dense, 8, 2048, 10
+        return dense, zoo.Policy.of_dtype("bfloat16"), 8, 2048, 10
     dense = zoo.Config(
         vocab_size=2048, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=512
     )
-    return dense, 4, 128, 3
+    return dense, zoo.Policy(), 4, 128, 3
 
 
 def loss_fn(model, tokens):
     out = model.forward(tokens[:, :-1])
     logp = jax.nn.log_softmax(out.logits.astype(jnp.float32))
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
-    return nll + zoo.moe_aux_loss(out.aux, model.config)
+    return nll + aux_loss(out.aux, load_balancing_weight=0.01, z_loss_weight=0.001)
 
 
-def measure(config: zoo.Config, batch: int, seq: int, repeats: int) -> tuple[float, float]:
+def measure(
+    config: zoo.Config, policy: zoo.Policy, batch: int, seq: int, repeats: int
+) -> tuple[float, float]:
     """(forward seconds, train step seconds)."""
-    model = zoo.Transformer(config, key=jax.random.key(0))
+    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)
     forward = eqx.filter_jit(lambda m, t: m.forward(t[:, :-1]).logits)
     optimizer = optax.adamw(1e-3)
@@ -65,27 +68,30 @@ def measure(config: zoo.Config, batch: int, seq: int, repeats: int) -> tuple[flo
 
 
 def run(ceilings: Ceilings) -> Table:
-    dense, batch, seq, repeats = configs()
+    dense, policy, batch, seq, repeats = configs()
     moe = dense.replace(n_experts=8, n_experts_per_token=2, moe_d_ff=dense.d_ff // 2)
-    peak = ceilings.matmul_flops(dense.dtype)
+    dtype = policy.compute_dtype
+    peak = ceilings.matmul_flops(dtype)
     table = Table(
         "moe",
         "MoE vs dense (same active FLOPs)",
         [
-            f"batch {batch} x seq {seq}, {dense.dtype}, AdamW; ceiling: {dense.dtype} matmul "
+            f"batch {batch} x seq {seq}, {dtype}, AdamW; ceiling: {dtype} matmul "
             f"{peak / 1e12:.3g} TFLOP/s measured in this run; predicted = model FLOPs / ceiling."
         ],
     )
-    for name, config in [
-        ("dense", dense),
-        ("moe dropless", moe),
-        ("moe capacity 1.25", moe.replace(moe_dispatch="capacity", capacity_factor=1.25)),
+    capacity = Capacity(1.25)
+    for name, config, dispatch in [
+        ("dense", dense, Dropless()),
+        ("moe dropless", moe, Dropless()),
+        ("moe capacity 1.25", moe, capacity),
     ]:
-        extra = zm.capacity_dispatch_flops_per_token(config, seq)
         fwd_per_token = zm.forward_flops_per_token(config, seq)
-        if config.moe_dispatch == "capacity" and config.n_experts:
-            fwd_per_token += extra
-        fwd_s, step_s = measure(config, batch, seq, repeats)
+        if isinstance(dispatch, Capacity):
+            fwd_per_token += zm.capacity_dispatch_flops_per_token(
+                config, seq, capacity.capacity_factor
+            )
+        fwd_s, step_s = measure(config, policy.replace(moe_dispatch=dispatch), batch, seq, repeats)
         for pass_, measured, flops in [
             ("forward", fwd_s, fwd_per_token * batch * seq),
             ("train step", step_s, 3 * fwd_per_token * batch * seq),

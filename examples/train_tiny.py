@@ -10,8 +10,8 @@ from data.corpus import write_stdlib_corpus
 from data.datasets import load_text, tokenize
 from data.prefetch import Prefetcher
 from data.tokenizers import cached_bpe
+from shard import Placement
 from training.optimizer import adamw, learning_rate
-from training.placement import Placement
 from training.step import compile_steps, split_model
 from zoo import Config, Transformer
 
@@ -25,7 +25,7 @@ config = Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=256, max
 model, devices = Transformer(config, key=jax.random.key(0)), Placement()  # or (mesh, rules)
 params, static = split_model(model)
 optimizer = adamw(learning_rate("wsd", peak=3e-3, steps=200, warmup=20))
-opt_state = devices.init_opt_state(optimizer, model)
+opt_state = devices.init_opt_state(optimizer, params)
 train_step, _ = compile_steps(static, optimizer, placement=devices, model=model)
 
 for step, batch in zip(range(1, 201), Prefetcher(batches.iterate(), devices.batch), strict=False):

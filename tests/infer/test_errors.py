@@ -16,12 +16,12 @@ def llama():
 
 @pytest.fixture
 def no_compile(monkeypatch):
-    """Fails the test if generate reaches its compiled program."""
+    """Fails the test if generate reaches an engine (which would compile and allocate)."""
 
-    def compiled(*args, **kwargs):
-        raise AssertionError("generate compiled before rejecting its input")
+    def engine(*args, **kwargs):
+        raise AssertionError("generate built an engine before rejecting its input")
 
-    monkeypatch.setattr(infer.generation, "_generate", compiled)
+    monkeypatch.setattr(infer.generation, "Engine", engine)
 
 
 @pytest.mark.parametrize(
@@ -30,8 +30,13 @@ def no_compile(monkeypatch):
         ([[1, 2, 3, 4]], {"max_new_tokens": 3, "max_len": 5}, "exceeds the KV cache max_len=5"),
         ([[1, 2], []], {"max_new_tokens": 3}, "prompt 1 is empty"),
         ([], {"max_new_tokens": 3}, "prompts is empty"),
-        ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
-        ([[1, 2]], {"max_new_tokens": -2}, "max_new_tokens must be >= 1, got -2"),
+        ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be a positive int, got 0"),
+        ([[1, 2]], {"max_new_tokens": -2}, "max_new_tokens must be a positive int, got -2"),
+        ([1, 2, 3], {"max_new_tokens": 3}, r"got a flat list of ids .* pass \[\[1, 2, 3\]\]"),
+        (jnp.ones((3,), jnp.int32), {"max_new_tokens": 3}, "must be 2-D"),
+        (jnp.ones((1, 2, 3), jnp.int32), {"max_new_tokens": 3}, "must be 2-D"),
+        ([[1.0, 2.5]], {"max_new_tokens": 3}, "must hold integer token ids, got dtype float"),
+        ([[[1, 2]]], {"max_new_tokens": 3}, "prompt 0 must be a 1-D list of token ids"),
         (
             [[1, 256]],
             {"max_new_tokens": 3},
@@ -41,29 +46,33 @@ def no_compile(monkeypatch):
         ([[1]], {"max_new_tokens": 3, "stop_tokens": (999,)}, "stop_tokens holds token id 999"),
     ],
 )
-def test_generate_rejects_bad_input(llama, no_compile, prompts, kwargs, message):
+def test_generate_rejects_bad_input(
+    llama, no_compile, prompts, kwargs, message, without_runtime_typechecks
+):
     with pytest.raises(ValueError, match=message):
         infer.generate(llama, prompts, sampler=infer.Greedy(), key=jax.random.key(0), **kwargs)
 
 
-def test_prompt_longer_than_learned_positions(no_compile):
-    gpt2 = zoo.Transformer(zoo.preset("tiny-gpt2"), key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"exceeds Config\.max_seq_len=128"):
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_prompt_beyond_max_seq_len_for_every_position_kind(no_compile, name):
+    model = zoo.Transformer(zoo.preset(name, max_seq_len=128), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\(129 tokens\) exceeds Config\.max_seq_len=128"):
         infer.generate(
-            gpt2, [[1] * 120], max_new_tokens=9, sampler=infer.Greedy(), key=jax.random.key(0)
+            model, [[1] * 120], max_new_tokens=9, sampler=infer.Greedy(), key=jax.random.key(0)
         )
 
 
 def test_prefill_and_decode_step_reject_bad_input(llama):
-    cache = infer.init_cache(llama.config, 1, 4)
+    cache = llama.init_cache(1, 4)
     with pytest.raises(ValueError, match="do not fit the KV cache"):
         infer.prefill(llama, jnp.ones((1, 5), jnp.int32), cache)
     with pytest.raises(ValueError, match="empty prompt"):
         infer.prefill(llama, jnp.ones((1, 0), jnp.int32), cache)
     with pytest.raises(ValueError, match="token id 300 outside the vocabulary"):
         infer.decode_step(llama, jnp.array([300]), cache)
-    with pytest.raises(ValueError, match=r"max_len=200 exceeds Config\.max_seq_len=128"):
-        infer.init_cache(zoo.preset("tiny-gpt2"), 1, 200)
+    gpt2 = zoo.Transformer(zoo.preset("tiny-gpt2"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\(200 tokens\) exceeds Config\.max_seq_len=128"):
+        gpt2.init_cache(1, 200)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""training.checkpoint.load_run: a run directory written by train.py's checkpoint.save gives back
-the trained model (same logits) and the run's tokenizer."""
+"""training.run_dir.load_run: a run directory written by train.py's run_dir.save gives back the
+trained model (same logits) and the run's tokenizer."""
 
 import equinox as eqx
 import jax
@@ -9,7 +9,7 @@ import pytest
 
 import zoo
 from data.tokenizers import from_ranks, save_ranks
-from training import checkpoint
+from training import run_dir
 from training.optimizer import adamw, learning_rate
 from training.step import split_model
 
@@ -20,12 +20,12 @@ def test_load_run_returns_the_trained_model_and_tokenizer(tmp_path):
     params, _ = split_model(model)
     params = jax.tree.map(lambda p: p + 0.01, params)  # "trained": differs from a fresh init
     opt_state = adamw(learning_rate("cosine", peak=1e-3, steps=10, warmup=1)).init(params)
-    checkpoint.save(tmp_path, params=params, opt_state=opt_state, step=1, data_position=0,
-                    rng=jax.random.key(0), config=config)  # fmt: skip
+    run_dir.save(tmp_path, params=params, opt_state=opt_state, step=1, data_position=0,
+                    rng=jax.random.key(0), config=config, policy=zoo.Policy())  # fmt: skip
     encoding = from_ranks({bytes([i]): i for i in range(256)}, name="bytes")
     save_ranks(encoding, tmp_path / "tokenizer.tiktoken")
 
-    loaded, tokenizer = checkpoint.load_run(tmp_path)
+    loaded, tokenizer = run_dir.load_run(tmp_path)
     tokens = jnp.array([[1, 2, 3, 4]])
     expected = eqx.combine(params, split_model(model)[1])(tokens)
     np.testing.assert_array_equal(loaded(tokens), expected)
@@ -35,14 +35,14 @@ def test_load_run_returns_the_trained_model_and_tokenizer(tmp_path):
 
 def test_load_run_without_checkpoint_says_so(tmp_path):
     with pytest.raises(ValueError, match="holds no checkpoint"):
-        checkpoint.load_run(tmp_path)
+        run_dir.load_run(tmp_path)
 
 
 def test_load_run_detects_a_damaged_checkpoint(tmp_path):
     config = zoo.preset("tiny-gpt2")
     params, _ = split_model(zoo.Transformer(config, key=jax.random.key(0)))
-    path = checkpoint.save(tmp_path, params=params, opt_state=(), step=1, data_position=0,
-                           rng=jax.random.key(0), config=config)  # fmt: skip
+    path = run_dir.save(tmp_path, params=params, opt_state=(), step=1, data_position=0,
+                           rng=jax.random.key(0), config=config, policy=zoo.Policy())  # fmt: skip
     (path / "state.eqx").write_bytes(b"broken")
     with pytest.raises(ValueError, match="corrupt"):
-        checkpoint.load_run(tmp_path)
+        run_dir.load_run(tmp_path)

@@ -1,5 +1,5 @@
-"""Sharded generate on 8 fake CPU devices: tensor-parallel and data-parallel weights and KV cache
-give the same greedy tokens as one device."""
+"""Sharded generate on 8 fake CPU devices: tensor-parallel and data-parallel weights and paged KV
+cache give the same greedy tokens as one device."""
 
 import jax
 import pytest
@@ -17,24 +17,19 @@ def test_sharded_greedy_equals_unsharded(model, preset, sizes):
     prompts = PROMPTS[: sizes["data"]]
     kwargs = {"max_new_tokens": 5, "sampler": infer.Greedy(), "key": jax.random.key(0)}
     expected = infer.generate(model, prompts, **kwargs)
-    mesh = shard.mesh(**sizes)
-    out = infer.generate(
-        model, prompts, mesh=mesh, rules=shard.ShardingRules.preset(preset), **kwargs
-    )
+    placement = shard.Placement(shard.mesh(**sizes), shard.ShardingRules.preset(preset))
+    sharded = placement.place(model)
+    out = infer.generate(sharded, prompts, placement=placement, **kwargs)
     assert out == expected
-
-
-def test_sharded_generate_needs_mesh_and_rules(model):
-    with pytest.raises(ValueError, match="both mesh and rules"):
-        infer.generate(
-            model, [[1, 2]], max_new_tokens=2, sampler=infer.Greedy(), key=jax.random.key(0),
-            mesh=shard.mesh(data=8),
-        )  # fmt: skip
+    # The pools are split as the rules split K/V heads (tp) and the weights stay where they are.
+    engine = infer.Engine(sharded, max_batch=len(prompts), max_len=64, placement=placement)
+    pool = engine.pages[0][0].k
+    assert pool.sharding.spec == placement.array_shardings(engine.pages)[0][0].k.spec
 
 
 def test_sharded_batch_must_divide_by_the_batch_axes(model):
     with pytest.raises(ValueError, match="batch"):
         infer.generate(
             model, PROMPTS[:3], max_new_tokens=2, sampler=infer.Greedy(), key=jax.random.key(0),
-            mesh=shard.mesh(data=8), rules=shard.ShardingRules.preset("dp"),
+            placement=shard.Placement(shard.mesh(data=8), shard.ShardingRules.preset("dp")),
         )  # fmt: skip

@@ -108,9 +108,7 @@ def test_model_step_with_flash_under_fsdp_tp_matches_unsharded_naive():
     want_loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(naive, tokens)
     want = jax.tree.map(lambda p, g: p - g, eqx.filter(naive, eqx.is_array), grads)
 
-    placement = shard.Placement(
-        shard.mesh(fsdp=2, tensor=4), shard.ShardingRules.preset("fsdp_tp")
-    )
+    placement = shard.Placement(shard.mesh(fsdp=2, tensor=4), shard.ShardingRules.preset("fsdp_tp"))
     flash_policy = zoo.Policy(attention="flash")
     model = placement.init(
         lambda key: zoo.Transformer(config, policy=flash_policy, key=key), jax.random.key(0)

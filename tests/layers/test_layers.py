@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from layers import MLP, Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
-from layers.kernels import causal_mask
+from layers.kernels import Naive, Xla, causal_mask
 from layers.rotary import RopeScaling, apply_rotary, inverse_frequencies, rotary_frequencies
 
 KEY = jax.random.key(0)
@@ -106,17 +106,17 @@ def test_attention_shapes(n_heads, n_kv_heads, qk_norm):
     )
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     cos_sin = rotary_frequencies(pos, head_dim=8, theta=10_000.0)
-    y = attn(x_input(), causal_mask(pos), cos_sin)
-    assert y.shape == (B, T, D) and y.dtype == jnp.float32
+    y, cache = attn(x_input(), causal_mask(pos), cos_sin, kernel=Xla())
+    assert y.shape == (B, T, D) and y.dtype == jnp.float32 and cache is None
 
 
 def test_attention_is_causal():
-    attn = Attention(D, n_heads=4, n_kv_heads=2, head_dim=8, kernel="naive", key=KEY)
+    attn = Attention(D, n_heads=4, n_kv_heads=2, head_dim=8, key=KEY)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     x = x_input()
-    y = attn(x, causal_mask(pos))
+    y, _ = attn(x, causal_mask(pos), kernel=Naive())
     x_changed = x.at[:, -1].add(1.0)
-    y_changed = attn(x_changed, causal_mask(pos))
+    y_changed, _ = attn(x_changed, causal_mask(pos), kernel=Naive())
     np.testing.assert_allclose(y[:, :-1], y_changed[:, :-1], rtol=1e-6)
     assert not np.allclose(y[:, -1], y_changed[:, -1])
 
