@@ -7,6 +7,7 @@ names to place each parameter on a device mesh.
 from layers.attention import Attention
 from layers.embedding import Embedding, LearnedPositions
 from layers.linear import Linear
+from layers.lora import LoRA
 from layers.mlp import MLP, SwiGLU
 from layers.moe import MoE
 from layers.norm import LayerNorm, RMSNorm
@@ -19,6 +20,7 @@ __all__ = [
     "LayerNorm",
     "LearnedPositions",
     "Linear",
+    "LoRA",
     "MoE",
     "RMSNorm",
     "RopeScaling",
