@@ -30,9 +30,9 @@ from jaxtyping import Array, Float
 from data.packing import Batch
 from layers.moe import MoEStats
 from shard import Placement
-from shard.axes import is_float_array_like
 from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, loss_terms
 from zoo import Transformer
+from zoo.adapter import split_trainable
 
 
 class StepMetrics(eqx.Module):
@@ -48,9 +48,11 @@ class StepMetrics(eqx.Module):
 
 
 def split_model(model: Transformer) -> tuple[Any, Any]:
-    """(trainable float arrays, everything else); the optimizer sees only the first. Works on
-    abstract models too (`eqx.filter_eval_shape`)."""
-    return eqx.partition(model, is_float_array_like)
+    """(trainable arrays, everything else); the optimizer sees only the first. The one place
+    that decides what trains: every float array, or, when the model holds LoRA adapters
+    (`zoo.add_lora`), their A and B alone (`zoo.adapter.split_trainable`). Works on abstract
+    models too (`eqx.filter_eval_shape`)."""
+    return split_trainable(model)
 
 
 def abstract_batch(batch_size: int, seq_len: int, sharding=None) -> Batch:
@@ -145,8 +147,10 @@ def compile_steps(
         return jax.jit(train, donate_argnums=(0, 1)), jax.jit(evaluate)
     if model is None:
         raise ValueError("compile_steps with a mesh needs the model to read its shardings from")
-    params_s = placement.param_shardings(model)
-    state_s = placement.opt_state_shardings(optimizer, model)
+    # Shardings of what trains (with adapters, not the frozen base the step closes over).
+    trainable = split_model(model)[0]
+    params_s = placement.param_shardings(trainable)
+    state_s = placement.opt_state_shardings(optimizer, trainable)
     batch_s = placement.batch_sharding()
     replicated = placement.replicated()
     train_jit = jax.jit(

@@ -1,7 +1,8 @@
 """The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly,
-transformer math, and tokenizers with chat templates."""
+LoRA adapters, transformer math, and tokenizers with chat templates."""
 
 from zoo import math
+from zoo.adapter import add_lora, merge_adapter
 from zoo.block import Block
 from zoo.config import Config
 from zoo.output import ModelOutput
@@ -19,19 +20,23 @@ __all__ = [
     "Stack",
     "Tokenizer",
     "Transformer",
+    "add_lora",
+    "load_adapter",
     "load_pretrained",
     "load_tokenizer",
     "math",
+    "merge_adapter",
     "preset",
     "presets",
+    "save_adapter",
     "save_pretrained",
 ]
 
 
 def __getattr__(name: str):
-    # load_pretrained/save_pretrained need the `checkpoints` extra (safetensors, gguf): import
+    # Checkpoint and adapter files need the `checkpoints` extra (safetensors, gguf): import
     # them on first use so that `import zoo` works without it.
-    if name in ("load_pretrained", "save_pretrained"):
+    if name in ("load_pretrained", "save_pretrained", "load_adapter", "save_adapter"):
         from zoo import pretrained
 
         return getattr(pretrained, name)
