@@ -7,11 +7,11 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
+from zoo.adapter import has_lora
 from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
 from zoo.pretrained.safetensors import INDEX
 from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
-from zoo.adapter import has_lora
 from zoo.transformer import Transformer
 
 
