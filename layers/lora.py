@@ -45,7 +45,7 @@ class LoRA(eqx.Module):
         base: Linear,
         *,
         rank: int,
-        alpha: float,
+        alpha: float | int,
         dropout: float = 0.0,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,

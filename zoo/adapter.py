@@ -116,7 +116,7 @@ def add_lora(
     model: Transformer,
     targets: str | list[str] | tuple[str, ...],
     rank: int,
-    alpha: float,
+    alpha: float | int,
     *,
     dropout: float = 0.0,
     dtype: DTypeLike = jnp.float32,
