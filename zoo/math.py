@@ -99,6 +99,37 @@ def active_param_count(config: Config) -> int:
     return param_count(config) - n_moe * moe_saving
 
 
+def lora_param_count(config: Config, targets: str | list[str] | tuple[str, ...], rank: int) -> int:
+    """Parameters of `zoo.add_lora(model, targets, rank, ...)`: rank x (in + out) per wrapped
+    projection and layer (attention targets in every layer, MLP targets in the dense ones: an
+    MoE layer holds no Linear MLP). What a LoRA step trains and keeps AdamW moments for; the
+    base weights stay frozen. Target names as add_lora takes them (zoo/adapter.py); unknown
+    names are an error there."""
+    from zoo.adapter import TARGETS  # zoo.adapter builds models; math only needs its names
+    from zoo.stack import segments
+
+    c = config
+    names = [targets] if isinstance(targets, str) else list(targets)
+    paths = {p for n in names for p in TARGETS[n]} if all(n in TARGETS for n in names) else None
+    if paths is None:
+        raise ValueError(f"unknown LoRA target(s) in {names}; known names: {sorted(TARGETS)}")
+    sizes = {
+        "attn.q_proj": (c.d_model, c.q_dim),
+        "attn.k_proj": (c.d_model, c.kv_dim),
+        "attn.v_proj": (c.d_model, c.kv_dim),
+        "attn.o_proj": (c.q_dim, c.d_model),
+        "mlp.gate": (c.d_model, c.d_ff) if c.mlp == "swiglu" else (0, 0),
+        "mlp.up": (c.d_model, c.d_ff),
+        "mlp.down": (c.d_ff, c.d_model),
+    }
+    dense = sum(repeats * period.count(False) for _, period, repeats in segments(c))
+    total = 0
+    for path in paths:
+        layers = dense if path.startswith("mlp.") else c.n_layers
+        total += layers * rank * sum(sizes[path])
+    return total
+
+
 def matmul_params(config: Config) -> int:
     """Parameters that take part in a matmul per token: every block's projections and the LM head
     (tied or not). Norm scales, biases and lookups are left out: their FLOPs are negligible."""

@@ -106,6 +106,20 @@ def test_split_trains_the_adapters_alone(base):
     assert sum(x.size for x in jax.tree.leaves(split_model(base)[0])) == n_base
 
 
+@pytest.mark.parametrize(
+    ("preset", "targets"),
+    [("tiny-llama", ALL), ("tiny-gpt2", ["c_attn", "c_fc"]), ("tiny-moe", ["q_proj", "up_proj"])],
+)
+def test_lora_param_count_predicts_the_trainable_parameters(preset, targets):
+    config = zoo.preset(preset, n_layers=2)
+    model = eqx.filter_eval_shape(zoo.Transformer, config, key=jax.random.key(0))
+    adapted = eqx.filter_eval_shape(
+        lambda m: zoo.add_lora(m, targets, 4, 8, key=jax.random.key(0)), model
+    )
+    trainable = sum(x.size for x in jax.tree.leaves(split_trainable(adapted)[0]))
+    assert zoo.math.lora_param_count(config, targets, 4) == trainable
+
+
 def test_a_training_step_moves_only_the_adapters(base):
     adapted = zoo.add_lora(base, ALL, rank=4, alpha=8, key=jax.random.key(0))
     params, static = split_model(adapted)
