@@ -10,6 +10,7 @@ from layers.linear import Linear
 from layers.mlp import MLP, SwiGLU
 from layers.moe import MoE
 from layers.norm import LayerNorm, RMSNorm
+from layers.quantized import QuantizedLinear
 from layers.rotary import RopeScaling, apply_rotary, rotary_frequencies
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "LearnedPositions",
     "Linear",
     "MoE",
+    "QuantizedLinear",
     "RMSNorm",
     "RopeScaling",
     "SwiGLU",

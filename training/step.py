@@ -29,6 +29,7 @@ from jaxtyping import Array, Float
 
 from data.packing import Batch
 from layers.moe import MoEStats
+from layers.quantized import QuantizedLinear
 from shard import Placement
 from shard.axes import is_float_array_like
 from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, loss_terms
@@ -47,10 +48,18 @@ class StepMetrics(eqx.Module):
     moe: MoEStats
 
 
+def _trainable(node) -> bool:
+    # A QuantizedLinear is a frozen base (QLoRA): its integer codes are no float array, and its
+    # float scales and bias must not be trained either. A zero gradient would not freeze them
+    # (AdamW's weight decay still moves every leaf it is given), so they are left out whole.
+    return not isinstance(node, QuantizedLinear) and is_float_array_like(node)
+
+
 def split_model(model: Transformer) -> tuple[Any, Any]:
-    """(trainable float arrays, everything else); the optimizer sees only the first. Works on
-    abstract models too (`eqx.filter_eval_shape`)."""
-    return eqx.partition(model, is_float_array_like)
+    """(trainable float arrays, everything else); the optimizer sees only the first. A
+    `QuantizedLinear` (a frozen quantized base) goes wholly to the second. Works on abstract
+    models too (`eqx.filter_eval_shape`)."""
+    return eqx.partition(model, _trainable, is_leaf=lambda n: isinstance(n, QuantizedLinear))
 
 
 def abstract_batch(batch_size: int, seq_len: int, sharding=None) -> Batch:

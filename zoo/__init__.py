@@ -1,5 +1,5 @@
 """The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly,
-transformer math, and tokenizers with chat templates."""
+transformer math, the quantized frozen base of QLoRA, and tokenizers with chat templates."""
 
 from zoo import math
 from zoo.block import Block
@@ -7,6 +7,7 @@ from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
+from zoo.quantize import quantize_base
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Transformer
@@ -24,6 +25,7 @@ __all__ = [
     "math",
     "preset",
     "presets",
+    "quantize_base",
     "save_pretrained",
 ]
 
