@@ -7,7 +7,7 @@ from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
-from zoo.quantize import quantize_base
+from zoo.quantize import dequantize_base, quantize_base
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Transformer
@@ -20,6 +20,7 @@ __all__ = [
     "Stack",
     "Tokenizer",
     "Transformer",
+    "dequantize_base",
     "load_pretrained",
     "load_tokenizer",
     "math",

@@ -25,12 +25,32 @@ def _is_linear(node) -> bool:
     return isinstance(node, Linear)
 
 
+def _is_quantized(node) -> bool:
+    return isinstance(node, QuantizedLinear)
+
+
 def quantize_base(model: Transformer, kind: Kind, *, block: int = 64) -> Transformer:
     """`model` with every projection in its stacks held as `kind` ("int8" or "nf4", NF4 blocks
-    of `block` along each projection's last input dim, which `block` must divide)."""
+    of `block` along each projection's last input dim, which `block` must divide). Raises before
+    quantizing anything if one projection cannot be."""
     for linear in jax.tree.leaves(model.stacks, is_leaf=_is_linear):
-        if isinstance(linear, Linear):
+        if _is_linear(linear):
             check_kind(kind, block, linear.in_shape)
-    quantize = lambda n: QuantizedLinear.from_linear(n, kind, block=block) if _is_linear(n) else n  # noqa: E731
+
+    def quantize(node):
+        return QuantizedLinear.from_linear(node, kind, block=block) if _is_linear(node) else node
+
     stacks = jax.tree.map(quantize, model.stacks, is_leaf=_is_linear)
+    return eqx.tree_at(lambda m: m.stacks, model, stacks)
+
+
+def dequantize_base(model: Transformer) -> Transformer:
+    """`model` with every `QuantizedLinear` replaced by the float `Linear` it stands for (in the
+    policy's parameter dtype): the same function as the quantized model, e.g. to merge a LoRA
+    adapter into plain weights."""
+
+    def dequantize(node):
+        return node.dequantize(model.policy.params) if _is_quantized(node) else node
+
+    stacks = jax.tree.map(dequantize, model.stacks, is_leaf=_is_quantized)
     return eqx.tree_at(lambda m: m.stacks, model, stacks)
