@@ -125,24 +125,37 @@ def test_base_is_frozen_under_jit_and_adamw(kind, block):
 
 @pytest.mark.parametrize("kind, block", KINDS)
 @pytest.mark.parametrize(
-    "name, changes",
+    "name, changes, dtype",
     [
-        ("tiny-llama", {}),
-        ("tiny-gpt2", {}),
-        ("tiny-llama", {"tie_embeddings": False}),
-        ("tiny-moe", {}),
+        ("tiny-llama", {}, "float32"),
+        ("tiny-llama", {"tie_embeddings": False}, "bfloat16"),
+        ("tiny-gpt2", {}, "float32"),  # biases (kept float) and a GELU MLP
+        ("tiny-moe", {}, "float32"),  # experts and router kept float
     ],
 )
-def test_bytes_match_the_prediction(kind, block, name, changes):
-    model = tiny(name, **changes)
+def test_bytes_match_the_prediction(kind, block, name, changes, dtype):
+    policy = zoo.Policy.of_dtype(dtype)
+    model = zoo.Transformer(zoo.preset(name, **changes), policy=policy, key=jax.random.key(0))
     q = zoo.quantize_base(model, kind, block=block)
     measured = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(q, eqx.is_array)))
-    assert measured == zoo.math.frozen_base_bytes(model.config, kind, block=block)
-    assert (
-        measured
-        < zoo.math.frozen_base_bytes(model.config, None)
-        == zoo.math.weight_bytes(model.config)
+    predicted = zoo.math.frozen_base_bytes(model.config, kind, policy, block=block)
+    assert measured == predicted
+    assert predicted < zoo.math.frozen_base_bytes(model.config, None, policy)
+    assert zoo.math.frozen_base_bytes(model.config, None, policy) == zoo.math.weight_bytes(
+        model.config, policy
     )
+
+
+@pytest.mark.parametrize("kind, block", KINDS)
+def test_cached_decode_runs_on_the_quantized_base(kind, block):
+    # The KV-cache path calls the same projections: prefill + decode == the full forward, with
+    # the tolerance of tests/zoo/test_transformer.py (same weights, another schedule).
+    q = zoo.quantize_base(tiny(n_layers=2), kind, block=block)
+    full = q(TOKENS)
+    out = q.forward(TOKENS[:, :8], cache=q.init_cache(2, 12))
+    np.testing.assert_allclose(out.logits, full[:, :8], rtol=1e-5, atol=1e-5)
+    step = q.forward(TOKENS[:, 8:9], cache=out.cache)
+    np.testing.assert_allclose(step.logits[:, 0], full[:, 8], rtol=1e-5, atol=1e-5)
 
 
 def test_nf4_shards_like_the_float_weights_and_refuses_uneven_blocks():
