@@ -4,8 +4,9 @@ within that bound carried through the matmul, stacked == per layer, logical axes
 Bounds (float32, u = eps / 2 the unit roundoff):
 - int8: code = round(fl(w / s)) errs from w / s by <= 1/2 + |w / s| u, and fl(code · s) adds
   |code · s| u, so |dequantized - w| <= s / 2 + eps (|w| + s).
-- nf4: the nearest level to fl(w / absmax) is within NF4_MAX_HALF_GAP + u of w / absmax, and
-  fl(level · absmax) adds absmax · u: |dequantized - w| <= absmax (NF4_MAX_HALF_GAP + eps).
+- nf4: v = fl(w / absmax) is within u of w / absmax; the level picked by the float32 midpoints
+  between levels (each within u of the true one) is within NF4_MAX_HALF_GAP + u of v, and
+  fl(level · absmax) adds absmax · u: |dequantized - w| <= absmax (NF4_MAX_HALF_GAP + 2 eps).
 - forward: |x · W_q - x · W| <= sum_i |x_i| bound_i, plus float32 rounding of two length-n dot
   products, each <= n u sum_i |x_i| |w_i| (Higham's gamma_n): n eps sum_i |x_i| (|w_i| + bound_i).
 """
@@ -39,7 +40,7 @@ def error_bound(q: QuantizedLinear, w: jax.Array) -> jax.Array:
     if q.kind == "int8":
         return q.scales / 2 + EPS * (jnp.abs(w) + q.scales)
     absmax = jnp.repeat(q.scales, q.block, axis=n_in - 1)
-    return absmax * (NF4_MAX_HALF_GAP + EPS)
+    return absmax * (NF4_MAX_HALF_GAP + 2 * EPS)
 
 
 @pytest.mark.parametrize("in_shape, out_shape, axes", SHAPES)
