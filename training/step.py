@@ -50,8 +50,8 @@ class StepMetrics(eqx.Module):
 def split_model(model: Transformer) -> tuple[Any, Any]:
     """(trainable arrays, everything else); the optimizer sees only the first. The one place
     that decides what trains: every float array, or, when the model holds LoRA adapters
-    (`zoo.add_lora`), their A and B alone (`zoo.adapter.split_trainable`). Works on abstract
-    models too (`eqx.filter_eval_shape`)."""
+    (`zoo.add_lora`), their A and B alone; a quantized base (`zoo.quantize_base`) never
+    (`zoo.adapter.split_trainable`). Works on abstract models too (`eqx.filter_eval_shape`)."""
     return split_trainable(model)
 
 

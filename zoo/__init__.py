@@ -1,5 +1,6 @@
 """The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly,
-LoRA adapters, transformer math, and tokenizers with chat templates."""
+LoRA adapters and the quantized frozen base of QLoRA, transformer math, and tokenizers with chat
+templates."""
 
 from zoo import math
 from zoo.adapter import add_lora, merge_adapter
@@ -8,6 +9,7 @@ from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
+from zoo.quantize import dequantize_base, quantize_base
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Transformer
@@ -21,6 +23,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "add_lora",
+    "dequantize_base",
     "load_adapter",
     "load_pretrained",
     "load_tokenizer",
@@ -28,6 +31,7 @@ __all__ = [
     "merge_adapter",
     "preset",
     "presets",
+    "quantize_base",
     "save_adapter",
     "save_pretrained",
 ]

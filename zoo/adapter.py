@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray, PyTree
 
-from layers import Linear, LoRA
+from layers import Linear, LoRA, QuantizedLinear
 from shard import Placement
 from shard.axes import is_float_array_like
 from zoo.block import Block
@@ -177,11 +177,21 @@ def _adapter_mask(lora: LoRA) -> LoRA:
     return eqx.tree_at(lambda m: (m.lora_a, m.lora_b), mask, (True, True))
 
 
+def _is_frozen_base(node) -> bool:
+    return isinstance(node, QuantizedLinear)
+
+
 def trainable_filter(model: PyTree) -> PyTree:
     """A filter spec for `eqx.partition`: with adapters, True on their A and B alone (the base
-    is frozen); without, True on every floating-point array. Works on abstract models."""
+    is frozen); without, True on every floating-point array outside a `QuantizedLinear` (a
+    quantized base is frozen whole: its float scales too, since AdamW's weight decay would move
+    them even with a zero gradient). Works on abstract models."""
     if not has_lora(model):
-        return jax.tree.map(is_float_array_like, model)
+        return jax.tree.map(
+            lambda node: not _is_frozen_base(node) and is_float_array_like(node),
+            model,
+            is_leaf=_is_frozen_base,
+        )
     return jax.tree.map(
         lambda node: _adapter_mask(node) if is_lora(node) else False, model, is_leaf=is_lora
     )

@@ -13,12 +13,14 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
 """
 
 import dataclasses
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 
 from layers.moe import expert_capacity
+from layers.quantized import Kind, check_kind
 from zoo.config import Config
 from zoo.policy import Policy
 
@@ -183,6 +185,37 @@ def bytes_per_element(dtype: str | jnp.dtype) -> int:
 def weight_bytes(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
     """The weights, stored in the policy's `param_dtype`."""
     return param_count(config) * bytes_per_element(policy.param_dtype)
+
+
+def _projections(config: Config) -> list[tuple[tuple[int, ...], int]]:
+    """(in_shape, output size) of every `Linear` in the layer stacks: each layer's attention
+    q, k, v, o and each dense layer's MLP matrices (MoE experts are raw arrays, not Linears)."""
+    c = config
+    attention = [((c.d_model,), c.q_dim), ((c.d_model,), c.kv_dim), ((c.d_model,), c.kv_dim)]
+    attention.append(((c.n_heads, c.head_dim), c.d_model))
+    up = [((c.d_model,), c.d_ff)] * (2 if c.mlp == "swiglu" else 1)
+    mlp = [*up, ((c.d_ff,), c.d_model)]
+    n_dense = c.n_layers - len(c.moe_layers)
+    return attention * c.n_layers + mlp * n_dense
+
+
+def frozen_base_bytes(
+    config: Config, kind: Kind | None, policy: Policy = DEFAULT_POLICY, *, block: int = 64
+) -> int:
+    """The weights of `zoo.quantize_base(model, kind, block=block)`: each stacked projection as
+    its codes (int8: 1 byte per weight; nf4: 1/2 byte) and float32 scales (int8: one per output
+    channel; nf4: one per `block` weights), everything else (embeddings, LM head, norms, biases,
+    router, experts) in the policy's `param_dtype`. The base a LoRA adapter trains on top of (the
+    adapter and its optimizer state come on top); `kind=None` is the float model."""
+    if kind is None:
+        return weight_bytes(config, policy)
+    float_params, quantized = param_count(config), 0
+    for in_shape, n_out in _projections(config):
+        check_kind(kind, block, in_shape)
+        n = math.prod(in_shape) * n_out
+        float_params -= n
+        quantized += n + 4 * n_out if kind == "int8" else n // 2 + 4 * (n // block)
+    return float_params * bytes_per_element(policy.param_dtype) + quantized
 
 
 def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
