@@ -26,6 +26,7 @@ import tiktoken
 from data.packing import Example
 from zoo.tokenizer import Tokenizer, bpe
 
+PAIR_ROLES = ("user", "assistant")  # the roles of a prompt/completion or alpaca example
 _NEEDS_TEMPLATE = (
     "chat data (a 'messages' column) is rendered with the checkpoint's chat template, and "
     "{what} has none: fine-tune from a checkpoint that has one (--init-from an HF directory or "
@@ -35,6 +36,22 @@ _NEEDS_TEMPLATE = (
 
 def has_template(tokenizer: Tokenizer | tiktoken.Encoding) -> bool:
     return isinstance(tokenizer, Tokenizer) and tokenizer.chat_template is not None
+
+
+def check_tokenizer(tokenizer: Tokenizer | tiktoken.Encoding, data_format: str) -> None:
+    """Chat data needs a chat template: a ValueError saying so, before any row is read."""
+    if data_format == "chat" and not has_template(tokenizer):
+        what = getattr(tokenizer, "source", None) or f"the tokenizer {tokenizer.name!r}"
+        raise ValueError(_NEEDS_TEMPLATE.format(what=what))
+
+
+def roles(tokenizer: Tokenizer | tiktoken.Encoding) -> tuple[str, ...]:
+    """The roles a message may have: the chat template's, or a user + assistant pair without."""
+    if has_template(tokenizer):
+        from zoo.tokenizer import chat  # jinja2: needed only by those who chat
+
+        return chat.template_roles(tokenizer.chat_template)
+    return PAIR_ROLES
 
 
 def _end_of_turn(tokenizer: Tokenizer) -> str | None:
@@ -100,10 +117,8 @@ def encode_example(
         text, spans = answer_spans(tokenizer, messages)
         ids = tokenizer.encode(text)
         return Example(ids, _token_flags(tokenizer.encoding, ids, text, spans))
-    roles = [m["role"] for m in messages]
-    if roles != ["user", "assistant"]:
-        what = getattr(tokenizer, "source", None) or f"the tokenizer {tokenizer.name!r}"
-        raise ValueError(_NEEDS_TEMPLATE.format(what=what))
+    if tuple(m["role"] for m in messages) != PAIR_ROLES:
+        check_tokenizer(tokenizer, "chat")
     prompt, completion = (m["content"] for m in messages)
     text = prompt + completion
     if isinstance(tokenizer, Tokenizer):
