@@ -195,14 +195,15 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
 
 
 def load_data(args: Args, run_dir: Path):
-    """Tokenizer, training batches, fixed validation batches and the unigram entropy."""
+    """Tokenizer, training batches, fixed validation batches, the unigram entropy and the data's
+    format (`--data-format`, or the one `auto` found)."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
     dataset, data_format = load_examples(
         spec, data_format=args.data_format, text_column=args.text_column, streaming=args.streaming
     )
     if data_format != "text":
-        return load_examples_data(args, dataset, data_format, cache, run_dir)
+        return (*load_examples_data(args, dataset, data_format, cache, run_dir), data_format)
     say(f"data: format text (column {args.text_column!r})")
     if args.streaming:
         dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
@@ -234,7 +235,7 @@ def load_data(args: Args, run_dir: Path):
             f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
             f"{val_tokens.size:,} held out"
         )
-    return encoding, train, val.in_order(args.eval_batches), entropy
+    return encoding, train, val.in_order(args.eval_batches), entropy, data_format
 
 
 def stop_not_finite(what: str, run_dir: Path) -> None:
@@ -401,7 +402,9 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 f"{args.steps} is not beyond the run's step {start}: --resume continues to "
                 f"--steps, so give more than {start}",
             )
-    encoding, train_data, val_batches, entropy = load_data(args, run_dir)
+    encoding, train_data, val_batches, entropy, data_format = load_data(args, run_dir)
+    # Recorded as found, not `auto`: a resume reads its data in the same format or fails.
+    args = dataclasses.replace(args, data_format=data_format)
     say(
         f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
     )
