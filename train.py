@@ -6,6 +6,7 @@
     python train.py --model tiny-moe --override vocab_size=2048   # MoE: logs expert load
     python train.py --mesh fsdp=4,tensor=2 --rules fsdp_tp        # sharded over 8 devices
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
+    python train.py --init-from SmolLM2.gguf --data examples/data/chat.jsonl --lr 3e-5  # chat SFT
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
     python train.py --help                   # every setting; --config FILE sets them from a file
 
