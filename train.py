@@ -6,6 +6,7 @@
     python train.py --model tiny-moe --override vocab_size=2048   # MoE: logs expert load
     python train.py --mesh fsdp=4,tensor=2 --rules fsdp_tp        # sharded over 8 devices
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
+    python train.py --init-from SmolLM2.gguf --data examples/data/chat.jsonl --lr 3e-5  # chat SFT
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
     python train.py --help                   # every setting; --config FILE sets them from a file
 
@@ -31,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from data import packing
+from data import packing, supervised
 from data.corpus import write_stdlib_corpus
-from data.datasets import load_text, tokenize
+from data.datasets import ROW, load_examples, tokenize
+from data.formats import row_messages
 from data.prefetch import Prefetcher
+from data.supervised import PAIR_ROLES
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
@@ -56,7 +59,8 @@ from zoo import Transformer
 
 # The settings that define a run: a --resume takes them from the run's record and refuses a
 # flag that contradicts one. (--steps may grow; run-time settings such as --remat may change.)
-DEFINING = ("model", "override", "init_from", "data", "text_column", "streaming", "tokenizer",
+DEFINING = ("model", "override", "init_from", "data", "text_column", "data_format", "truncate",
+            "streaming", "tokenizer",
             "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
             "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
             "moe_balance_weight", "moe_z_weight")  # fmt: skip
@@ -114,11 +118,94 @@ def make_tokenizer(args: Args, sample, cache: Path, run_dir: Path):
     )
 
 
+def chat_tokenizer(args: Args, data_format: str, sample, cache: Path, run_dir: Path):
+    """The tokenizer for instruction data: a checkpoint's own with its chat template when the
+    run has one (resumed, or --init-from's), else `make_tokenizer`'s tiktoken encoding (refused
+    for chat data, before a BPE is trained for nothing)."""
+    spec = None
+    if args.resume:
+        spec = runs.run_tokenizer_spec(run_dir)
+    elif args.init_from and args.tokenizer == "bpe":
+        spec = init_tokenizer_spec(args.init_from)
+    if spec is not None:
+        return runs.chat_tokenizer_from_spec(spec)
+    if data_format == "chat":
+        raise ValueError(
+            f"--data-format chat: the conversations are rendered with a checkpoint's chat "
+            f"template, and --tokenizer {args.tokenizer!r} has none: pass --init-from a "
+            "checkpoint (HF directory or .gguf) whose tokenizer has a chat template"
+        )
+    return make_tokenizer(args, sample, cache, run_dir)
+
+
+def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_dir: Path):
+    """`load_data` for instruction data (data/formats.py, data/supervised.py): examples rendered
+    with the tokenizer's chat template (or prompt + completion without one), whole in their rows,
+    the loss on the answer tokens only; the entropy is the answer tokens' unigram entropy."""
+    if args.streaming:
+        dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
+        n_val = args.eval_batches * args.batch_size  # examples held out from the stream's head
+        val_rows, train_rows = dataset.take(n_val), dataset.skip(n_val)
+        sample_rows = dataset.take(2000)
+    else:
+        train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
+        train_rows, val_rows = dataset.select(train_idx), dataset.select(val_idx)
+        sample_rows = train_rows
+    sample = (  # texts for a BPE trained on the data (prompt/completion data only)
+        "\n".join(m["content"] for m in row_messages(row, data_format, row[ROW], PAIR_ROLES))
+        for row in sample_rows
+    )
+    tokenizer = chat_tokenizer(args, data_format, sample, cache, run_dir)
+    supervised.check_tokenizer(tokenizer, data_format)
+    roles = supervised.roles(tokenizer)
+    encoding = getattr(tokenizer, "encoding", tokenizer)
+    eot = encoding.eot_token
+
+    def examples(rows, counts: supervised.Counts):
+        pairs = (
+            (row[ROW], supervised.encode_example(
+                tokenizer, row_messages(row, data_format, row[ROW], roles)))
+            for row in rows
+        )  # fmt: skip
+        return supervised.fit(pairs, args.seq_len, truncate=args.truncate, counts=counts)
+
+    val_counts = supervised.Counts()
+    val_tokens, val_segments, val_answers = packing.pack_examples(
+        examples(val_rows, val_counts), args.seq_len, eot
+    )
+    val = packing.Batches(
+        val_tokens, val_segments, min(args.batch_size, len(val_tokens)), args.seed, val_answers
+    )
+    say(f"data: format {data_format}; held out: {val_counts.line()}")
+    if args.streaming:
+        train = packing.StreamBatches(
+            lambda: examples(train_rows, supervised.Counts()), args.seq_len, eot,
+            args.batch_size, examples=True,
+        )  # fmt: skip
+        entropy = unigram_entropy(val_tokens[val_answers])
+        say("data: training examples are streamed (counted as they are read, not in advance)")
+    else:
+        counts = supervised.Counts()
+        tokens, segments, answers = packing.pack_examples(
+            examples(train_rows, counts), args.seq_len, eot
+        )
+        train = packing.Batches(tokens, segments, args.batch_size, args.seed, answers)
+        entropy = unigram_entropy(tokens[answers])
+        say(f"data: training: {counts.line()}; packed whole into {len(tokens):,} rows")
+    return encoding, train, val.in_order(args.eval_batches), entropy
+
+
 def load_data(args: Args, run_dir: Path):
-    """Tokenizer, training batches, fixed validation batches and the unigram entropy."""
+    """Tokenizer, training batches, fixed validation batches, the unigram entropy and the data's
+    format (`--data-format`, or the one `auto` found)."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
-    dataset = load_text(spec, column=args.text_column, streaming=args.streaming)
+    dataset, data_format = load_examples(
+        spec, data_format=args.data_format, text_column=args.text_column, streaming=args.streaming
+    )
+    if data_format != "text":
+        return (*load_examples_data(args, dataset, data_format, cache, run_dir), data_format)
+    say(f"data: format text (column {args.text_column!r})")
     if args.streaming:
         dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
         n_val = args.eval_batches * args.batch_size  # documents held out from the stream's head
@@ -149,7 +236,7 @@ def load_data(args: Args, run_dir: Path):
             f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
             f"{val_tokens.size:,} held out"
         )
-    return encoding, train, val.in_order(args.eval_batches), entropy
+    return encoding, train, val.in_order(args.eval_batches), entropy, data_format
 
 
 def stop_not_finite(what: str, run_dir: Path) -> None:
@@ -226,6 +313,8 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
     changes = {}
     for name in DEFINING:
         value = getattr(args, name)
+        if name not in recorded:  # a run recorded before the setting existed had its default
+            recorded[name] = getattr(Args(), name)
         if name in given_names and value != recorded[name]:
             raise ArgError(
                 f"--{name.replace('_', '-')}",
@@ -314,7 +403,9 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 f"{args.steps} is not beyond the run's step {start}: --resume continues to "
                 f"--steps, so give more than {start}",
             )
-    encoding, train_data, val_batches, entropy = load_data(args, run_dir)
+    encoding, train_data, val_batches, entropy, data_format = load_data(args, run_dir)
+    # Recorded as found, not `auto`: a resume reads its data in the same format or fails.
+    args = dataclasses.replace(args, data_format=data_format)
     say(
         f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
     )

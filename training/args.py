@@ -120,6 +120,18 @@ class Args:
         default="stdlib",
     )
     text_column: str = _help("column holding the documents' text", default="text")
+    data_format: Literal["auto", "text", "chat", "completion", "alpaca"] = _help(
+        "what --data holds: text (documents, loss on every token), chat (a 'messages' column), "
+        "completion ('prompt', 'completion') or alpaca ('instruction', 'input', 'output'), the "
+        "loss on the answers only; auto: found from the columns (text when there is a "
+        "--text-column)",
+        default="auto",
+    )
+    truncate: bool = _help(
+        "cut instruction examples longer than --seq-len (and drop those left with no answer "
+        "token) instead of stopping with an error",
+        default=False,
+    )
     streaming: bool = _help("stream the dataset instead of loading it whole", default=False)
     tokenizer: str = _help(
         "'bpe' (byte-level BPE trained on --data, cached), an OpenAI encoding name (gpt2, "

@@ -187,15 +187,22 @@ def run_tokenizer_spec(run_dir: str | Path) -> str | None:
 
 
 def tokenizer_from_spec(spec: str) -> Any:
-    """A pretrained checkpoint's tokenizer (an HF directory, .gguf or tokenizer.json), a
-    `.tiktoken` rank file, or an OpenAI encoding name."""
+    """The tiktoken encoding of a pretrained checkpoint's tokenizer (an HF directory, .gguf or
+    tokenizer.json), a `.tiktoken` rank file, or an OpenAI encoding name."""
+    tokenizer = chat_tokenizer_from_spec(spec)
+    return getattr(tokenizer, "encoding", tokenizer)
+
+
+def chat_tokenizer_from_spec(spec: str) -> Any:
+    """As `tokenizer_from_spec`, but a checkpoint's tokenizer whole: a `zoo.Tokenizer` with its
+    chat template (instruction data is rendered with it); a tiktoken encoding otherwise."""
     from data.tokenizers import load_ranks, openai_encoding
 
     source = Path(spec)
     if source.is_dir() or source.suffix in (".gguf", ".json"):
         from zoo.tokenizer import load_tokenizer
 
-        return load_tokenizer(spec).encoding
+        return load_tokenizer(spec)
     return load_ranks(spec) if source.is_file() else openai_encoding(spec)
 
 

@@ -56,7 +56,7 @@ def test_finetune_starts_from_the_checkpoint_and_lowers_the_loss(tmp_path, tiny_
     summary = train.main(argv)
 
     args = parse_args(argv)
-    _, train_data, _, _ = train.load_data(args, tmp_path / "run")
+    _, train_data, *_ = train.load_data(args, tmp_path / "run")
     first = next(iter(train_data.iterate(0)))
     loaded = zoo.load_pretrained(path)
     terms = loss_terms(loaded, jax.tree.map(jnp.asarray, first))
@@ -81,7 +81,7 @@ def test_run_time_flags_apply_to_the_imported_model(tmp_path, tiny_argv, corpus)
     dtypes = {w.dtype for w in jax.tree.leaves(eqx.filter(model, eqx.is_array))}
     assert dtypes == {jnp.dtype("float32")}
     # The step ran on the checkpoint's weights, computing in bfloat16 with the naive kernel.
-    _, train_data, _, _ = train.load_data(parse_args(argv), tmp_path / "run")
+    _, train_data, *_ = train.load_data(parse_args(argv), tmp_path / "run")
     first = jax.tree.map(jnp.asarray, next(iter(train_data.iterate(0))))
     loaded = zoo.load_pretrained(path, policy=zoo.Policy(**settings))
     terms = loss_terms(loaded, first)
