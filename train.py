@@ -42,6 +42,7 @@ from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
 from shard.xla_flags import set_default_xla_flags
+from training import lora_run
 from training import run_dir as runs
 from training.args import ArgError, Args, check, given, parse_args
 from training.model_config import (
@@ -56,6 +57,7 @@ from training.optimizer import adamw, learning_rate
 from training.step import abstract_batch, compile_steps, split_model
 from training.telemetry import Telemetry, compiled_memory_bytes, hardware
 from zoo import Transformer
+from zoo import math as zmath
 
 # The settings that define a run: a --resume takes them from the run's record and refuses a
 # flag that contradicts one. (--steps may grow; run-time settings such as --remat may change.)
@@ -63,7 +65,8 @@ DEFINING = ("model", "override", "init_from", "data", "text_column", "data_forma
             "streaming", "tokenizer",
             "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
             "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
-            "moe_balance_weight", "moe_z_weight")  # fmt: skip
+            "moe_balance_weight", "moe_z_weight", "lora_rank", "lora_alpha", "lora_targets",
+            "base_dtype")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -270,12 +273,17 @@ def build_model(
 ) -> tuple[Transformer, str]:
     """(model in its placement, its name): a pretrained checkpoint or a train.py run's latest
     checkpoint loaded straight into its shardings, or a fresh preset created in them; the
-    run-time policy from the flags either way. A resumed run's model is built from its record
-    (its weights are restored afterwards)."""
+    run-time policy from the flags either way; with `--lora-rank`, that model as the frozen base
+    of LoRA adapters (training/lora_run.py). A resumed run's model is built from its record (its
+    trained weights are restored afterwards): abstract, or for a LoRA run the base re-read (and
+    checked against its recorded fingerprint) with fresh adapters."""
     run_policy = policy(args)
     if args.resume:
+        name = runs.read_record(run_dir)["settings"].get("init_from") or args.model
+        if args.lora_rank:
+            return runs.lora_model(run_dir, run_policy, placement), name
         config = runs.checkpoint_config(run_dir)[0]
-        return runs.abstract_model(config, run_policy), args.model or DEFAULT_MODEL
+        return runs.abstract_model(config, run_policy), name or DEFAULT_MODEL
     if args.init_from:
         if runs.is_run(args.init_from):
             model = runs.run_model(args.init_from, policy=run_policy, placement=placement)
@@ -285,10 +293,15 @@ def build_model(
             model = load_pretrained(args.init_from, policy=run_policy, placement=placement)
         check_imported(args, model.config)
         check_fits(model.config, args, n_vocab, args.init_from)
-        return model, args.init_from
-    config = preset_config(args, n_vocab)
-    make = lambda key: Transformer(config, policy=run_policy, key=key)  # noqa: E731
-    return placement.init(make, jax.random.fold_in(key, 0)), args.model or DEFAULT_MODEL
+        name = args.init_from
+    else:
+        config = preset_config(args, n_vocab)
+        make = lambda key: Transformer(config, policy=run_policy, key=key)  # noqa: E731
+        model = placement.init(make, jax.random.fold_in(key, 0))
+        name = args.model or DEFAULT_MODEL
+    if args.lora_rank:
+        model = lora_run.adapt(model, args, placement, jax.random.fold_in(key, 1))
+    return model, name
 
 
 def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
@@ -313,6 +326,8 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
     changes = {}
     for name in DEFINING:
         value = getattr(args, name)
+        if name == "init_from":  # where the run started; a resume continues from the run
+            continue
         if name not in recorded:  # a run recorded before the setting existed had its default
             recorded[name] = getattr(Args(), name)
         if name in given_names and value != recorded[name]:
@@ -415,13 +430,23 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     if not args.resume:
         spec = record_tokenizer(args, encoding, run_dir)
         settings = {name: getattr(args, name) for name in DEFINING}
-        runs.write_record(
-            run_dir, {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
-        )
+        record = {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
+        if args.lora_rank and args.init_from:
+            base = Path(args.init_from).resolve()
+            record["base"] = {"path": str(base), "sha256": lora_run.fingerprint(base)}
+        runs.write_record(run_dir, record)
     params, static = split_model(model)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_trainable = sum(x.size for x in jax.tree.leaves(params))
+    n_params = zmath.param_count(config)
+    trains = (
+        f"LoRA rank {args.lora_rank} on {args.lora_targets}: {n_trainable / 1e6:.3f}M of "
+        f"{n_params / 1e6:.2f}M parameters train ({100 * n_trainable / n_params:.2f}%), base "
+        f"held in {args.base_dtype or run_policy.param_dtype}"
+        if args.lora_rank
+        else f"{n_params / 1e6:.2f}M parameters"
+    )
     say(
-        f"model: {name}, {n_params / 1e6:.2f}M parameters, compute {run_policy.compute_dtype}, "
+        f"model: {name}, {trains}, compute {run_policy.compute_dtype}, "
         f"kernel {run_policy.kernel_name}, on {placement.describe()}"
     )
     schedule = learning_rate(
@@ -449,9 +474,21 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     batch_spec = abstract_batch(args.batch_size, args.seq_len, placement.batch_sharding())
     train_fn = train_fn.lower(params, opt_state, batch_spec).compile()
     hw = hardware(args.peak_flops, args.peak_bandwidth, run_policy.compute_dtype)
+    lora = None
+    if args.lora_rank:
+        if args.base_dtype in lora_run.QUANTIZED:
+            kind, base_policy = args.base_dtype, run_policy
+        else:
+            kind = None
+            base_policy = run_policy.replace(param_dtype=args.base_dtype or run_policy.param_dtype)
+        frozen = zmath.frozen_base_bytes(
+            config, kind, base_policy, block=lora_run.nf4_block(config)
+        )
+        lora = (n_trainable, frozen)
     telemetry = Telemetry(
-        run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum
-    )
+        run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum,
+        lora=lora,
+    )  # fmt: skip
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
     val_batches = [placement.batch(b) for b in val_batches]

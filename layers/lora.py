@@ -11,6 +11,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from layers.linear import Linear
+from layers.quantized import QuantizedLinear
 
 
 class LoRA(eqx.Module):
@@ -18,7 +19,8 @@ class LoRA(eqx.Module):
 
     `base` is the wrapped projection, kept whole as an attribute: LoRA uses only its
     `__call__(x, dtype=)`, `in_shape`, `out_shape` and `axes`, so another projection with those
-    (a quantized Linear) can take its place; only `merged()` needs a `Linear`.
+    (a `QuantizedLinear`, QLoRA's frozen base) can take its place; only `merged()` needs a
+    `Linear`.
 
     Shapes follow the base's multi-dim layout: A is `[*in_shape, rank]`, B `[rank, *out_shape]`
     (a q projection `[embed] -> [heads, head_dim]` gets A `[embed, rank]`, B `[rank, heads,
@@ -33,7 +35,7 @@ class LoRA(eqx.Module):
     which passes none).
     """
 
-    base: Linear
+    base: Linear | QuantizedLinear
     lora_a: Float[Array, "..."]
     lora_b: Float[Array, "..."]
     rank: int = eqx.field(static=True)
@@ -42,7 +44,7 @@ class LoRA(eqx.Module):
 
     def __init__(
         self,
-        base: Linear,
+        base: Linear | QuantizedLinear,
         *,
         rank: int,
         alpha: float | int,

@@ -88,7 +88,7 @@ def _present(model: Transformer) -> set[str]:
         for stack in model.stacks
         for block in stack.blocks
         for path in PROJECTIONS
-        if isinstance(_get(block, path), Linear | LoRA)
+        if isinstance(_get(block, path), Linear | QuantizedLinear | LoRA)
     }
 
 
@@ -149,7 +149,7 @@ def add_lora(
             layers = jnp.array([first + r * stack.period + j for r in repeats])
             for index, path in enumerate(PROJECTIONS):
                 base = _get(block, path)
-                if path not in paths or not isinstance(base, Linear):
+                if path not in paths or not isinstance(base, Linear | QuantizedLinear):
                     continue
                 keys = jax.vmap(jax.random.fold_in, (0, None))(layer_keys[layers], index)
                 new = eqx.filter_vmap(make)(base, keys) if stack.stacked else make(base, keys[0])

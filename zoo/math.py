@@ -172,10 +172,18 @@ def capacity_dispatch_flops_per_token(
     return n_moe * (padding + einsums)
 
 
-def training_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
+def training_flops_per_token(
+    config: Config, seq_len: int, *, causal: bool = True, weight_grads: bool = True
+) -> float | int:
     """6N + attention: forward plus a backward of twice its cost (no remat recompute counted:
-    this is the model FLOPs of MFU, not the hardware FLOPs)."""
-    return 3.0 * forward_flops_per_token(config, seq_len, causal=causal)
+    this is the model FLOPs of MFU, not the hardware FLOPs). `weight_grads=False` (a frozen
+    base under LoRA): the backward computes only the activations' gradients, 4N + attention
+    (the adapters' own FLOPs, rank x (in + out) per projection, are negligible)."""
+    if weight_grads:
+        return 3.0 * forward_flops_per_token(config, seq_len, causal=causal)
+    return 4.0 * matmul_params(config) + 3.0 * attention_flops_per_token(
+        config, seq_len, causal=causal
+    )
 
 
 def bytes_per_element(dtype: str | jnp.dtype) -> int:
@@ -274,13 +282,26 @@ def activation_bytes_per_token(
 
 
 def training_memory_bytes(
-    config: Config, batch: int, seq_len: int, policy: Policy = DEFAULT_POLICY
+    config: Config,
+    batch: int,
+    seq_len: int,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    trainable: int | None = None,
+    frozen_bytes: int | None = None,
 ) -> float | int:
     """Parameters + gradients + AdamW moments (float32 master copies) + saved activations + the
     backward's working set (one layer's full activations, recomputed or not, live at once) +
-    float32 logits and their gradient."""
-    n = param_count(config)
-    state = n * (bytes_per_element(policy.param_dtype) + 4 + 8)
+    float32 logits and their gradient.
+
+    LoRA: only `trainable` parameters (the float32 adapters, `lora_param_count`) have gradients
+    and moments; the frozen base takes `frozen_bytes` (`frozen_base_bytes`; default its
+    `param_dtype` weights). Default: every parameter trains."""
+    if trainable is None:
+        state = param_count(config) * (bytes_per_element(policy.param_dtype) + 4 + 8)
+    else:
+        frozen = weight_bytes(config, policy) if frozen_bytes is None else frozen_bytes
+        state = frozen + trainable * (4 + 4 + 8)
     tokens = batch * seq_len
     saved = activation_bytes_per_token(config, seq_len, policy)
     one_layer = activation_bytes_per_token(config, seq_len, policy.replace(remat="none"))
