@@ -6,6 +6,7 @@
     python train.py --model tiny-moe --override vocab_size=2048   # MoE: logs expert load
     python train.py --mesh fsdp=4,tensor=2 --rules fsdp_tp        # sharded over 8 devices
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
+    python train.py --init-from SmolLM2.gguf --data examples/data/chat.jsonl --lr 3e-5  # chat SFT
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
     python train.py --help                   # every setting; --config FILE sets them from a file
 
@@ -31,14 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from data import packing
+from data import packing, supervised
 from data.corpus import write_stdlib_corpus
-from data.datasets import load_text, tokenize
+from data.datasets import ROW, load_examples, tokenize
+from data.formats import row_messages
 from data.prefetch import Prefetcher
+from data.supervised import PAIR_ROLES
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
 from shard.xla_flags import set_default_xla_flags
+from training import lora_run
 from training import run_dir as runs
 from training.args import ArgError, Args, check, given, parse_args
 from training.model_config import (
@@ -53,13 +57,16 @@ from training.optimizer import adamw, learning_rate
 from training.step import abstract_batch, compile_steps, split_model
 from training.telemetry import Telemetry, compiled_memory_bytes, hardware
 from zoo import Transformer
+from zoo import math as zmath
 
 # The settings that define a run: a --resume takes them from the run's record and refuses a
 # flag that contradicts one. (--steps may grow; run-time settings such as --remat may change.)
-DEFINING = ("model", "override", "init_from", "data", "text_column", "streaming", "tokenizer",
+DEFINING = ("model", "override", "init_from", "data", "text_column", "data_format", "truncate",
+            "streaming", "tokenizer",
             "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
             "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
-            "moe_balance_weight", "moe_z_weight")  # fmt: skip
+            "moe_balance_weight", "moe_z_weight", "lora_rank", "lora_alpha", "lora_targets",
+            "base_dtype")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -114,11 +121,94 @@ def make_tokenizer(args: Args, sample, cache: Path, run_dir: Path):
     )
 
 
+def chat_tokenizer(args: Args, data_format: str, sample, cache: Path, run_dir: Path):
+    """The tokenizer for instruction data: a checkpoint's own with its chat template when the
+    run has one (resumed, or --init-from's), else `make_tokenizer`'s tiktoken encoding (refused
+    for chat data, before a BPE is trained for nothing)."""
+    spec = None
+    if args.resume:
+        spec = runs.run_tokenizer_spec(run_dir)
+    elif args.init_from and args.tokenizer == "bpe":
+        spec = init_tokenizer_spec(args.init_from)
+    if spec is not None:
+        return runs.chat_tokenizer_from_spec(spec)
+    if data_format == "chat":
+        raise ValueError(
+            f"--data-format chat: the conversations are rendered with a checkpoint's chat "
+            f"template, and --tokenizer {args.tokenizer!r} has none: pass --init-from a "
+            "checkpoint (HF directory or .gguf) whose tokenizer has a chat template"
+        )
+    return make_tokenizer(args, sample, cache, run_dir)
+
+
+def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_dir: Path):
+    """`load_data` for instruction data (data/formats.py, data/supervised.py): examples rendered
+    with the tokenizer's chat template (or prompt + completion without one), whole in their rows,
+    the loss on the answer tokens only; the entropy is the answer tokens' unigram entropy."""
+    if args.streaming:
+        dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
+        n_val = args.eval_batches * args.batch_size  # examples held out from the stream's head
+        val_rows, train_rows = dataset.take(n_val), dataset.skip(n_val)
+        sample_rows = dataset.take(2000)
+    else:
+        train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
+        train_rows, val_rows = dataset.select(train_idx), dataset.select(val_idx)
+        sample_rows = train_rows
+    sample = (  # texts for a BPE trained on the data (prompt/completion data only)
+        "\n".join(m["content"] for m in row_messages(row, data_format, row[ROW], PAIR_ROLES))
+        for row in sample_rows
+    )
+    tokenizer = chat_tokenizer(args, data_format, sample, cache, run_dir)
+    supervised.check_tokenizer(tokenizer, data_format)
+    roles = supervised.roles(tokenizer)
+    encoding = getattr(tokenizer, "encoding", tokenizer)
+    eot = encoding.eot_token
+
+    def examples(rows, counts: supervised.Counts):
+        pairs = (
+            (row[ROW], supervised.encode_example(
+                tokenizer, row_messages(row, data_format, row[ROW], roles)))
+            for row in rows
+        )  # fmt: skip
+        return supervised.fit(pairs, args.seq_len, truncate=args.truncate, counts=counts)
+
+    val_counts = supervised.Counts()
+    val_tokens, val_segments, val_answers = packing.pack_examples(
+        examples(val_rows, val_counts), args.seq_len, eot
+    )
+    val = packing.Batches(
+        val_tokens, val_segments, min(args.batch_size, len(val_tokens)), args.seed, val_answers
+    )
+    say(f"data: format {data_format}; held out: {val_counts.line()}")
+    if args.streaming:
+        train = packing.StreamBatches(
+            lambda: examples(train_rows, supervised.Counts()), args.seq_len, eot,
+            args.batch_size, examples=True,
+        )  # fmt: skip
+        entropy = unigram_entropy(val_tokens[val_answers])
+        say("data: training examples are streamed (counted as they are read, not in advance)")
+    else:
+        counts = supervised.Counts()
+        tokens, segments, answers = packing.pack_examples(
+            examples(train_rows, counts), args.seq_len, eot
+        )
+        train = packing.Batches(tokens, segments, args.batch_size, args.seed, answers)
+        entropy = unigram_entropy(tokens[answers])
+        say(f"data: training: {counts.line()}; packed whole into {len(tokens):,} rows")
+    return encoding, train, val.in_order(args.eval_batches), entropy
+
+
 def load_data(args: Args, run_dir: Path):
-    """Tokenizer, training batches, fixed validation batches and the unigram entropy."""
+    """Tokenizer, training batches, fixed validation batches, the unigram entropy and the data's
+    format (`--data-format`, or the one `auto` found)."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
-    dataset = load_text(spec, column=args.text_column, streaming=args.streaming)
+    dataset, data_format = load_examples(
+        spec, data_format=args.data_format, text_column=args.text_column, streaming=args.streaming
+    )
+    if data_format != "text":
+        return (*load_examples_data(args, dataset, data_format, cache, run_dir), data_format)
+    say(f"data: format text (column {args.text_column!r})")
     if args.streaming:
         dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
         n_val = args.eval_batches * args.batch_size  # documents held out from the stream's head
@@ -149,7 +239,7 @@ def load_data(args: Args, run_dir: Path):
             f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
             f"{val_tokens.size:,} held out"
         )
-    return encoding, train, val.in_order(args.eval_batches), entropy
+    return encoding, train, val.in_order(args.eval_batches), entropy, data_format
 
 
 def stop_not_finite(what: str, run_dir: Path) -> None:
@@ -183,12 +273,17 @@ def build_model(
 ) -> tuple[Transformer, str]:
     """(model in its placement, its name): a pretrained checkpoint or a train.py run's latest
     checkpoint loaded straight into its shardings, or a fresh preset created in them; the
-    run-time policy from the flags either way. A resumed run's model is built from its record
-    (its weights are restored afterwards)."""
+    run-time policy from the flags either way; with `--lora-rank`, that model as the frozen base
+    of LoRA adapters (training/lora_run.py). A resumed run's model is built from its record (its
+    trained weights are restored afterwards): abstract, or for a LoRA run the base re-read (and
+    checked against its recorded fingerprint) with fresh adapters."""
     run_policy = policy(args)
     if args.resume:
+        name = runs.read_record(run_dir)["settings"].get("init_from") or args.model
+        if args.lora_rank:
+            return runs.lora_model(run_dir, run_policy, placement), name
         config = runs.checkpoint_config(run_dir)[0]
-        return runs.abstract_model(config, run_policy), args.model or DEFAULT_MODEL
+        return runs.abstract_model(config, run_policy), name or DEFAULT_MODEL
     if args.init_from:
         if runs.is_run(args.init_from):
             model = runs.run_model(args.init_from, policy=run_policy, placement=placement)
@@ -198,10 +293,15 @@ def build_model(
             model = load_pretrained(args.init_from, policy=run_policy, placement=placement)
         check_imported(args, model.config)
         check_fits(model.config, args, n_vocab, args.init_from)
-        return model, args.init_from
-    config = preset_config(args, n_vocab)
-    make = lambda key: Transformer(config, policy=run_policy, key=key)  # noqa: E731
-    return placement.init(make, jax.random.fold_in(key, 0)), args.model or DEFAULT_MODEL
+        name = args.init_from
+    else:
+        config = preset_config(args, n_vocab)
+        make = lambda key: Transformer(config, policy=run_policy, key=key)  # noqa: E731
+        model = placement.init(make, jax.random.fold_in(key, 0))
+        name = args.model or DEFAULT_MODEL
+    if args.lora_rank:
+        model = lora_run.adapt(model, args, placement, jax.random.fold_in(key, 1))
+    return model, name
 
 
 def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
@@ -226,6 +326,10 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
     changes = {}
     for name in DEFINING:
         value = getattr(args, name)
+        if name == "init_from":  # where the run started; a resume continues from the run
+            continue
+        if name not in recorded:  # a run recorded before the setting existed had its default
+            recorded[name] = getattr(Args(), name)
         if name in given_names and value != recorded[name]:
             raise ArgError(
                 f"--{name.replace('_', '-')}",
@@ -314,7 +418,9 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 f"{args.steps} is not beyond the run's step {start}: --resume continues to "
                 f"--steps, so give more than {start}",
             )
-    encoding, train_data, val_batches, entropy = load_data(args, run_dir)
+    encoding, train_data, val_batches, entropy, data_format = load_data(args, run_dir)
+    # Recorded as found, not `auto`: a resume reads its data in the same format or fails.
+    args = dataclasses.replace(args, data_format=data_format)
     say(
         f"tokenizer: {encoding.name}, {encoding.n_vocab} tokens; unigram entropy {entropy:.3f} nats"
     )
@@ -324,13 +430,23 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     if not args.resume:
         spec = record_tokenizer(args, encoding, run_dir)
         settings = {name: getattr(args, name) for name in DEFINING}
-        runs.write_record(
-            run_dir, {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
-        )
+        record = {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
+        if args.lora_rank and args.init_from:
+            base = Path(args.init_from).resolve()
+            record["base"] = {"path": str(base), "sha256": lora_run.fingerprint(base)}
+        runs.write_record(run_dir, record)
     params, static = split_model(model)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_trainable = sum(x.size for x in jax.tree.leaves(params))
+    n_params = zmath.param_count(config)
+    trains = (
+        f"LoRA rank {args.lora_rank} on {args.lora_targets}: {n_trainable / 1e6:.3f}M of "
+        f"{n_params / 1e6:.2f}M parameters train ({100 * n_trainable / n_params:.2f}%), base "
+        f"held in {args.base_dtype or run_policy.param_dtype}"
+        if args.lora_rank
+        else f"{n_params / 1e6:.2f}M parameters"
+    )
     say(
-        f"model: {name}, {n_params / 1e6:.2f}M parameters, compute {run_policy.compute_dtype}, "
+        f"model: {name}, {trains}, compute {run_policy.compute_dtype}, "
         f"kernel {run_policy.kernel_name}, on {placement.describe()}"
     )
     schedule = learning_rate(
@@ -358,9 +474,21 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     batch_spec = abstract_batch(args.batch_size, args.seq_len, placement.batch_sharding())
     train_fn = train_fn.lower(params, opt_state, batch_spec).compile()
     hw = hardware(args.peak_flops, args.peak_bandwidth, run_policy.compute_dtype)
+    lora = None
+    if args.lora_rank:
+        if args.base_dtype in lora_run.QUANTIZED:
+            kind, base_policy = args.base_dtype, run_policy
+        else:
+            kind = None
+            base_policy = run_policy.replace(param_dtype=args.base_dtype or run_policy.param_dtype)
+        frozen = zmath.frozen_base_bytes(
+            config, kind, base_policy, block=lora_run.nf4_block(config)
+        )
+        lora = (n_trainable, frozen)
     telemetry = Telemetry(
-        run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum
-    )
+        run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum,
+        lora=lora,
+    )  # fmt: skip
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
     val_batches = [placement.batch(b) for b in val_batches]

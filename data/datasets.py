@@ -9,6 +9,8 @@ row) and what to do: an empty file, a binary or non-UTF-8 file, a malformed JSON
 document whose text is null, missing or not a string. The cheap checks (size, the first 64 KiB)
 run before `datasets` reads anything; the file is read through only when something failed, to
 find the line. With `--streaming` the text of each document is checked as it is read.
+
+`load_examples` loads instruction data the same way and finds its format (data/formats.py).
 """
 
 import csv
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import datasets
 import tiktoken
+
+from data.formats import Format, detect_format
 
 _BUILDERS = {
     ".txt": "text",
@@ -44,6 +48,7 @@ def _looks_like_path(spec: str) -> bool:
 
 
 _TEXT_TYPES = ("string", "large_string")
+ROW = "_row"  # the column `load_examples` adds: each example's 1-based row number
 _HEAD = 1 << 16  # bytes of each file checked before `datasets` reads it
 _WHAT_DATA = (
     "--data takes UTF-8 text (.txt, .text, .md: a document per line), JSON lines (.jsonl, .json: "
@@ -209,10 +214,11 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def load_text(
-    spec: str, *, column: str = "text", streaming: bool = False, split: str = "train"
-) -> datasets.Dataset | datasets.IterableDataset:
-    """A dataset with a `column` of strings, from a local file/directory or a hub name."""
+def _open(
+    spec: str, column: str | None, streaming: bool, split: str
+) -> tuple[datasets.Dataset | datasets.IterableDataset, list[Path], str | None]:
+    """(dataset, its local files, their builder) for `spec`; the file checks of `load_text`
+    (`column`: the text column whose rows a failed load looks for, None for any)."""
     path = Path(spec).expanduser()
     files: list[Path] = []
     if path.exists():
@@ -257,6 +263,26 @@ def load_text(
     else:
         builder = None
         dataset = datasets.load_dataset(spec, split=split, streaming=streaming)
+    return dataset, files, builder
+
+
+def load_text(
+    spec: str, *, column: str = "text", streaming: bool = False, split: str = "train"
+) -> datasets.Dataset | datasets.IterableDataset:
+    """A dataset with a `column` of strings, from a local file/directory or a hub name."""
+    dataset, files, builder = _open(spec, column, streaming, split)
+    return _text(dataset, spec, files, builder, column, streaming)
+
+
+def _text(
+    dataset: datasets.Dataset | datasets.IterableDataset,
+    spec: str,
+    files: list[Path],
+    builder: str | None,
+    column: str,
+    streaming: bool,
+) -> datasets.Dataset | datasets.IterableDataset:
+    """`dataset` with its text `column` checked (every row a string)."""
     names = dataset.column_names
     if names is not None and column not in names:
         raise ValueError(
@@ -312,6 +338,34 @@ def _checked_stream(
         return example
 
     return dataset.map(check, features=dataset.features)
+
+
+def load_examples(
+    spec: str,
+    *,
+    data_format: str = "auto",
+    text_column: str = "text",
+    streaming: bool = False,
+    split: str = "train",
+) -> tuple[datasets.Dataset | datasets.IterableDataset, Format]:
+    """(dataset, its format): `load_text`'s dataset for text, else the rows of a chat, completion
+    or alpaca dataset (data/formats.py), each with its 1-based row number added as `ROW` (so an
+    error names it even after a shuffle). `data_format` `auto` detects the format from the
+    columns."""
+    dataset, files, builder = _open(spec, None, streaming, split)
+    names = dataset.column_names
+    if names is None:  # a streamed hub dataset may not know its columns before its first row
+        names = list(next(iter(dataset)))
+    try:
+        found = detect_format(names, data_format, text_column)
+    except ValueError as error:
+        raise ValueError(f"--data {spec!r}: {error}") from None
+    if found == "text":
+        return _text(dataset, spec, files, builder, text_column, streaming), found
+    if not streaming and len(dataset) == 0:
+        raise ValueError(f"--data {spec!r} holds no examples. {_WHAT_DATA}")
+    numbered = dataset.map(lambda _, index: {ROW: index + 1}, with_indices=True)
+    return numbered, found
 
 
 def tokenize(

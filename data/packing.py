@@ -6,6 +6,12 @@ first `seq_len` tokens, targets its last `seq_len`). Segment ids number the docu
 row from 1, so attention can stay inside a document; a target from the next document is masked
 out of the loss. The order of rows is a pure function of (seed, epoch): batch `i` is the same on
 every run, which is what makes an exact resume possible.
+
+Instruction data (`pack_examples`) also carries a per-token answer flag beside the tokens and
+segment ids, and keeps every example whole inside one row: an answer cut away from its prompt
+would teach the model to answer nothing. A row is filled with whole examples in order and its
+tail padded with `<|endoftext|>` in a segment of its own, never counted. A target counts iff
+it is an answer token of the same document as its input.
 """
 
 import dataclasses
@@ -23,6 +29,14 @@ class Batch(NamedTuple):
     targets: np.ndarray
     segment_ids: np.ndarray
     loss_mask: np.ndarray
+
+
+class Example(NamedTuple):
+    """One instruction example: its token ids and, per token, whether it is answer text (a target
+    the loss counts). Same length; see data/supervised.py."""
+
+    ids: Sequence[int]
+    answer: Sequence[bool]
 
 
 def _rows(tokens: np.ndarray, segments: np.ndarray, row_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -66,13 +80,75 @@ def pack_stream(
             buffer, buffer_segments = buffer[n:], buffer_segments[n:]
 
 
-def to_batch(tokens: np.ndarray, segments: np.ndarray) -> Batch:
-    """Shift rows `[batch, seq + 1]` into inputs and targets; mask targets across documents."""
+def _example_rows(
+    examples: Iterable[Example], seq_len: int, eot: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows (tokens, segments, answers), each `[seq_len + 1]`, of whole examples with separators,
+    the tail of each row padded (see the module docstring)."""
+    row_len = seq_len + 1
+    tokens, segments, answers = [], [], []
+
+    def flush():
+        pad = row_len - len(tokens)
+        segment = (segments[-1] + 1) if segments else 1
+        row = (
+            np.array([*tokens, *[eot] * pad], np.int32),
+            np.array([*segments, *[segment] * pad], np.int32),
+            np.array([*answers, *[False] * pad], bool),
+        )
+        tokens.clear(), segments.clear(), answers.clear()
+        return row
+
+    for example in examples:
+        if len(example.ids) != len(example.answer):
+            raise ValueError(
+                f"an example has {len(example.ids)} ids but {len(example.answer)} answer flags"
+            )
+        if len(example.ids) + 1 > row_len:
+            raise ValueError(
+                f"an example of {len(example.ids)} tokens does not fit a row of --seq-len "
+                f"{seq_len} (with its separator): cut it first (data.supervised.fit)"
+            )
+        if len(tokens) + len(example.ids) + 1 > row_len:
+            yield flush()
+        segment = (segments[-1] + 1) if segments else 1
+        tokens += [eot, *example.ids]
+        segments += [segment] * (len(example.ids) + 1)
+        answers += [False, *map(bool, example.answer)]
+    if tokens:
+        yield flush()
+
+
+def pack_examples(
+    examples: Iterable[Example], seq_len: int, eot: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens, segment ids and answer flags of whole examples, all `[rows, seq_len + 1]`; the
+    last row is padded, not dropped (no example is lost)."""
+    rows = list(_example_rows(examples, seq_len, eot))
+    if not rows:
+        raise ValueError("no examples to pack: the data holds none with an answer token")
+    tokens, segments, answers = map(np.stack, zip(*rows, strict=True))
+    return tokens, segments, answers
+
+
+def pack_examples_stream(
+    examples: Iterable[Example], seq_len: int, eot: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The rows of `pack_examples`, one at a time (streaming)."""
+    return _example_rows(examples, seq_len, eot)
+
+
+def to_batch(tokens: np.ndarray, segments: np.ndarray, answers: np.ndarray | None = None) -> Batch:
+    """Shift rows `[batch, seq + 1]` into inputs and targets; mask targets across documents and,
+    given `answers` (`[batch, seq + 1]`), targets that are not answer tokens."""
+    mask = segments[:, 1:] == segments[:, :-1]
+    if answers is not None:
+        mask = mask & answers[:, 1:]
     return Batch(
         inputs=tokens[:, :-1],
         targets=tokens[:, 1:],
         segment_ids=segments[:, :-1],
-        loss_mask=(segments[:, 1:] == segments[:, :-1]).astype(np.float32),
+        loss_mask=mask.astype(np.float32),
     )
 
 
@@ -94,12 +170,14 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.nda
 @dataclasses.dataclass(frozen=True)
 class Batches:
     """Random-access batches of packed rows: `batch(i)` is a pure function of (rows, seed, i).
-    Each epoch visits every row once in a fresh seeded order (the last partial batch is skipped)."""
+    Each epoch visits every row once in a fresh seeded order (the last partial batch is skipped).
+    `answers` (from `pack_examples`) limits the loss to answer tokens; None counts every token."""
 
     tokens: np.ndarray
     segments: np.ndarray
     batch_size: int
     seed: int
+    answers: np.ndarray | None = None
 
     def __post_init__(self):
         if len(self.tokens) < self.batch_size:
@@ -117,7 +195,11 @@ class Batches:
         epoch, i = divmod(index, self.per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
         rows = order[i * self.batch_size : (i + 1) * self.batch_size]
-        return to_batch(self.tokens[rows], self.segments[rows])
+        return self._batch(rows)
+
+    def _batch(self, rows) -> Batch:
+        answers = None if self.answers is None else self.answers[rows]
+        return to_batch(self.tokens[rows], self.segments[rows], answers)
 
     def iterate(self, start: int = 0) -> Iterator[Batch]:
         return (self.batch(i) for i in itertools.count(start))
@@ -126,22 +208,21 @@ class Batches:
         """The first `n_batches` batches without shuffling (fixed evaluation batches)."""
         n = min(n_batches, self.per_epoch)
         b = self.batch_size
-        return [
-            to_batch(self.tokens[i * b : (i + 1) * b], self.segments[i * b : (i + 1) * b])
-            for i in range(n)
-        ]
+        return [self._batch(slice(i * b, (i + 1) * b)) for i in range(n)]
 
 
 @dataclasses.dataclass
 class StreamBatches:
     """Sequential batches packed on the fly from a streamed corpus; `docs()` opens the stream
     (already shuffled) from its start, and is opened again when it runs out (the next epoch).
-    Resuming at batch `start` replays and skips the first `start` batches."""
+    Resuming at batch `start` replays and skips the first `start` batches. With `examples`,
+    `docs()` yields `Example`s, packed whole with their answer flags (`pack_examples_stream`)."""
 
     docs: Callable[[], Iterable[Sequence[int]]]
     seq_len: int
     eot: int
     batch_size: int
+    examples: bool = False
 
     def iterate(self, start: int = 0) -> Iterator[Batch]:
         def epochs() -> Iterator[Sequence[int]]:
@@ -153,7 +234,8 @@ class StreamBatches:
                 if empty:
                     raise ValueError("the streamed training corpus is empty")
 
-        rows = pack_stream(epochs(), self.seq_len, self.eot)
+        pack_rows = pack_examples_stream if self.examples else pack_stream
+        rows = pack_rows(epochs(), self.seq_len, self.eot)
         batches = (
             to_batch(*map(np.stack, zip(*chunk, strict=True)))
             for chunk in itertools.batched(rows, self.batch_size)

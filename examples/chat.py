@@ -38,12 +38,14 @@ def smollm2_gguf() -> Path:
 class Chat:
     """A conversation over one engine: `reply(text)` adds a user turn and streams the answer."""
 
-    def __init__(self, checkpoint: str | Path, *, chat_template: str | None = None,
-                 system: str | None = None, max_len: int = 2048, max_new_tokens: int = 256,
+    def __init__(self, checkpoint: str | Path, *, model: zoo.Transformer | None = None,
+                 chat_template: str | None = None, system: str | None = None,
+                 max_len: int = 2048, max_new_tokens: int = 256,
                  sampler: infer.Sampler | None = None, write=sys.stdout.write):  # fmt: skip
+        """The checkpoint's tokenizer and model, or `model` (e.g. fine-tuned from it)."""
         self.tokenizer = zoo.load_tokenizer(checkpoint, chat_template=chat_template)
         # Unrolled layers decode faster on a CPU (per-layer weight arrays); a one-time copy.
-        model = zoo.load_pretrained(checkpoint).unstacked()
+        model = (model or zoo.load_pretrained(checkpoint)).unstacked()
         self.engine = infer.Engine(
             model, max_batch=1, max_len=min(max_len, model.config.max_seq_len)
         )

@@ -7,9 +7,11 @@ names to place each parameter on a device mesh.
 from layers.attention import Attention
 from layers.embedding import Embedding, LearnedPositions
 from layers.linear import Linear
+from layers.lora import LoRA
 from layers.mlp import MLP, SwiGLU
 from layers.moe import MoE
 from layers.norm import LayerNorm, RMSNorm
+from layers.quantized import QuantizedLinear
 from layers.rotary import RopeScaling, apply_rotary, rotary_frequencies
 
 __all__ = [
@@ -19,7 +21,9 @@ __all__ = [
     "LayerNorm",
     "LearnedPositions",
     "Linear",
+    "LoRA",
     "MoE",
+    "QuantizedLinear",
     "RMSNorm",
     "RopeScaling",
     "SwiGLU",

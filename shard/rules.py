@@ -38,6 +38,7 @@ LOGICAL_AXES = (
     "capacity",
     "pages",
     "page_size",
+    "lora_rank",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -46,26 +47,29 @@ Mapping = tuple[tuple[str, Target], ...]
 
 _BATCH = ("data", "fsdp", "expert")
 _TENSOR: Mapping = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"))
+# A LoRA adapter's rank dim (layers/lora.py) is a handful of columns: every preset replicates it,
+# so an adapter's A and B split only along the dims they share with their base weight.
+_LORA: Mapping = (("lora_rank", None),)
 
 # Activations and KV cache (`mapping`) and parameters (`params`) of each strategy.
 _PRESETS: dict[str, tuple[Mapping, Mapping | None]] = {
     # Replicate the weights, split the batch; gradients are all-reduced.
-    "dp": ((("batch", _BATCH),), ()),
+    "dp": ((("batch", _BATCH),), _LORA),
     # ZeRO-3 / FSDP (Rajbhandari et al. 2020): each weight split along `embed`; all-gathered
     # before its layer, gradients reduce-scattered after.
-    "fsdp": ((("batch", _BATCH),), (("embed", "fsdp"),)),
+    "fsdp": ((("batch", _BATCH),), (("embed", "fsdp"), *_LORA)),
     # Megatron tensor parallelism (Shoeybi et al. 2019): heads and MLP columns split, an
     # all-reduce after each row-parallel matmul (attention output, MLP down).
-    "tp": ((("batch", _BATCH), *_TENSOR, ("vocab", "tensor")), None),
+    "tp": ((("batch", _BATCH), *_TENSOR, ("vocab", "tensor"), *_LORA), None),
     "fsdp_tp": (
         (("batch", _BATCH), *_TENSOR, ("vocab", "tensor")),
-        (("embed", "fsdp"), *_TENSOR, ("vocab", "tensor")),
+        (("embed", "fsdp"), *_TENSOR, ("vocab", "tensor"), *_LORA),
     ),
     # Expert parallelism (GShard, Lepikhin et al. 2020): experts live on the `expert` axis,
     # which also splits the batch, so tokens travel to their expert by all-to-all.
     "ep": (
         (("batch", _BATCH), ("experts", "expert")),
-        (("embed", "fsdp"), ("experts", "expert")),
+        (("embed", "fsdp"), ("experts", "expert"), *_LORA),
     ),
 }
 

@@ -120,6 +120,18 @@ class Args:
         default="stdlib",
     )
     text_column: str = _help("column holding the documents' text", default="text")
+    data_format: Literal["auto", "text", "chat", "completion", "alpaca"] = _help(
+        "what --data holds: text (documents, loss on every token), chat (a 'messages' column), "
+        "completion ('prompt', 'completion') or alpaca ('instruction', 'input', 'output'), the "
+        "loss on the answers only; auto: found from the columns (text when there is a "
+        "--text-column)",
+        default="auto",
+    )
+    truncate: bool = _help(
+        "cut instruction examples longer than --seq-len (and drop those left with no answer "
+        "token) instead of stopping with an error",
+        default=False,
+    )
     streaming: bool = _help("stream the dataset instead of loading it whole", default=False)
     tokenizer: str = _help(
         "'bpe' (byte-level BPE trained on --data, cached), an OpenAI encoding name (gpt2, "
@@ -178,6 +190,25 @@ class Args:
     )
     moe_z_weight: float = _help(
         "weight of the MoE router z-loss (ST-MoE)", default=0.001, bounds=NON_NEGATIVE
+    )
+    lora_rank: int = _help(
+        "train LoRA adapters of this rank on a frozen base instead of every weight (0: full "
+        "training)",
+        default=0,
+        bounds=NON_NEGATIVE_INT,
+    )
+    lora_alpha: float = _help(
+        "LoRA scale numerator: the update is (alpha / rank) A B", default=16.0, bounds=POSITIVE
+    )
+    lora_targets: str = _help(
+        "comma-separated projections to adapt, PEFT's names (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj) or ours (zoo/adapter.py)",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    )
+    base_dtype: Literal["float32", "bfloat16", "float16", "int8", "nf4"] | None = _help(
+        "with --lora-rank: how the frozen base is held: a float dtype, or quantized (int8 per "
+        "channel, or QLoRA's 4-bit NF4). Default: --param-dtype",
+        default=None,
     )
     out: str = _help("run directory: metrics, checkpoints, loss curve", default="runs/default")
     overwrite: bool = _help(
@@ -267,6 +298,14 @@ def check(args: Args) -> None:
             f"--resume {args.resume!r} continues a run, whose model is its own; --init-from "
             "starts a new one: give one of them",
         )
+    if args.base_dtype is not None and not args.lora_rank:
+        raise ArgError(
+            "--base-dtype",
+            f"{args.base_dtype} sets how a frozen base is held, and only a LoRA run has one: "
+            "give --lora-rank too, or drop --base-dtype",
+        )
+    if args.lora_rank and not [t for t in args.lora_targets.split(",") if t.strip()]:
+        raise ArgError("--lora-targets", "is empty: name at least one projection, e.g. q_proj")
     if (args.peak_flops > 0) != (args.peak_bandwidth > 0):
         given, missing = ("--peak-flops", "--peak-bandwidth")[:: 1 if args.peak_flops else -1]
         raise ArgError(

@@ -21,6 +21,7 @@ from shard import Placement
 from shard.axes import is_float_array_like
 from training.state import CorruptState, read_meta, restore_state, save_state
 from zoo import Config, Policy, Transformer
+from zoo.adapter import split_trainable
 
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -127,8 +128,7 @@ def restore(
             f"--resume {str(run_dir)!r}: checkpoint {path} was written for a different model "
             f"config ({meta.get('config')}); resume with the same --model and overrides"
         )
-    abstract = abstract_model(model.config, model.policy)
-    params = eqx.filter(abstract, is_float_array_like)
+    params = _shapes(split_trainable(model)[0])
     opt_state = jax.eval_shape(optimizer.init, params)
     key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     shardings = None
@@ -151,17 +151,57 @@ def restore(
     return Restored(params, opt_state, meta["step"], meta["data_position"], rng, path)
 
 
+def _is_lora_run(run_dir: str | Path) -> bool:
+    recorded = (Path(run_dir) / RECORD).is_file()
+    return recorded and bool(read_record(run_dir)["settings"].get("lora_rank"))
+
+
+def _shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def lora_model(run_dir: str | Path, policy: Policy, placement: Placement) -> Transformer:
+    """A LoRA run's model before its trained adapters are read: the base it recorded (checked
+    against its fingerprint), or its preset re-created from its seed, under `policy`, with fresh
+    adapters."""
+    # Imported here: lora_run reads run directories with this module.
+    from training import lora_run
+    from training.args import Args
+    from zoo import load_pretrained
+
+    record = read_record(run_dir)
+    settings = record["settings"]
+    args = Args(**{k: settings[k] for k in lora_run.SETTINGS if k in settings})
+    key = jax.random.key(settings["seed"])
+    if settings.get("init_from"):
+        lora_run.check_base(record["base"], Path(run_dir))
+        source = record["base"]["path"]
+        if is_run(source):
+            base = run_model(source, policy=policy, placement=placement)
+        else:
+            base = load_pretrained(source, policy=policy, placement=placement)
+    else:
+        config = Config.from_dict(record["config"], source=f"{run_dir}/{RECORD}")
+        make = lambda k: Transformer(config, policy=policy, key=k)  # noqa: E731
+        base = placement.init(make, jax.random.fold_in(key, 0))
+    return lora_run.adapt(base, args, placement, jax.random.fold_in(key, 1))
+
+
 def run_model(
     run_dir: str | Path, *, policy: Policy | None = None, placement: Placement | None = None
 ) -> Transformer:
     """The Transformer of the latest checkpoint with its trained parameters, straight into
     `placement`'s shardings (the optimizer state is not read). `policy` defaults to the run's
-    parameter dtype; a different `param_dtype` casts the weights after reading."""
+    parameter dtype; a different `param_dtype` casts the weights after reading. A LoRA run's
+    model is its base with the trained adapters (`zoo.merge_adapter` folds them in)."""
     config, param_dtype = checkpoint_config(run_dir)
     stored = Policy(param_dtype=param_dtype, compute_dtype=param_dtype)
-    abstract = abstract_model(config, stored)
-    params, static = eqx.partition(abstract, is_float_array_like)
     placement = placement or Placement()
+    if _is_lora_run(run_dir):
+        params, static = split_trainable(lora_model(run_dir, stored, placement))
+        params = _shapes(params)
+    else:
+        params, static = eqx.partition(abstract_model(config, stored), is_float_array_like)
     path = latest(run_dir)
     try:
         # The file holds (params, opt_state, rng) in order; reading the first subtree stops there.
@@ -187,15 +227,22 @@ def run_tokenizer_spec(run_dir: str | Path) -> str | None:
 
 
 def tokenizer_from_spec(spec: str) -> Any:
-    """A pretrained checkpoint's tokenizer (an HF directory, .gguf or tokenizer.json), a
-    `.tiktoken` rank file, or an OpenAI encoding name."""
+    """The tiktoken encoding of a pretrained checkpoint's tokenizer (an HF directory, .gguf or
+    tokenizer.json), a `.tiktoken` rank file, or an OpenAI encoding name."""
+    tokenizer = chat_tokenizer_from_spec(spec)
+    return getattr(tokenizer, "encoding", tokenizer)
+
+
+def chat_tokenizer_from_spec(spec: str) -> Any:
+    """As `tokenizer_from_spec`, but a checkpoint's tokenizer whole: a `zoo.Tokenizer` with its
+    chat template (instruction data is rendered with it); a tiktoken encoding otherwise."""
     from data.tokenizers import load_ranks, openai_encoding
 
     source = Path(spec)
     if source.is_dir() or source.suffix in (".gguf", ".json"):
         from zoo.tokenizer import load_tokenizer
 
-        return load_tokenizer(spec).encoding
+        return load_tokenizer(spec)
     return load_ranks(spec) if source.is_file() else openai_encoding(spec)
 
 

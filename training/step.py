@@ -4,8 +4,12 @@
 either plainly or, with a mesh, with the parameters', optimizer state's and batch's shardings in
 and out and the sharding rules active while it is traced (so `shard.constrain` places the
 activations; XLA's SPMD partitioner inserts the all-gathers, reduce-scatters and all-reduces).
-Both are plain `jax.jit` objects, so `.lower(params, opt_state, batch).compile(options)` gives the
-per-device program ahead of time (`.as_text()`: the collectives it runs; tests/shard read it).
+`.lower(params, opt_state, batch).compile(options)` gives the per-device program ahead of time
+(`.as_text()`: the collectives it runs; tests/shard read it).
+
+Frozen weights (a LoRA run's base, a quantized base) are arguments of the compiled program, bound
+once by `Bound`: closed over, jit would bake them into the executable as constants (a second copy
+of the base, and a slow compile).
 
 Mixed precision: the model holds `Policy.param_dtype` weights (float32 master weights, so the
 AdamW state is float32 too) and computes in `Policy.compute_dtype` (e.g. bfloat16); gradients
@@ -18,7 +22,7 @@ i, i + accum, ... so that, with the batch split over devices, each micro-batch s
 all of them. The MoE auxiliary loss is averaged over micro-batches (see training/loss.py).
 """
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -30,9 +34,10 @@ from jaxtyping import Array, Float
 from data.packing import Batch
 from layers.moe import MoEStats
 from shard import Placement
-from shard.axes import is_float_array_like
+from shard.axes import is_array_like
 from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, loss_terms
 from zoo import Transformer
+from zoo.adapter import split_trainable
 
 
 class StepMetrics(eqx.Module):
@@ -48,9 +53,11 @@ class StepMetrics(eqx.Module):
 
 
 def split_model(model: Transformer) -> tuple[Any, Any]:
-    """(trainable float arrays, everything else); the optimizer sees only the first. Works on
-    abstract models too (`eqx.filter_eval_shape`)."""
-    return eqx.partition(model, is_float_array_like)
+    """(trainable arrays, everything else); the optimizer sees only the first. The one place
+    that decides what trains: every float array, or, when the model holds LoRA adapters
+    (`zoo.add_lora`), their A and B alone; a quantized base (`zoo.quantize_base`) never
+    (`zoo.adapter.split_trainable`). Works on abstract models too (`eqx.filter_eval_shape`)."""
+    return split_trainable(model)
 
 
 def abstract_batch(batch_size: int, seq_len: int, sharding=None) -> Batch:
@@ -111,6 +118,28 @@ def eval_step(params, batch: Batch, *, static):
     return terms.nll_sum, terms.tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """`fn(params, frozen, *rest)` called as `fn(params, *rest)`, with `frozen` (the model's
+    arrays that do not train) bound here. `lower(...)` and `.compile()` keep the binding; any
+    other attribute (`memory_analysis`, `as_text`) is `fn`'s."""
+
+    fn: Any
+    frozen: Any
+
+    def __call__(self, params, *rest):
+        return self.fn(params, self.frozen, *rest)
+
+    def lower(self, params, *rest) -> "Bound":
+        return Bound(self.fn.lower(params, self.frozen, *rest), self.frozen)
+
+    def compile(self, *args, **kwargs) -> "Bound":
+        return Bound(self.fn.compile(*args, **kwargs), self.frozen)
+
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
+
+
 def compile_steps(
     static,
     optimizer: optax.GradientTransformation,
@@ -119,41 +148,48 @@ def compile_steps(
     placement: Placement | None = None,
     model: Transformer | None = None,
     aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS,
-) -> tuple[Callable, Callable]:
-    """The jitted (train_step, eval_step). Parameters and optimizer state are donated: the step
-    updates them in place instead of holding two copies. With a sharded `placement`, `model`
-    (real or abstract) gives the shardings."""
+) -> tuple[Bound, Bound]:
+    """The jitted (train_step(params, opt_state, batch), eval_step(params, batch)), with the
+    frozen arrays of `static` bound as arguments (`Bound`). Parameters and optimizer state are
+    donated: the step updates them in place instead of holding two copies. With a sharded
+    `placement`, `model` (real or abstract) gives the shardings."""
     placement = placement or Placement()
+    frozen, skeleton = eqx.partition(static, is_array_like)
 
-    def train(params, opt_state, batch):
+    def train(params, frozen, opt_state, batch):
         with placement.context():
             return train_step(
                 params,
                 opt_state,
                 batch,
-                static=static,
+                static=eqx.combine(frozen, skeleton),
                 optimizer=optimizer,
                 accum=accum,
                 aux_weights=aux_weights,
             )
 
-    def evaluate(params, batch):
+    def evaluate(params, frozen, batch):
         with placement.context():
-            return eval_step(params, batch, static=static)
+            return eval_step(params, batch, static=eqx.combine(frozen, skeleton))
 
     if not placement.sharded:
-        return jax.jit(train, donate_argnums=(0, 1)), jax.jit(evaluate)
+        train_jit = jax.jit(train, donate_argnums=(0, 2))
+        return Bound(train_jit, frozen), Bound(jax.jit(evaluate), frozen)
     if model is None:
         raise ValueError("compile_steps with a mesh needs the model to read its shardings from")
-    params_s = placement.param_shardings(model)
-    state_s = placement.opt_state_shardings(optimizer, model)
+    trainable, frozen_model = split_model(model)
+    params_s = placement.param_shardings(trainable)
+    frozen_s = placement.param_shardings(eqx.filter(frozen_model, is_array_like))
+    state_s = placement.opt_state_shardings(optimizer, trainable)
     batch_s = placement.batch_sharding()
     replicated = placement.replicated()
     train_jit = jax.jit(
         train,
-        in_shardings=(params_s, state_s, batch_s),
+        in_shardings=(params_s, frozen_s, state_s, batch_s),
         out_shardings=(params_s, state_s, replicated),
-        donate_argnums=(0, 1),
+        donate_argnums=(0, 2),
     )
-    eval_jit = jax.jit(evaluate, in_shardings=(params_s, batch_s), out_shardings=replicated)
-    return train_jit, eval_jit
+    eval_jit = jax.jit(
+        evaluate, in_shardings=(params_s, frozen_s, batch_s), out_shardings=replicated
+    )
+    return Bound(train_jit, frozen), Bound(eval_jit, frozen)

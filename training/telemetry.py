@@ -42,13 +42,25 @@ class Telemetry:
         hw: zmath.Hardware,
         *,
         accum: int = 1,
+        lora: tuple[int, int] | None = None,
     ):
+        """`lora`: (trainable parameters, frozen base bytes) of a LoRA run."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.config, self.policy = config, policy
         # Activations are live for one micro-batch at a time.
-        self.predicted_bytes = zmath.training_memory_bytes(config, batch // accum, seq_len, policy)
+        micro = batch // accum
+        self.full_bytes = zmath.training_memory_bytes(config, micro, seq_len, policy)
+        self.predicted_bytes = self.full_bytes
+        if lora is not None:
+            trainable, frozen = lora
+            self.predicted_bytes = zmath.training_memory_bytes(
+                config, micro, seq_len, policy, trainable=trainable, frozen_bytes=frozen
+            )
+        self.lora = lora is not None
         self.tokens_per_step = batch * seq_len
-        self.flops_per_token = zmath.training_flops_per_token(config, seq_len)
+        self.flops_per_token = zmath.training_flops_per_token(
+            config, seq_len, weight_grads=not self.lora
+        )
         self.peak = hw.peak_flops(policy.compute_dtype)
         self.hardware = hw
         self.predicted = zmath.training_step_roofline(config, batch, seq_len, hw, policy)
@@ -74,10 +86,15 @@ class Telemetry:
         )
 
     def memory_line(self, compiled_bytes: int, devices: int) -> str:
+        full = (
+            f"; the full fine-tune it replaces: {self.full_bytes / 1e9:.2f} GB predicted"
+            if self.lora
+            else ""
+        )
         return (
             f"memory: predicted {self.predicted_bytes / 1e9:.2f} GB (zoo.math, remat="
             f"{self.policy.remat}, all on one device) vs compiled {compiled_bytes / 1e9:.2f} GB "
-            f"per device (XLA's memory analysis of the train step, {devices} device(s))"
+            f"per device (XLA's memory analysis of the train step, {devices} device(s)){full}"
         )
 
     def plot(self, path: Path, entropy: float | None = None) -> Path:

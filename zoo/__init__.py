@@ -1,12 +1,15 @@
 """The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly,
-transformer math, and tokenizers with chat templates."""
+LoRA adapters and the quantized frozen base of QLoRA, transformer math, and tokenizers with chat
+templates."""
 
 from zoo import math
+from zoo.adapter import add_lora, merge_adapter
 from zoo.block import Block
 from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
+from zoo.quantize import dequantize_base, quantize_base
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Transformer
@@ -19,19 +22,25 @@ __all__ = [
     "Stack",
     "Tokenizer",
     "Transformer",
+    "add_lora",
+    "dequantize_base",
+    "load_adapter",
     "load_pretrained",
     "load_tokenizer",
     "math",
+    "merge_adapter",
     "preset",
     "presets",
+    "quantize_base",
+    "save_adapter",
     "save_pretrained",
 ]
 
 
 def __getattr__(name: str):
-    # load_pretrained/save_pretrained need the `checkpoints` extra (safetensors, gguf): import
+    # Checkpoint and adapter files need the `checkpoints` extra (safetensors, gguf): import
     # them on first use so that `import zoo` works without it.
-    if name in ("load_pretrained", "save_pretrained"):
+    if name in ("load_pretrained", "save_pretrained", "load_adapter", "save_adapter"):
         from zoo import pretrained
 
         return getattr(pretrained, name)

@@ -13,12 +13,14 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
 """
 
 import dataclasses
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 
 from layers.moe import expert_capacity
+from layers.quantized import Kind, check_kind
 from zoo.config import Config
 from zoo.policy import Policy
 
@@ -99,6 +101,37 @@ def active_param_count(config: Config) -> int:
     return param_count(config) - n_moe * moe_saving
 
 
+def lora_param_count(config: Config, targets: str | list[str] | tuple[str, ...], rank: int) -> int:
+    """Parameters of `zoo.add_lora(model, targets, rank, ...)`: rank x (in + out) per wrapped
+    projection and layer (attention targets in every layer, MLP targets in the dense ones: an
+    MoE layer holds no Linear MLP). What a LoRA step trains and keeps AdamW moments for; the
+    base weights stay frozen. Target names as add_lora takes them (zoo/adapter.py); unknown
+    names are an error there."""
+    from zoo.adapter import TARGETS  # zoo.adapter builds models; math only needs its names
+    from zoo.stack import segments
+
+    c = config
+    names = [targets] if isinstance(targets, str) else list(targets)
+    paths = {p for n in names for p in TARGETS[n]} if all(n in TARGETS for n in names) else None
+    if paths is None:
+        raise ValueError(f"unknown LoRA target(s) in {names}; known names: {sorted(TARGETS)}")
+    sizes = {
+        "attn.q_proj": (c.d_model, c.q_dim),
+        "attn.k_proj": (c.d_model, c.kv_dim),
+        "attn.v_proj": (c.d_model, c.kv_dim),
+        "attn.o_proj": (c.q_dim, c.d_model),
+        "mlp.gate": (c.d_model, c.d_ff) if c.mlp == "swiglu" else (0, 0),
+        "mlp.up": (c.d_model, c.d_ff),
+        "mlp.down": (c.d_ff, c.d_model),
+    }
+    dense = sum(repeats * period.count(False) for _, period, repeats in segments(c))
+    total = 0
+    for path in paths:
+        layers = dense if path.startswith("mlp.") else c.n_layers
+        total += layers * rank * sum(sizes[path])
+    return total
+
+
 def matmul_params(config: Config) -> int:
     """Parameters that take part in a matmul per token: every block's projections and the LM head
     (tied or not). Norm scales, biases and lookups are left out: their FLOPs are negligible."""
@@ -139,10 +172,18 @@ def capacity_dispatch_flops_per_token(
     return n_moe * (padding + einsums)
 
 
-def training_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
+def training_flops_per_token(
+    config: Config, seq_len: int, *, causal: bool = True, weight_grads: bool = True
+) -> float | int:
     """6N + attention: forward plus a backward of twice its cost (no remat recompute counted:
-    this is the model FLOPs of MFU, not the hardware FLOPs)."""
-    return 3.0 * forward_flops_per_token(config, seq_len, causal=causal)
+    this is the model FLOPs of MFU, not the hardware FLOPs). `weight_grads=False` (a frozen
+    base under LoRA): the backward computes only the activations' gradients, 4N + attention
+    (the adapters' own FLOPs, rank x (in + out) per projection, are negligible)."""
+    if weight_grads:
+        return 3.0 * forward_flops_per_token(config, seq_len, causal=causal)
+    return 4.0 * matmul_params(config) + 3.0 * attention_flops_per_token(
+        config, seq_len, causal=causal
+    )
 
 
 def bytes_per_element(dtype: str | jnp.dtype) -> int:
@@ -152,6 +193,37 @@ def bytes_per_element(dtype: str | jnp.dtype) -> int:
 def weight_bytes(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
     """The weights, stored in the policy's `param_dtype`."""
     return param_count(config) * bytes_per_element(policy.param_dtype)
+
+
+def _projections(config: Config) -> list[tuple[tuple[int, ...], int]]:
+    """(in_shape, output size) of every `Linear` in the layer stacks: each layer's attention
+    q, k, v, o and each dense layer's MLP matrices (MoE experts are raw arrays, not Linears)."""
+    c = config
+    attention = [((c.d_model,), c.q_dim), ((c.d_model,), c.kv_dim), ((c.d_model,), c.kv_dim)]
+    attention.append(((c.n_heads, c.head_dim), c.d_model))
+    up = [((c.d_model,), c.d_ff)] * (2 if c.mlp == "swiglu" else 1)
+    mlp = [*up, ((c.d_ff,), c.d_model)]
+    n_dense = c.n_layers - len(c.moe_layers)
+    return attention * c.n_layers + mlp * n_dense
+
+
+def frozen_base_bytes(
+    config: Config, kind: Kind | None, policy: Policy = DEFAULT_POLICY, *, block: int = 64
+) -> int:
+    """The weights of `zoo.quantize_base(model, kind, block=block)`: each stacked projection as
+    its codes (int8: 1 byte per weight; nf4: 1/2 byte) and float32 scales (int8: one per output
+    channel; nf4: one per `block` weights), everything else (embeddings, LM head, norms, biases,
+    router, experts) in the policy's `param_dtype`. The base a LoRA adapter trains on top of (the
+    adapter and its optimizer state come on top); `kind=None` is the float model."""
+    if kind is None:
+        return weight_bytes(config, policy)
+    float_params, quantized = param_count(config), 0
+    for in_shape, n_out in _projections(config):
+        check_kind(kind, block, in_shape)
+        n = math.prod(in_shape) * n_out
+        float_params -= n
+        quantized += n + 4 * n_out if kind == "int8" else n // 2 + 4 * (n // block)
+    return float_params * bytes_per_element(policy.param_dtype) + quantized
 
 
 def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
@@ -210,13 +282,26 @@ def activation_bytes_per_token(
 
 
 def training_memory_bytes(
-    config: Config, batch: int, seq_len: int, policy: Policy = DEFAULT_POLICY
+    config: Config,
+    batch: int,
+    seq_len: int,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    trainable: int | None = None,
+    frozen_bytes: int | None = None,
 ) -> float | int:
     """Parameters + gradients + AdamW moments (float32 master copies) + saved activations + the
     backward's working set (one layer's full activations, recomputed or not, live at once) +
-    float32 logits and their gradient."""
-    n = param_count(config)
-    state = n * (bytes_per_element(policy.param_dtype) + 4 + 8)
+    float32 logits and their gradient.
+
+    LoRA: only `trainable` parameters (the float32 adapters, `lora_param_count`) have gradients
+    and moments; the frozen base takes `frozen_bytes` (`frozen_base_bytes`; default its
+    `param_dtype` weights). Default: every parameter trains."""
+    if trainable is None:
+        state = param_count(config) * (bytes_per_element(policy.param_dtype) + 4 + 8)
+    else:
+        frozen = weight_bytes(config, policy) if frozen_bytes is None else frozen_bytes
+        state = frozen + trainable * (4 + 4 + 8)
     tokens = batch * seq_len
     saved = activation_bytes_per_token(config, seq_len, policy)
     one_layer = activation_bytes_per_token(config, seq_len, policy.replace(remat="none"))

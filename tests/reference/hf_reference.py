@@ -5,6 +5,8 @@ Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does o
                                              # and logits of dirs written by zoo.save_pretrained
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
+    python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
+                                             # logits; logits of adapters written by the zoo
 
 JOB.json holds the inputs; results go to JOB["out"] as .npz / .json files.
 """
@@ -170,6 +172,35 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) ->
     return {"text": text, "ids": ids}
 
 
+def peft(job: dict) -> None:
+    """With job["config"] (a Llama config) and no "dirs": a random Llama saved to out/base, a
+    PEFT LoRA on job["targets"] (r=4, alpha=8) with random A and B saved to out/adapter, their
+    logits to out/adapter.npz. With "dirs": each adapter directory loaded onto out/base by
+    PeftModel.from_pretrained, logits to out/NAME.npz."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    out = job["out"]
+    base_dir = os.path.join(out, "base")
+    if job.get("dirs"):
+        for name in job["dirs"]:
+            base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            model = PeftModel.from_pretrained(base, os.path.join(out, name)).eval()
+            np.savez(os.path.join(out, name + ".npz"), logits=logits(model, job["tokens"]))
+        return
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", **job["config"])
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    randomize(model)
+    model.save_pretrained(base_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=job["targets"])
+    model = get_peft_model(model, lora).eval()
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # B starts at zero, which would hide a mis-mapped adapter
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(os.path.join(out, "adapter"))
+    np.savez(os.path.join(out, "adapter.npz"), logits=logits(model, job["tokens"]))
+
+
 def edit_json(path: str, edit) -> None:
     with open(path) as f:
         value = json.load(f)
@@ -181,4 +212,4 @@ def edit_json(path: str, edit) -> None:
 if __name__ == "__main__":
     command, job_file = sys.argv[1:]
     with open(job_file) as f:
-        {"tiny": tiny, "smollm2": smollm2, "chat": chat}[command](json.load(f))
+        {"tiny": tiny, "smollm2": smollm2, "chat": chat, "peft": peft}[command](json.load(f))

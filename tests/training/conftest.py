@@ -5,7 +5,11 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import jax
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import zoo
 
 
 def write_corpus(path: Path, n_docs: int = 24, chars: int = 1500) -> Path:
@@ -16,6 +20,28 @@ def write_corpus(path: Path, n_docs: int = 24, chars: int = 1500) -> Path:
         for file in files:
             f.write(json.dumps({"text": file.read_text(encoding="utf-8")[:chars]}) + "\n")
     return path
+
+
+TINY_LLAMA = zoo.preset("tiny-llama", vocab_size=320, n_layers=1)
+
+
+def write_checkpoint(directory: Path, corpus: Path, config=TINY_LLAMA, dtype="float32") -> Path:
+    """A tiny zoo model written with save_pretrained, beside a byte-level BPE tokenizer.json
+    trained on `corpus`: a pretrained checkpoint for --init-from."""
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    model = zoo.Transformer(config, policy=zoo.Policy.of_dtype(dtype), key=jax.random.key(3))
+    zoo.save_pretrained(model, directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
 
 
 @pytest.fixture(scope="session")

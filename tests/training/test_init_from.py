@@ -11,43 +11,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import train
 import zoo
+from tests.training.conftest import TINY_LLAMA, write_checkpoint
 from training import run_dir
 from training.args import parse_args
 from training.loss import loss_terms
 from training.model_config import check_fits, check_imported, policy
-
-TINY_LLAMA = zoo.preset("tiny-llama", vocab_size=320, n_layers=1)
 
 
 def _records(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _checkpoint(directory, corpus, config=TINY_LLAMA, dtype="float32"):
-    """A tiny zoo model written with save_pretrained, beside a byte-level BPE tokenizer.json."""
-    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    model = zoo.Transformer(config, policy=zoo.Policy.of_dtype(dtype), key=jax.random.key(3))
-    zoo.save_pretrained(model, directory)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, corpus):
-    return _checkpoint(tmp_path_factory.mktemp("pretrained"), corpus)
+    return write_checkpoint(tmp_path_factory.mktemp("pretrained"), corpus)
 
 
 def test_finetune_starts_from_the_checkpoint_and_lowers_the_loss(tmp_path, tiny_argv, pretrained):
@@ -56,7 +36,7 @@ def test_finetune_starts_from_the_checkpoint_and_lowers_the_loss(tmp_path, tiny_
     summary = train.main(argv)
 
     args = parse_args(argv)
-    _, train_data, _, _ = train.load_data(args, tmp_path / "run")
+    _, train_data, *_ = train.load_data(args, tmp_path / "run")
     first = next(iter(train_data.iterate(0)))
     loaded = zoo.load_pretrained(path)
     terms = loss_terms(loaded, jax.tree.map(jnp.asarray, first))
@@ -68,7 +48,7 @@ def test_finetune_starts_from_the_checkpoint_and_lowers_the_loss(tmp_path, tiny_
 
 def test_run_time_flags_apply_to_the_imported_model(tmp_path, tiny_argv, corpus):
     # A bfloat16 checkpoint: its weights are read as float32 master weights (--param-dtype).
-    path = _checkpoint(tmp_path / "pretrained", corpus, dtype="bfloat16")
+    path = write_checkpoint(tmp_path / "pretrained", corpus, dtype="bfloat16")
     flags = ["--attention", "naive", "--remat", "full", "--dtype", "bfloat16"]
     # An --override that repeats the checkpoint's architecture is allowed.
     argv = tiny_argv(tmp_path / "run", *flags, "--override", "n_layers=1", "--steps", "1",
@@ -81,7 +61,7 @@ def test_run_time_flags_apply_to_the_imported_model(tmp_path, tiny_argv, corpus)
     dtypes = {w.dtype for w in jax.tree.leaves(eqx.filter(model, eqx.is_array))}
     assert dtypes == {jnp.dtype("float32")}
     # The step ran on the checkpoint's weights, computing in bfloat16 with the naive kernel.
-    _, train_data, _, _ = train.load_data(parse_args(argv), tmp_path / "run")
+    _, train_data, *_ = train.load_data(parse_args(argv), tmp_path / "run")
     first = jax.tree.map(jnp.asarray, next(iter(train_data.iterate(0))))
     loaded = zoo.load_pretrained(path, policy=zoo.Policy(**settings))
     terms = loss_terms(loaded, first)

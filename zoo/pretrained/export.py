@@ -7,6 +7,7 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
+from zoo.adapter import has_lora
 from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
 from zoo.pretrained.safetensors import INDEX
@@ -51,6 +52,12 @@ def save_pretrained(
     Mixtral), weights in their own dtype. Gathers the weights on the host (one copy of the
     model). A non-empty `directory` is refused unless `overwrite`, which first removes every
     HF model file there (weights, shard index, config, tokenizer)."""
+    if has_lora(model):
+        raise ValueError(
+            "save_pretrained: the model holds LoRA adapters, which an HF model directory has no "
+            "place for; export merge_adapter(model) for a plain model, or save the adapters "
+            "alone with zoo.save_adapter"
+        )
     config = model.config
     arch = architecture_for(config)
     directory = os.fspath(directory)

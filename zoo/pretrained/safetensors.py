@@ -13,7 +13,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def _open(path: str):
+def open_file(path: str):
+    """One safetensors file, memory-mapped, read as NumPy; a clear error if it is damaged."""
     try:
         return safe_open(path, framework="numpy")
     except SafetensorError as e:
@@ -45,7 +46,7 @@ class SafetensorsSource:
                 )
             if not os.path.isfile(os.path.join(directory, name)):
                 raise ValueError(f"{INDEX} lists the shard {name}, which is not in {directory!r}")
-        self._files = {name: _open(os.path.join(directory, name)) for name in files}
+        self._files = {name: open_file(os.path.join(directory, name)) for name in files}
         self._where = {t: name for name, f in self._files.items() for t in f.keys()}  # noqa: SIM118
         for tensor, file in (weight_map or {}).items():
             if self._where.get(tensor) != file:
