@@ -95,9 +95,10 @@ def run(ceilings: Ceilings) -> Table:
             "Llama 3 8B rows: zoo.math only, batch 1 x 2048, bf16 compute, full remat."
         ],
     )
-    base = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
     full = None
     for name in ("full", "lora float32 base", "lora int8 base", "lora nf4 base"):
+        # A fresh model each time: the step donates (and so deletes) what it trains.
+        base = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
         measured = measure(variant(base, name), batch, seq, repeats)
         full = full or measured
         table.add(

@@ -136,7 +136,10 @@ class QuantizedLinear(eqx.Module):
         dtype = dtype or x.dtype
         n_in = len(self.in_shape)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jnp.tensordot(x.astype(dtype), self.weight(dtype), axes=contract)
+        # Rematerialised: the backward dequantizes again instead of keeping the float weight as
+        # a residual, which would hold a float copy of the whole base through a train step.
+        project = jax.checkpoint(lambda q, x: jnp.tensordot(x, q.weight(dtype), axes=contract))
+        y = project(self, x.astype(dtype))
         if self.bias is not None:
             y = y + self.bias.astype(dtype)
         return y
