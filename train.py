@@ -141,19 +141,24 @@ def chat_tokenizer(args: Args, data_format: str, sample, cache: Path, run_dir: P
     return make_tokenizer(args, sample, cache, run_dir)
 
 
+def split_rows(args: Args, dataset):
+    """(training rows, held-out rows, rows to train a BPE on): a seeded split by
+    `--val-fraction`, or, streamed, `--eval-batches` batches held out from the shuffled stream's
+    head and a sample of its first 2000 rows."""
+    if args.streaming:
+        dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
+        n_val = args.eval_batches * args.batch_size
+        return dataset.skip(n_val), dataset.take(n_val), dataset.take(2000)
+    train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
+    train = dataset.select(train_idx)
+    return train, dataset.select(val_idx), train
+
+
 def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_dir: Path):
     """`load_data` for instruction data (data/formats.py, data/supervised.py): examples rendered
     with the tokenizer's chat template (or prompt + completion without one), whole in their rows,
     the loss on the answer tokens only; the entropy is the answer tokens' unigram entropy."""
-    if args.streaming:
-        dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
-        n_val = args.eval_batches * args.batch_size  # examples held out from the stream's head
-        val_rows, train_rows = dataset.take(n_val), dataset.skip(n_val)
-        sample_rows = dataset.take(2000)
-    else:
-        train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
-        train_rows, val_rows = dataset.select(train_idx), dataset.select(val_idx)
-        sample_rows = train_rows
+    train_rows, val_rows, sample_rows = split_rows(args, dataset)
     sample = (  # texts for a BPE trained on the data (prompt/completion data only)
         "\n".join(m["content"] for m in row_messages(row, data_format, row[ROW], PAIR_ROLES))
         for row in sample_rows
@@ -209,15 +214,9 @@ def load_data(args: Args, run_dir: Path):
     if data_format != "text":
         return (*load_examples_data(args, dataset, data_format, cache, run_dir), data_format)
     say(f"data: format text (column {args.text_column!r})")
-    if args.streaming:
-        dataset = dataset.shuffle(seed=args.seed, buffer_size=1000)
-        n_val = args.eval_batches * args.batch_size  # documents held out from the stream's head
-        val_docs, train_docs = dataset.take(n_val), dataset.skip(n_val)
-        sample = (d[args.text_column] for d in dataset.take(2000))
-    else:
-        train_idx, val_idx = packing.split_documents(len(dataset), args.val_fraction, args.seed)
-        train_docs, val_docs = dataset.select(train_idx), dataset.select(val_idx)
-        sample = train_docs[args.text_column]
+    train_docs, val_docs, sample_docs = split_rows(args, dataset)
+    column = args.text_column
+    sample = (d[column] for d in sample_docs) if args.streaming else sample_docs[column]
     encoding = make_tokenizer(args, sample, cache, run_dir)
     eot = encoding.eot_token
 
@@ -300,7 +299,8 @@ def build_model(
         model = placement.init(make, jax.random.fold_in(key, 0))
         name = args.model or DEFAULT_MODEL
     if args.lora_rank:
-        model = lora_run.adapt(model, args, placement, jax.random.fold_in(key, 1))
+        lora = lora_run.LoraSettings.of(vars(args))
+        model = lora_run.adapt(model, lora, placement, jax.random.fold_in(key, 1))
     return model, name
 
 
@@ -476,14 +476,7 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     hw = hardware(args.peak_flops, args.peak_bandwidth, run_policy.compute_dtype)
     lora = None
     if args.lora_rank:
-        if args.base_dtype in lora_run.QUANTIZED:
-            kind, base_policy = args.base_dtype, run_policy
-        else:
-            kind = None
-            base_policy = run_policy.replace(param_dtype=args.base_dtype or run_policy.param_dtype)
-        frozen = zmath.frozen_base_bytes(
-            config, kind, base_policy, block=lora_run.nf4_block(config)
-        )
+        frozen = lora_run.frozen_bytes(lora_run.LoraSettings.of(vars(args)), config, run_policy)
         lora = (n_trainable, frozen)
     telemetry = Telemetry(
         run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum,

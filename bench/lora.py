@@ -26,26 +26,30 @@ from zoo import math as zmath
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK = 8
 OPTIMIZER = adamw(learning_rate("cosine", peak=1e-3, steps=100, warmup=10))
-KINDS = (None, "int8", "nf4")
 
 
-def variant(model: zoo.Transformer, name: str) -> zoo.Transformer:
-    """`model` as trained by `name`: every weight ("full"), or rank-8 LoRA over a base held in
-    float32, int8 or NF4."""
-    if name == "full":
+# (label, trains LoRA, quantized base kind): the variants measured side by side.
+VARIANTS = (
+    ("full", False, None),
+    ("lora float32 base", True, None),
+    ("lora int8 base", True, "int8"),
+    ("lora nf4 base", True, "nf4"),
+)
+
+
+def variant(model: zoo.Transformer, lora: bool, kind: str | None) -> zoo.Transformer:
+    """`model` as trained: every weight, or rank-8 LoRA over a base held as is or quantized."""
+    if not lora:
         return model
-    kind = name.removeprefix("lora ").removesuffix(" base")
-    if kind in KINDS[1:]:
+    if kind:
         model = zoo.quantize_base(model, kind, block=64)
     return zoo.add_lora(model, TARGETS, RANK, 2 * RANK, key=jax.random.key(1))
 
 
-def predicted_bytes(config, policy, batch, seq, name) -> float:
-    """zoo.math's memory of one train step for `name`."""
-    if name == "full":
+def predicted_bytes(config, policy, batch, seq, lora: bool, kind: str | None) -> float:
+    """zoo.math's memory of one train step."""
+    if not lora:
         return zmath.training_memory_bytes(config, batch, seq, policy)
-    kind = name.removeprefix("lora ").removesuffix(" base")
-    kind = kind if kind in KINDS[1:] else None
     return zmath.training_memory_bytes(
         config, batch, seq, policy,
         trainable=zmath.lora_param_count(config, TARGETS, RANK),
@@ -96,16 +100,16 @@ def run(ceilings: Ceilings) -> Table:
         ],
     )
     full = None
-    for name in ("full", "lora float32 base", "lora int8 base", "lora nf4 base"):
+    for name, lora, kind in VARIANTS:
         # A fresh model each time: the step donates (and so deletes) what it trains.
         base = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
-        measured = measure(variant(base, name), batch, seq, repeats)
+        measured = measure(variant(base, lora, kind), batch, seq, repeats)
         full = full or measured
         table.add(
             {
                 "model": "smollm2-135m",
                 "training": name,
-                "predicted GB": predicted_bytes(config, policy, batch, seq, name) / 1e9,
+                "predicted GB": predicted_bytes(config, policy, batch, seq, lora, kind) / 1e9,
                 "compiled GB": measured["compiled"] / 1e9,
                 "compiled / full": measured["compiled"] / full["compiled"],
                 "optimizer state MB": measured["state"] / 1e6,
@@ -115,12 +119,12 @@ def run(ceilings: Ceilings) -> Table:
         )
     big = zoo.preset("llama3-8b")
     bf16 = zoo.Policy(compute_dtype="bfloat16", param_dtype="bfloat16", remat="full")
-    for name in ("full", "lora bfloat16 base", "lora int8 base", "lora nf4 base"):
+    for name, lora, kind in VARIANTS:
         table.add(
             {
                 "model": "llama3-8b",
-                "training": name,
-                "predicted GB": predicted_bytes(big, bf16, 1, 2048, name) / 1e9,
+                "training": name.replace("float32 base", "bfloat16 base"),
+                "predicted GB": predicted_bytes(big, bf16, 1, 2048, lora, kind) / 1e9,
                 "compiled GB": float("nan"),
                 "compiled / full": float("nan"),
                 "optimizer state MB": float("nan"),

@@ -274,6 +274,11 @@ class Args:
         check(self)
 
 
+def lora_target_names(text: str) -> tuple[str, ...]:
+    """`--lora-targets q_proj,v_proj` as names."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def flag_name(field: str) -> str:
     return f"--{field.replace('_', '-')}"
 
@@ -304,7 +309,7 @@ def check(args: Args) -> None:
             f"{args.base_dtype} sets how a frozen base is held, and only a LoRA run has one: "
             "give --lora-rank too, or drop --base-dtype",
         )
-    if args.lora_rank and not [t for t in args.lora_targets.split(",") if t.strip()]:
+    if args.lora_rank and not lora_target_names(args.lora_targets):
         raise ArgError("--lora-targets", "is empty: name at least one projection, e.g. q_proj")
     if (args.peak_flops > 0) != (args.peak_bandwidth > 0):
         given, missing = ("--peak-flops", "--peak-bandwidth")[:: 1 if args.peak_flops else -1]

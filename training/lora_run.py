@@ -9,27 +9,50 @@ so a base that changed under the run is an error rather than an adapter applied 
 not trained on.
 """
 
+import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from shard import Placement
 from training import run_dir as runs
-from training.args import Args
-from zoo import Config, Transformer, add_lora, quantize_base
+from training.args import lora_target_names
+from zoo import Config, Policy, Transformer, add_lora, quantize_base
+from zoo import math as zmath
 
 QUANTIZED = ("int8", "nf4")
-# The settings `adapt` reads (a LoRA run records them; `run_dir.run_model` rebuilds from them).
-SETTINGS = ("lora_rank", "lora_alpha", "lora_targets", "base_dtype")
 NF4_BLOCK = 64  # QLoRA's block size, made smaller where a projection's input dim needs it
 
 
-def targets(args: Args) -> tuple[str, ...]:
-    return tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """What `adapt` reads: the run's `--lora-rank`, `--lora-alpha`, `--lora-targets` and
+    `--base-dtype`, from its `Args` or from the settings its run.json recorded."""
+
+    rank: int
+    alpha: float
+    targets: str
+    base_dtype: str | None
+
+    @staticmethod
+    def of(settings: Mapping[str, Any]) -> "LoraSettings":
+        return LoraSettings(
+            rank=settings["lora_rank"],
+            alpha=settings["lora_alpha"],
+            targets=settings["lora_targets"],
+            base_dtype=settings["base_dtype"],
+        )
+
+    @property
+    def quantized(self) -> str | None:
+        return self.base_dtype if self.base_dtype in QUANTIZED else None
 
 
 def nf4_block(config: Config) -> int:
@@ -39,26 +62,32 @@ def nf4_block(config: Config) -> int:
     return math.gcd(NF4_BLOCK, c.d_model, c.head_dim, *([c.d_ff] if c.d_ff else []))
 
 
-def adapt(model: Transformer, args: Args, placement: Placement, key: PRNGKeyArray) -> Transformer:
+def adapt(
+    model: Transformer, lora: LoraSettings, placement: Placement, key: PRNGKeyArray
+) -> Transformer:
     """`model` as the frozen base of a LoRA run: held in `--base-dtype` (cast, or quantized:
     int8 per channel, NF4 in blocks) and wrapped with rank-`--lora-rank` adapters on
     `--lora-targets` (float32, B = 0: the adapted model starts as the base)."""
-    if args.base_dtype in QUANTIZED:
-        block = nf4_block(model.config) if args.base_dtype == "nf4" else NF4_BLOCK
-        model = quantize_base(model, args.base_dtype, block=block)
-    elif args.base_dtype is not None:
-        dtype = jnp.dtype(args.base_dtype)
-        model = jax.tree.map(
-            lambda x: x.astype(dtype) if isinstance(x, jax.Array) and jnp.issubdtype(
-                x.dtype, jnp.floating) else x,
-            model,
-        )  # fmt: skip
+    if lora.quantized:
+        model = quantize_base(model, lora.quantized, block=nf4_block(model.config))
+    elif lora.base_dtype is not None:
+        dtype = jnp.dtype(lora.base_dtype)
+        model = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
     try:
         return add_lora(
-            model, targets(args), args.lora_rank, args.lora_alpha, placement=placement, key=key
-        )
+            model, lora_target_names(lora.targets), lora.rank, lora.alpha, placement=placement,
+            key=key,
+        )  # fmt: skip
     except ValueError as error:
-        raise ValueError(f"--lora-targets {args.lora_targets!r}: {error}") from None
+        raise ValueError(f"--lora-targets {lora.targets!r}: {error}") from None
+
+
+def frozen_bytes(lora: LoraSettings, config: Config, policy: Policy) -> int:
+    """zoo.math's bytes of the frozen base `adapt` makes under `policy`."""
+    if lora.quantized:
+        return zmath.frozen_base_bytes(config, lora.quantized, policy, block=nf4_block(config))
+    base = policy.replace(param_dtype=lora.base_dtype or policy.param_dtype)
+    return zmath.frozen_base_bytes(config, None, base)
 
 
 def fingerprint(path: str | Path) -> str:

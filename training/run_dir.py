@@ -166,12 +166,10 @@ def lora_model(run_dir: str | Path, policy: Policy, placement: Placement) -> Tra
     adapters."""
     # Imported here: lora_run reads run directories with this module.
     from training import lora_run
-    from training.args import Args
     from zoo import load_pretrained
 
     record = read_record(run_dir)
     settings = record["settings"]
-    args = Args(**{k: settings[k] for k in lora_run.SETTINGS if k in settings})
     key = jax.random.key(settings["seed"])
     if settings.get("init_from"):
         lora_run.check_base(record["base"], Path(run_dir))
@@ -184,7 +182,8 @@ def lora_model(run_dir: str | Path, policy: Policy, placement: Placement) -> Tra
         config = Config.from_dict(record["config"], source=f"{run_dir}/{RECORD}")
         make = lambda k: Transformer(config, policy=policy, key=k)  # noqa: E731
         base = placement.init(make, jax.random.fold_in(key, 0))
-    return lora_run.adapt(base, args, placement, jax.random.fold_in(key, 1))
+    lora = lora_run.LoraSettings.of(settings)
+    return lora_run.adapt(base, lora, placement, jax.random.fold_in(key, 1))
 
 
 def run_model(

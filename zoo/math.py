@@ -112,9 +112,10 @@ def lora_param_count(config: Config, targets: str | list[str] | tuple[str, ...],
 
     c = config
     names = [targets] if isinstance(targets, str) else list(targets)
-    paths = {p for n in names for p in TARGETS[n]} if all(n in TARGETS for n in names) else None
-    if paths is None:
-        raise ValueError(f"unknown LoRA target(s) in {names}; known names: {sorted(TARGETS)}")
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown LoRA target(s) {unknown}; known names: {sorted(TARGETS)}")
+    paths = {p for n in names for p in TARGETS[n]}
     sizes = {
         "attn.q_proj": (c.d_model, c.q_dim),
         "attn.k_proj": (c.d_model, c.kv_dim),

@@ -8,6 +8,18 @@ import numpy as np
 
 import zoo
 
+VOCAB = 97
+# A tiny HF Llama (GQA 4:2), the reference model of the checkpoint and adapter tests.
+HF_LLAMA = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+}
+
 
 def random_model(config: zoo.Config, seed: int) -> zoo.Transformer:
     """Random weights (std 0.1), norm scales around 1, biases nonzero so that each matters."""

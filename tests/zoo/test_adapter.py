@@ -15,12 +15,11 @@ import zoo
 from data.packing import to_batch
 from layers import Linear, LoRA
 from tests.reference.runner import run_reference
-from tests.zoo.random_model import random_model
+from tests.zoo.random_model import HF_LLAMA, VOCAB, random_model
 from training.step import split_model, train_step
 from zoo.adapter import TARGETS, split_trainable
 
 EPS = float(jnp.finfo(jnp.float32).eps)
-VOCAB = 97
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).astype(np.int32)
 CONFIG = zoo.preset(
     "tiny-llama", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48
@@ -234,16 +233,7 @@ def test_save_load_round_trip_and_bad_files(base, tmp_path):
 
 # --- against peft ------------------------------------------------------------------------------
 
-LLAMA = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 48,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+LLAMA = HF_LLAMA | {"tie_word_embeddings": False}
 
 
 def relative_error(ours, reference) -> float:

@@ -16,33 +16,23 @@ from safetensors.numpy import load_file, save_file
 import zoo
 from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
-from tests.zoo.random_model import random_model
+from tests.zoo.random_model import HF_LLAMA, VOCAB, random_model
 
-VOCAB = 97
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).tolist()
 _GPT2 = {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
-_LLAMA = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 48,
-    "max_position_embeddings": 64,
-}
 TIED, UNTIED = {"tie_word_embeddings": True}, {"tie_word_embeddings": False}
 # Sliding window 5 < 12 tokens, so the window matters.
-_MIXTRAL = _LLAMA | {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}
+_MIXTRAL = HF_LLAMA | {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}
 MODELS = [
     {"name": "gpt2", "model_type": "gpt2", "config": _GPT2},
     {"name": "gpt2-untied", "model_type": "gpt2", "config": _GPT2 | UNTIED},
-    {"name": "llama-gqa-tied", "model_type": "llama", "config": _LLAMA | TIED},
+    {"name": "llama-gqa-tied", "model_type": "llama", "config": HF_LLAMA | TIED},
     {
         # MQA, a head_dim that is not hidden/heads, Llama-3 rope scaling, sharded files.
         "name": "llama-mqa-llama3-rope",
         "model_type": "llama",
         "max_shard_size": "20KB",
-        "config": _LLAMA
+        "config": HF_LLAMA
         | {
             "num_key_value_heads": 1,
             "head_dim": 16,
@@ -60,7 +50,7 @@ MODELS = [
     {
         "name": "llama-bias",
         "model_type": "llama",
-        "config": _LLAMA | {"attention_bias": True, "mlp_bias": True, "rope_theta": 1000.0},
+        "config": HF_LLAMA | {"attention_bias": True, "mlp_bias": True, "rope_theta": 1000.0},
     },
     {"name": "mixtral", "model_type": "mixtral", "config": _MIXTRAL},
     # The same weights (same seed) with the experts stacked as transformers 5 holds them.
