@@ -72,6 +72,26 @@ def test_unknown_rope_type(checkpoint):
         zoo.load_pretrained(checkpoint)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # A field the zoo has never heard of may change the math: refused, named.
+        ("attn_temperature", 0.5, r"does not implement: \['attn_temperature'\]"),
+        # A feature implemented at one value only.
+        ("pretraining_tp", 2, r"pretraining_tp=2, which the zoo does not implement"),
+    ],
+)
+def test_unimplemented_config_field_is_refused(checkpoint, field, value, message):
+    edit_config(checkpoint, **{field: value})
+    with pytest.raises(ValueError, match=message):
+        zoo.load_pretrained(checkpoint)
+
+
+def test_harmless_config_fields_are_accepted(checkpoint):
+    edit_config(checkpoint, pretraining_tp=1, attention_dropout=0.1, use_cache=False)
+    assert zoo.load_pretrained(checkpoint).config == CONFIG
+
+
 def test_missing_tensor_is_named(checkpoint):
     rewrite(checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"lacks 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):

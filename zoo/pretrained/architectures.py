@@ -1,6 +1,7 @@
 """The registry of HF architectures the zoo reads and writes, keyed by the class name that
 config.json lists under `architectures`. Adding one is one module with the five functions
-below (and `read_tensors` where checkpoints come in more than one layout) and one entry here."""
+below, the `READS`/`ONLY` field lists (zoo/pretrained/hf_fields.py), `read_tensors` where
+checkpoints come in more than one layout, and one entry here."""
 
 import dataclasses
 from collections.abc import Callable
@@ -19,7 +20,9 @@ class Architecture:
     expressions of checkpoint tensors that hold no weights of ours (buffers, a repeated tied head);
     any other unknown tensor is an error. `tensors(config)` is the layout `save_pretrained`
     writes; `read_tensors(config, names)`, where given, picks the layout of a checkpoint holding
-    the tensors `names` (Mixtral's experts stored apart or fused).
+    the tensors `names` (Mixtral's experts stored apart or fused). `reads` are the config.json
+    fields `config_from_hf` maps, `only` those it implements at one value alone
+    (`hf_fields.check_fields` refuses anything else).
     """
 
     name: str
@@ -29,6 +32,8 @@ class Architecture:
     exports: Callable[[Config], bool]
     tensors: Callable[[Config], list[TensorGroup]]
     ignored: Callable[[Config], tuple[str, ...]]
+    reads: frozenset[str] = frozenset()
+    only: dict = dataclasses.field(default_factory=dict)
     read_tensors: Callable[[Config, set[str]], list[TensorGroup]] | None = None
 
     def tensors_in(self, config: Config, names: set[str]) -> list[TensorGroup]:
@@ -47,6 +52,8 @@ def _from_module(name: str, prefix: str, module) -> Architecture:
         exports=module.exports,
         tensors=module.tensors,
         ignored=module.ignored,
+        reads=frozenset(module.READS),
+        only=dict(getattr(module, "ONLY", {})),
         read_tensors=getattr(module, "read_tensors", None),
     )
 

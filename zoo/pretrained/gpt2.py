@@ -8,6 +8,30 @@ from zoo.pretrained.tensor_map import TensorGroup, linear, same
 
 _ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh-approximate GELU we use
 
+READS = (
+    "vocab_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+    "n_ctx",  # old configs repeat n_positions
+    "layer_norm_epsilon",
+    "activation_function",
+    "tie_word_embeddings",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+    "reorder_and_upcast_attn",  # float32 attention scores: what our kernels do anyway
+    "task_specific_params",  # generation settings
+    # The sequence-summary head of GPT2DoubleHeadsModel, absent from the LM.
+    "summary_activation",
+    "summary_first_dropout",
+    "summary_proj_to_labels",
+    "summary_type",
+    "summary_use_proj",
+)
+ONLY = {"add_cross_attention": False}
+
 
 def config_from_hf(hf: dict) -> Config:
     if hf.get("activation_function", "gelu_new") not in _ACTIVATIONS:

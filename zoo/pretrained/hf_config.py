@@ -6,6 +6,7 @@ import os
 
 from zoo.config import Config
 from zoo.pretrained.architectures import Architecture, architecture
+from zoo.pretrained.hf_fields import check_fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,6 +44,7 @@ def config_from_hf(hf: dict) -> tuple[Architecture, Config]:
             "e.g. ['LlamaForCausalLM']"
         )
     arch = architecture(names[0])
+    check_fields(hf, arch.name, reads=arch.reads, only=arch.only)
     try:
         config = arch.config_from_hf(hf)
     except KeyError as e:

@@ -6,6 +6,26 @@ from layers.rotary import RopeScaling
 from zoo.config import Config
 from zoo.pretrained.tensor_map import TensorGroup, bias, linear, same
 
+READS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "tie_word_embeddings",
+)
+ONLY = {"pretraining_tp": 1}
+
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     """rope theta and scaling from either layout: transformers >= 5 nests both in

@@ -25,6 +25,15 @@ _PER_EXPERT = "model.layers.{i}.block_sparse_moe."
 _FUSED = "model.layers.{i}.mlp."
 _GATE, _UP, _DOWN = "blocks.mlp.experts.gate", "blocks.mlp.experts.up", "blocks.mlp.experts.down"
 
+READS = (
+    *(f for f in llama.READS if f not in ("attention_bias", "mlp_bias")),
+    "num_local_experts",
+    "num_experts_per_tok",
+    "sliding_window",
+)
+# Router noise during training (Mixtral's jitter) is not implemented.
+ONLY = {"router_jitter_noise": 0.0}
+
 
 def config_from_hf(hf: dict) -> Config:
     if hf.get("hidden_act", "silu") != "silu":
