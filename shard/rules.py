@@ -40,7 +40,7 @@ LOGICAL_AXES = (
     "page_size",
     "lora_rank",
 )
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
 
 Target = str | tuple[str, ...] | None
 Mapping = tuple[tuple[str, Target], ...]
@@ -50,26 +50,33 @@ _TENSOR: Mapping = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor
 # A LoRA adapter's rank dim (layers/lora.py) is a handful of columns: every preset replicates it,
 # so an adapter's A and B split only along the dims they share with their base weight.
 _LORA: Mapping = (("lora_rank", None),)
+# Pipeline parallelism (GPipe, Huang et al. 2019): every preset splits the stacked layer axis of
+# the weights over `pipeline` (a no-op on a mesh whose pipeline axis has size 1); each device
+# holds one stage's consecutive layers (shard/pipeline.py runs them).
+_PIPELINE: Mapping = (("layers", "pipeline"),)
 
 # Activations and KV cache (`mapping`) and parameters (`params`) of each strategy.
 _PRESETS: dict[str, tuple[Mapping, Mapping | None]] = {
     # Replicate the weights, split the batch; gradients are all-reduced.
-    "dp": ((("batch", _BATCH),), _LORA),
+    "dp": ((("batch", _BATCH),), (*_LORA, *_PIPELINE)),
     # ZeRO-3 / FSDP (Rajbhandari et al. 2020): each weight split along `embed`; all-gathered
     # before its layer, gradients reduce-scattered after.
-    "fsdp": ((("batch", _BATCH),), (("embed", "fsdp"), *_LORA)),
+    "fsdp": ((("batch", _BATCH),), (("embed", "fsdp"), *_LORA, *_PIPELINE)),
     # Megatron tensor parallelism (Shoeybi et al. 2019): heads and MLP columns split, an
     # all-reduce after each row-parallel matmul (attention output, MLP down).
-    "tp": ((("batch", _BATCH), *_TENSOR, ("vocab", "tensor"), *_LORA), None),
+    "tp": (
+        (("batch", _BATCH), *_TENSOR, ("vocab", "tensor"), *_LORA),
+        (*_TENSOR, ("vocab", "tensor"), *_LORA, *_PIPELINE),
+    ),
     "fsdp_tp": (
         (("batch", _BATCH), *_TENSOR, ("vocab", "tensor")),
-        (("embed", "fsdp"), *_TENSOR, ("vocab", "tensor"), *_LORA),
+        (("embed", "fsdp"), *_TENSOR, ("vocab", "tensor"), *_LORA, *_PIPELINE),
     ),
     # Expert parallelism (GShard, Lepikhin et al. 2020): experts live on the `expert` axis,
     # which also splits the batch, so tokens travel to their expert by all-to-all.
     "ep": (
         (("batch", _BATCH), ("experts", "expert")),
-        (("embed", "fsdp"), ("experts", "expert"), *_LORA),
+        (("embed", "fsdp"), ("experts", "expert"), *_LORA, *_PIPELINE),
     ),
 }
 

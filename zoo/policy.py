@@ -32,7 +32,9 @@ class Policy:
     `attention`: a kernel object (`layers.kernels.Xla()`, `Naive()`, `Flash(block_sizes=...)`)
     or its name; `scan_layers`: run stacked layers with `lax.scan` (False: a Python loop over the
     same weights, compile time growing with depth); `moe_dispatch`: `Dropless()`,
-    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25)."""
+    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how many
+    micro-batches a pipelined layer stack streams through its stages per forward (used only on
+    a mesh with a `pipeline` axis, zoo/pipeline.py)."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
@@ -40,6 +42,7 @@ class Policy:
     attention: AttentionKernel | str = "xla"
     scan_layers: bool = True
     moe_dispatch: Dispatch | str = "dropless"
+    microbatches: int = 1
 
     def __post_init__(self):
         for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat)]:
@@ -66,6 +69,8 @@ class Policy:
                 f"Policy.moe_dispatch={self.moe_dispatch!r} is not a dispatch; give "
                 "layers.moe.Dropless(), Capacity(factor), 'dropless' or 'capacity'"
             )
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"Policy.microbatches must be an int >= 1, got {self.microbatches!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"Policy.scan_layers must be a bool, got {self.scan_layers!r}")
 

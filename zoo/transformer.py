@@ -22,6 +22,7 @@ from shard import constrain
 from zoo.block import Block, Rope, make_norm
 from zoo.config import Config
 from zoo.output import ModelOutput
+from zoo.pipeline import run_stack
 from zoo.policy import Policy
 from zoo.stack import Stack, make_stacks
 
@@ -205,7 +206,9 @@ class Transformer(eqx.Module):
         stats, layer_caches = [], []
         for s, stack in enumerate(self.stacks):
             kv, view = (None, None) if cache is None else (cache.layers[s], step.view)
-            x, stack_stats, kv = stack(x, mask, rope, policy=self.policy, cache=kv, view=view)
+            x, stack_stats, kv = run_stack(
+                stack, x, mask, rope, policy=self.policy, cache=kv, view=view
+            )
             stats += [] if stack_stats is None else [stack_stats]
             layer_caches.append(kv)
         if cache is not None:

@@ -1,0 +1,73 @@
+"""A layer stack run as a pipeline (shard/pipeline.py's GPipe schedule) when the active mesh has
+a `pipeline` axis larger than 1; the plain scan otherwise. The embedding, the final norm and the
+LM head stay outside, in the transformer, under the automatic sharding.
+
+A stage is a `Stack` of its own `repeats / stages` repeats (the weights' local slice), still run
+by `lax.scan`. Remat is per stage: with `Policy.remat` other than "none" each stage's pass over
+one micro-batch is one `jax.checkpoint` under that policy ("full" keeps only the stage's input
+per micro-batch in flight, as in GPipe; "dots" its matmul outputs), and the layers inside run
+without a checkpoint of their own, so "full" recomputes each stage once, not twice.
+"""
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, PyTree
+
+from layers.kernels import AttentionMask
+from layers.moe import MoE, MoEStats
+from shard.pipeline import check_pipeline, gpipe, pipeline_stages
+from zoo.block import Rope
+from zoo.policy import Policy
+from zoo.stack import REMAT_POLICIES, Stack
+
+
+def run_stack(
+    stack: Stack,
+    x: Float[Array, "batch seq embed"],
+    mask: AttentionMask,
+    rope: Rope | None,
+    *,
+    policy: Policy,
+    cache: tuple[PyTree, ...] | None = None,
+    view=None,
+) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, tuple[PyTree, ...] | None]:
+    """`stack(x, mask, rope, ...)` (same contract as `Stack.__call__`), pipelined over the
+    active mesh's `pipeline` axis when it is larger than 1. A pipelined stack trains and
+    evaluates; it takes no KV cache and no MoE layers (both refused with an error)."""
+    stages = pipeline_stages()
+    if stages == 1:
+        return stack(x, mask, rope, policy=policy, cache=cache, view=view)
+    if cache is not None:
+        raise ValueError(
+            f"a KV cache with a pipeline of {stages} stages: pipelined inference is not "
+            "supported; generate on a mesh without a pipeline axis"
+        )
+    if any(isinstance(block.mlp, MoE) for block in stack.blocks):
+        raise ValueError(
+            f"a pipeline of {stages} stages over MoE layers: the router statistics and the "
+            "auxiliary loss are not carried through the pipeline; train MoE models without a "
+            "pipeline axis (e.g. --mesh expert=N)"
+        )
+    if not stack.stacked or not policy.scan_layers:
+        raise ValueError(
+            "a pipelined stack runs its stages with lax.scan over stacked layers: keep "
+            "Policy.scan_layers=True and the stacked storage (not unstacked())"
+        )
+    check_pipeline(
+        layers=stack.repeats,
+        stages=stages,
+        microbatches=policy.microbatches,
+        batch=x.shape[0],
+    )
+    weights, static = eqx.partition(stack.blocks, eqx.is_array)
+    inner = policy.replace(remat="none")
+
+    def stage(local, x, rows):
+        mask, rope = rows
+        layers = Stack(eqx.combine(local, static), stack.repeats // stages, stack.period, True)
+        return layers(x, mask, rope, policy=inner)[0]
+
+    if policy.remat != "none":
+        stage = jax.checkpoint(stage, policy=REMAT_POLICIES[policy.remat])
+    y = gpipe(stage, weights, x, (mask, rope), microbatches=policy.microbatches)
+    return y, None, None
