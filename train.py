@@ -44,7 +44,7 @@ from shard import Placement
 from shard.xla_flags import set_default_xla_flags
 from training import lora_run
 from training import run_dir as runs
-from training.args import ArgError, Args, check, given, parse_args
+from training.args import ArgError, Args, accumulation, check, given, parse_args
 from training.model_config import (
     DEFAULT_MODEL,
     aux_weights,
@@ -466,7 +466,7 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     else:
         opt_state = placement.init_opt_state(optimizer, params)
     train_fn, eval_fn = compile_steps(
-        static, optimizer, args.grad_accum, placement=placement, model=model,
+        static, optimizer, accumulation(args)[0], placement=placement, model=model,
         aux_weights=aux_weights(args),
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates

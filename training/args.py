@@ -21,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import Literal
 
+from shard.mesh import parse_mesh
+
 
 class ArgError(ValueError):
     """A bad setting: `flag` (e.g. "--warmup") and why. `parse_args` prints it as argparse does."""
@@ -144,7 +146,10 @@ class Args:
     steps: int = _help("optimizer steps in all", default=300, bounds=POSITIVE_INT)
     batch_size: int = _help("sequences per optimizer step", default=16, bounds=POSITIVE_INT)
     grad_accum: int = _help(
-        "micro-batches per step (gradient accumulation)", default=1, bounds=POSITIVE_INT
+        "micro-batches per step: gradient accumulation, or, with a pipeline axis in --mesh, the "
+        "micro-batches streamed through the stages (at least the pipeline size)",
+        default=1,
+        bounds=POSITIVE_INT,
     )
     seq_len: int = _help("tokens per sequence", default=128, bounds=POSITIVE_INT)
     lr: float = _help("peak learning rate", default=3e-3, bounds=POSITIVE)
@@ -226,7 +231,8 @@ class Args:
         default=None,
     )
     mesh: str | None = _help(
-        "shard over a device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, tensor, expert; the "
+        "shard over a device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, tensor, expert, "
+        "pipeline; the "
         "sizes must multiply to the device count). Default: one device",
         default=None,
     )
@@ -283,6 +289,21 @@ def flag_name(field: str) -> str:
     return f"--{field.replace('_', '-')}"
 
 
+def pipeline_stages(args: Args) -> int:
+    """The size of the `pipeline` axis of `--mesh` (1 without one)."""
+    return parse_mesh(args.mesh).get("pipeline", 1) if args.mesh else 1
+
+
+def accumulation(args: Args) -> tuple[int, int]:
+    """(gradient-accumulation steps, pipeline micro-batches) of one optimizer step. One flag,
+    `--grad-accum N`, splits the batch into N micro-batches either way and the gradient is their
+    sum: without a pipeline they run one after another (`training/step.py`), with one they are
+    streamed through the stages in a single pass (GPipe, `zoo/pipeline.py`)."""
+    if pipeline_stages(args) > 1:
+        return 1, args.grad_accum
+    return args.grad_accum, 1
+
+
 def check(args: Args) -> None:
     """What no single flag can check: settings that must agree. Raises `ArgError`."""
     if args.batch_size % args.grad_accum:
@@ -290,6 +311,14 @@ def check(args: Args) -> None:
             "--grad-accum",
             f"--batch-size {args.batch_size} is not divisible by --grad-accum {args.grad_accum}: "
             "every micro-batch has the same number of sequences; give a divisor of --batch-size",
+        )
+    stages = pipeline_stages(args)
+    if args.grad_accum < stages:
+        raise ArgError(
+            "--grad-accum",
+            f"{args.grad_accum} micro-batches are fewer than the {stages} pipeline stages of "
+            f"--mesh {args.mesh}: some stage would never work; give --grad-accum {stages} or "
+            f"more (the bubble, (stages - 1) / (micro-batches + stages - 1), shrinks with more)",
         )
     if args.warmup > args.steps:
         raise ArgError(

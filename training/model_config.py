@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from layers.moe import Capacity, Dropless
-from training.args import Args
+from training.args import Args, accumulation
 from training.loss import AuxWeights
 from zoo import Config, Policy, preset
 
@@ -46,6 +46,7 @@ def policy(args: Args) -> Policy:
         remat=args.remat,
         attention=args.attention,
         moe_dispatch=dispatch,
+        microbatches=accumulation(args)[1],
     )
 
 
