@@ -79,11 +79,12 @@ def test_presets_map_the_strategy_axes():
         name: ShardingRules.preset(name).param_spec(("layers", "embed", "mlp"))
         for name in ("dp", "fsdp", "tp", "fsdp_tp")
     }
+    # Every preset splits the stacked layer axis over `pipeline` (a no-op where it has size 1).
     assert specs == {
-        "dp": jax.P(None, None, None),
-        "fsdp": jax.P(None, "fsdp", None),
-        "tp": jax.P(None, None, "tensor"),
-        "fsdp_tp": jax.P(None, "fsdp", "tensor"),
+        "dp": jax.P("pipeline", None, None),
+        "fsdp": jax.P("pipeline", "fsdp", None),
+        "tp": jax.P("pipeline", None, "tensor"),
+        "fsdp_tp": jax.P("pipeline", "fsdp", "tensor"),
     }
     ep = ShardingRules.preset("ep")
     assert ep.param_spec(("experts", "embed", "mlp")) == jax.P("expert", "fsdp", None)
