@@ -15,6 +15,13 @@ Mixture of experts: the expert weights' bytes per device are listed apart; with 
 split over a mesh axis and capacity dispatch, each MoE layer moves its `[experts, batch,
 capacity, embed]` buffer by all-to-all to the experts and back (GShard), forward and backward,
 each beside the routed experts' matmul time it would have to hide under.
+
+Pipeline parallelism (`--mesh pipeline=S,...`, `--microbatches M`): each device is one stage
+holding n_layers / S layers (its parameters and Adam state already count only those), the
+activations are those one stage holds with all M micro-batches in flight
+(`zoo.math.pipeline_activation_bytes`), each stage hands one micro-batch's activations (forward)
+or their gradient (backward) to its neighbour per tick by collective-permute, and the step idles
+the GPipe bubble, (S - 1) / (M + S - 1) (`zoo.math.pipeline_bubble`).
 """
 
 import argparse
@@ -28,6 +35,7 @@ from layers.kv_cache import K_AXES, V_AXES
 from layers.moe import Capacity, expert_capacity
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
+from shard.pipeline import check_pipeline
 from shard.rules import (
     MESH_AXES,
     ShardingRules,
@@ -41,6 +49,7 @@ from zoo import math as zmath
 from zoo.config import Config
 from zoo.policy import Policy
 from zoo.presets import preset
+from zoo.stack import segments
 from zoo.transformer import Transformer
 
 
@@ -75,10 +84,13 @@ class Plan:
     kv_cache: int
     collectives: tuple[Collective, ...]
     step_compute_s: float
+    stages: int = 1
+    microbatches: int = 1
+    bubble: float = 0.0
 
 
 def full_mesh(mesh_shape: dict[str, int]) -> dict[str, int]:
-    """Sizes of all four mesh axes (1 where not given)."""
+    """Sizes of all mesh axes (1 where not given)."""
     for name in mesh_shape:
         if name not in MESH_AXES:
             raise ValueError(f"unknown mesh axis {name!r}; mesh axes are {MESH_AXES}")
@@ -176,6 +188,7 @@ def plan(
     seq: int,
     hardware: zmath.Hardware,
     context: int | None = None,
+    microbatches: int = 1,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
     tokens per row, default `seq`) on a mesh of `mesh_shape`, with `policy`'s dtypes, kernel
@@ -184,7 +197,8 @@ def plan(
     Parameters, Adam state and KV cache are exact (the model's own logical axes under the
     rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
     divided by the tensor axis: an optimistic share, since without sequence parallelism the
-    norms' and residuals' part (10 d of Korthikanti et al.'s 34 d) is not split.
+    norms' and residuals' part (10 d of Korthikanti et al.'s 34 d) is not split. With a
+    pipeline axis, `microbatches` micro-batches stream through its stages (module docstring).
     """
     sizes = full_mesh(mesh_shape)
     if hardware.interconnect is None:
@@ -196,13 +210,37 @@ def plan(
         raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
     tokens = batch * seq // batch_shards
+    stages = sizes["pipeline"]
+    if stages > 1:
+        if config.n_experts:
+            raise ValueError(
+                f"a pipeline of {stages} stages over MoE layers is not supported (zoo/pipeline.py)"
+            )
+        for _, _, repeats in segments(config):
+            check_pipeline(layers=repeats, stages=stages, microbatches=microbatches, batch=batch)
+        if (batch // microbatches) % batch_shards:
+            raise ValueError(
+                f"micro-batches of {batch // microbatches} sequences do not divide by the "
+                f"batch's mesh axes {sorted(batch_axes)} ({batch_shards} devices)"
+            )
+        bubble = zmath.pipeline_bubble(stages, microbatches)
+    else:
+        bubble, microbatches = 0.0, 1
     held = param_bytes(config, policy, rules, sizes)
     activations = {
-        remat: tokens
-        * zmath.activation_bytes_per_token(config, seq, policy.replace(remat=remat))
+        remat: zmath.pipeline_activation_bytes(
+            config,
+            seq,
+            policy.replace(remat=remat),
+            tokens=tokens,
+            stages=stages,
+            microbatches=microbatches,
+        )
         / tensor
         for remat in ("none", "dots", "full")
     }
+    # The layers one device runs (its stage's, all of them without a pipeline).
+    layers = config.n_layers // stages
 
     peak = hardware.peak_flops(policy.compute_dtype)
     link = hardware.interconnect
@@ -212,8 +250,8 @@ def plan(
     layer_fwd_s = tokens * layer_matmul_flops / tensor / peak
     # One layer's parameter shards on a device, on average (MoE layers hold their experts'
     # shards); the routed experts apart, since their replicas differ under expert parallelism.
-    layer_held = held.layers / config.n_layers
-    layer_experts = held.experts / config.n_layers
+    layer_held = held.layers / layers
+    layer_experts = held.experts / layers
     collectives = []
 
     def add(name, axes, why, count, sent, compute):
@@ -224,16 +262,16 @@ def plan(
     if (fsdp := _axes_size(sizes, gather_axes)) > 1:
         gathered = layer_held * fsdp
         sent = _ring("all-gather", gathered, fsdp)
-        add("all-gather", gather_axes, "weights, forward", config.n_layers, sent, layer_fwd_s)
-        add("all-gather", gather_axes, "weights, backward", config.n_layers, sent, 2 * layer_fwd_s)
+        add("all-gather", gather_axes, "weights, forward", layers, sent, layer_fwd_s)
+        add("all-gather", gather_axes, "weights, backward", layers, sent, 2 * layer_fwd_s)
         sent = _ring("reduce-scatter", gathered, fsdp)
-        add("reduce-scatter", gather_axes, "gradients", config.n_layers, sent, 2 * layer_fwd_s)
+        add("reduce-scatter", gather_axes, "gradients", layers, sent, 2 * layer_fwd_s)
     replica_axes = batch_axes - gather_axes
     expert_replica_axes = replica_axes - _targets(rules.param_mapping, "experts")
     sent = _ring("all-reduce", layer_held - layer_experts, _axes_size(sizes, replica_axes))
     sent += _ring("all-reduce", layer_experts, _axes_size(sizes, expert_replica_axes))
     if sent:
-        add("all-reduce", replica_axes, "gradients", config.n_layers, sent, 2 * layer_fwd_s)
+        add("all-reduce", replica_axes, "gradients", layers, sent, 2 * layer_fwd_s)
     if tensor > 1:
         activation = tokens * config.d_model * zmath.bytes_per_element(policy.compute_dtype)
         sent = _ring("all-reduce", activation, tensor)
@@ -242,13 +280,24 @@ def plan(
             "all-reduce",
             "tensor",
             "activations (attn + mlp), fwd + bwd",
-            4 * config.n_layers,
+            4 * layers,
             sent,
             layer_fwd_s / 2,
         )
+    if stages > 1:
+        # Per tick a stage sends one micro-batch's [batch, seq, embed] slice to the next stage
+        # (forward) or its gradient back (backward), beside that micro-batch's stage compute.
+        activation = tokens * config.d_model * zmath.bytes_per_element(policy.compute_dtype)
+        sent = activation / microbatches / tensor
+        stage_fwd_s = layers * layer_fwd_s / microbatches
+        ticks = microbatches + stages - 1
+        add("coll.-permute", "pipeline", "stage outputs, forward", ticks, sent, stage_fwd_s)
+        add("coll.-permute", "pipeline", "their gradients, backward", ticks, sent, 2 * stage_fwd_s)
     collectives += _expert_all_to_alls(
         config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
+    # The pipeline's devices split the layers, not the tokens: a stage's share of the step is
+    # its layers' FLOPs on the device's tokens (the bubble is printed apart).
     step_flops = zmath.training_flops_per_token(config, seq) * batch * seq / devices
     return Plan(
         params=held.total,
@@ -260,6 +309,9 @@ def plan(
         kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
+        stages=stages,
+        microbatches=microbatches,
+        bubble=bubble,
     )
 
 
@@ -322,6 +374,14 @@ def format_plan(p: Plan) -> str:
     ]
     lines += [f"  activations ({k:4s})  {_gib(v)}" for k, v in p.activations.items()]
     lines += [f"  KV cache            {_gib(p.kv_cache)}"]
+    if p.stages > 1:
+        lines += [
+            "",
+            f"pipeline: {p.stages} stages (one per device along `pipeline`, the bytes above are "
+            f"one stage's), {p.microbatches} micro-batches in flight (activations above), GPipe "
+            f"bubble (S - 1) / (M + S - 1) = {p.bubble:.1%} of the step: step time about "
+            f"compute / {1 - p.bubble:.3f}",
+        ]
     lines += [
         "",
         f"compute per step per device: {p.step_compute_s * 1e3:.2f} ms",
@@ -342,7 +402,14 @@ def format_plan(p: Plan) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b", help="a zoo preset name")
-    parser.add_argument("--mesh", default="fsdp=8", help="e.g. fsdp=4,tensor=2")
+    parser.add_argument("--mesh", default="fsdp=8", help="e.g. fsdp=4,tensor=2, pipeline=4,data=2")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step with a pipeline axis (train.py's --grad-accum); default "
+        "4 x the pipeline size",
+    )
     parser.add_argument("--rules", choices=presets(), help="default: from the mesh's shape")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
     parser.add_argument("--seq", type=int, default=4096)
@@ -357,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     policy = Policy.of_dtype(args.dtype).replace(moe_dispatch=args.moe_dispatch)
     rules_name = args.rules or default_rules(sizes)
     hardware = zmath.HARDWARE[args.hardware]
+    microbatches = args.microbatches or 4 * sizes.get("pipeline", 1)
     print(
         f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, "
         f"{zmath.active_param_count(config) / 1e9:.2f}B active, {args.dtype}), "
@@ -371,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         batch=args.batch,
         seq=args.seq,
         hardware=hardware,
+        microbatches=microbatches,
     )
     print(format_plan(p))
     if args.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:

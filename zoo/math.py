@@ -311,6 +311,46 @@ def training_memory_bytes(
     return state + tokens * (saved + one_layer) + logits
 
 
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """The fraction of a GPipe step each stage idles (Huang et al. 2019): the forward takes
+    M + S - 1 ticks of which a stage works M, and the backward mirrors it, so
+    (S - 1) / (M + S - 1) of the step is bubble (0 for one stage)."""
+    if stages < 1 or microbatches < stages:
+        raise ValueError(
+            f"a pipeline needs stages >= 1 and micro-batches >= stages, got {stages} stages "
+            f"and {microbatches} micro-batches"
+        )
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def pipeline_activation_bytes(
+    config: Config,
+    seq_len: int,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    tokens: int,
+    stages: int,
+    microbatches: int,
+) -> float | int:
+    """Activation bytes one pipeline stage keeps for its backward, for `tokens` tokens per step
+    (the device's slice of the batch) and its n_layers / stages layers (zoo/pipeline.py).
+
+    GPipe runs every micro-batch's forward before the first backward, so all of them are in
+    flight together, each keeping what `policy.remat` saves in the stage's layers
+    (`activation_bytes_per_token`). The schedule is a scan over M + S - 1 ticks that saves its
+    residuals at every tick, the S - 1 idle ones too: (M + S - 1) / M times the tokens' share.
+    One stage (no pipeline) gives `tokens * activation_bytes_per_token`."""
+    if config.n_layers % stages:
+        raise ValueError(
+            f"pipeline size {stages} does not divide the {config.n_layers} layers; give a "
+            "divisor of the layer count"
+        )
+    pipeline_bubble(stages, microbatches)
+    ticks = microbatches + stages - 1
+    stage_share = activation_bytes_per_token(config, seq_len, policy) / stages
+    return tokens / microbatches * ticks * stage_share
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
     """Peak dense matmul rate per dtype (FLOP/s), memory bandwidth (bytes/s) and, for chips

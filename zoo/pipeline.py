@@ -3,14 +3,14 @@ a `pipeline` axis larger than 1; the plain scan otherwise. The embedding, the fi
 LM head stay outside, in the transformer, under the automatic sharding.
 
 A stage is a `Stack` of its own `repeats / stages` repeats (the weights' local slice), still run
-by `lax.scan`. Remat is per stage: with `Policy.remat` other than "none" each stage's pass over
-one micro-batch is one `jax.checkpoint` under that policy ("full" keeps only the stage's input
-per micro-batch in flight, as in GPipe; "dots" its matmul outputs), and the layers inside run
-without a checkpoint of their own, so "full" recomputes each stage once, not twice.
+by `lax.scan`, each layer under `Policy.remat` as in an unpipelined stack. A checkpoint around
+the whole stage instead (GPipe's own choice: keep only each stage's input per micro-batch) would
+save little more and cost more at the peak: its backward recomputes a micro-batch's whole stage
+at once, every layer's full activations live together (`zoo.math.pipeline_activation_bytes`
+counts what this layout keeps).
 """
 
 import equinox as eqx
-import jax
 from jaxtyping import Array, Float, PyTree
 
 from layers.kernels import AttentionMask
@@ -18,7 +18,7 @@ from layers.moe import MoE, MoEStats
 from shard.pipeline import check_pipeline, gpipe, pipeline_stages
 from zoo.block import Rope
 from zoo.policy import Policy
-from zoo.stack import REMAT_POLICIES, Stack
+from zoo.stack import Stack
 
 
 def run_stack(
@@ -60,14 +60,11 @@ def run_stack(
         batch=x.shape[0],
     )
     weights, static = eqx.partition(stack.blocks, eqx.is_array)
-    inner = policy.replace(remat="none")
 
     def stage(local, x, rows):
         mask, rope = rows
         layers = Stack(eqx.combine(local, static), stack.repeats // stages, stack.period, True)
-        return layers(x, mask, rope, policy=inner)[0]
+        return layers(x, mask, rope, policy=policy)[0]
 
-    if policy.remat != "none":
-        stage = jax.checkpoint(stage, policy=REMAT_POLICIES[policy.remat])
     y = gpipe(stage, weights, x, (mask, rope), microbatches=policy.microbatches)
     return y, None, None

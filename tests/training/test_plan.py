@@ -106,3 +106,27 @@ def test_cli_prints_the_table(capsys):
     main(["--model", "tiny-moe", "--mesh", "fsdp=2,expert=4", "--moe-dispatch", "capacity"])
     out = capsys.readouterr().out
     assert "rules ep" in out and "active" in out and "routed experts" in out and "all-to-all" in out
+
+
+def test_pipeline_plan_splits_the_layers_and_predicts_the_bubble():
+    config, h100 = CONFIG.replace(n_layers=4), HARDWARE["h100"]
+    rules = shard.ShardingRules.preset("dp")
+    one = plan(config, NAIVE, rules, {"data": 2}, batch=8, seq=16, hardware=h100)
+    piped = plan(
+        config, NAIVE, rules, {"data": 2, "pipeline": 4}, batch=8, seq=16, hardware=h100,
+        microbatches=4,
+    )  # fmt: skip
+    # Each of the 4 stages holds one of the 4 layers (float32 weights).
+    assert one.params - piped.params == 3 * zoo.math.layer_params(config) * 4
+    assert piped.bubble == pytest.approx(3 / 7)  # (S - 1) / (M + S - 1)
+    # A quarter of the layers, kept over 7 ticks for 4 micro-batches.
+    for remat in ("none", "dots", "full"):
+        assert piped.activations[remat] == pytest.approx(one.activations[remat] / 4 * 7 / 4)
+    assert {c.name for c in piped.collectives if c.axis == "pipeline"} == {"coll.-permute"}
+
+    bad = {"data": 2, "pipeline": 4}
+    with pytest.raises(ValueError, match="2 micro-batches are fewer than the 4 pipeline stages"):
+        plan(config, NAIVE, rules, bad, batch=8, seq=16, hardware=h100, microbatches=2)
+    with pytest.raises(ValueError, match="pipeline size 4 does not divide the 3 layers"):
+        plan(CONFIG.replace(n_layers=3), NAIVE, rules, bad, batch=8, seq=16, hardware=h100,
+             microbatches=4)  # fmt: skip
