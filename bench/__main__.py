@@ -1,8 +1,8 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers, the serving engine, LoRA/QLoRA vs full fine-tuning) with sizes for the device found,
-each printing predicted (zoo.math roofline) vs measured beside the ceilings measured once in
-this run, and writes `results.json` and `results.md` to RESULTS_DIR.
+samplers, the serving engine, LoRA/QLoRA vs full fine-tuning, the pipeline bubble) with sizes
+for the device found, each printing predicted (zoo.math roofline) vs measured beside the
+ceilings measured once in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
 
     python -m bench all --out results/
     python -m bench decode                 # one benchmark
@@ -29,6 +29,7 @@ BENCHMARKS = {
     "sampling": "bench.sampling",
     "engine": "bench.engine",
     "lora": "bench.lora",
+    "pipeline": "bench.pipeline",
 }
 
 
