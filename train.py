@@ -479,8 +479,8 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         frozen = lora_run.frozen_bytes(lora_run.LoraSettings.of(vars(args)), config, run_policy)
         lora = (n_trainable, frozen)
     telemetry = Telemetry(
-        run_dir, config, run_policy, args.batch_size, args.seq_len, hw, accum=args.grad_accum,
-        lora=lora,
+        run_dir, config, run_policy, args.batch_size, args.seq_len, hw,
+        accum=accumulation(args)[0], lora=lora,
     )  # fmt: skip
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))

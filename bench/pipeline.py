@@ -5,7 +5,9 @@
 A loss-and-gradient step of an 8-layer model on meshes pipeline=S, data=8/S (S = 2, 4), with
 M = 4 and 8 micro-batches of the same batch. A step is M + S - 1 ticks of one micro-batch's
 stage, so its time goes as (M + S - 1) / M = 1 / (1 - bubble): the bench prints the measured
-ratio t(M=4) / t(M=8) beside the predicted (1 - bubble(8)) / (1 - bubble(4)).
+ratio t(M=4) / t(M=8) beside the predicted (1 - bubble(8)) / (1 - bubble(4)), for the wall
+time and for the process's CPU time (all its threads: less disturbed by other jobs on a shared
+machine, but it counts the time device threads spin waiting for each other at a collective).
 
 Fake devices share this machine's cores, and an idle stage here is not idle: it computes on
 placeholder zeros whose results are thrown away (shard/pipeline.py). So the step's time is the
@@ -18,8 +20,10 @@ set before JAX starts.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 import equinox as eqx
 import jax
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 
 import shard
 import zoo
-from bench.harness import Ceilings, Table, median_seconds
+from bench.harness import Ceilings, Table
 from zoo import math as zm
 
 DEVICES = 8
@@ -41,8 +45,9 @@ def _loss(model, tokens):
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
 
 
-def step_seconds(stages: int, microbatches: int) -> float:
-    """Median seconds of one jitted loss-and-gradient step on mesh pipeline=stages."""
+def step_seconds(stages: int, microbatches: int) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of one jitted loss-and-gradient step on mesh
+    pipeline=stages, after one call that compiles it."""
     sizes = {"pipeline": stages, "data": DEVICES // stages}
     placement = shard.Placement(shard.mesh(**sizes), shard.ShardingRules.preset("dp"))
     policy = zoo.Policy(microbatches=microbatches)
@@ -58,23 +63,31 @@ def step_seconds(stages: int, microbatches: int) -> float:
         with placement.context():
             return jax.value_and_grad(lambda p: _loss(eqx.combine(p, static), tokens))(params)
 
-    return median_seconds(lambda: step(params, tokens), repeats=REPEATS)
+    jax.block_until_ready(step(params, tokens))
+    wall, cpu = [], []
+    for _ in range(REPEATS):
+        w, c = time.perf_counter(), time.process_time()
+        jax.block_until_ready(step(params, tokens))
+        wall.append(time.perf_counter() - w)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def measure() -> list[dict]:
     """The rows, measured in this process (which must hold 8 devices)."""
     rows = []
     for stages in (2, 4):
-        t4, t8 = step_seconds(stages, 4), step_seconds(stages, 8)
+        (wall4, cpu4), (wall8, cpu8) = step_seconds(stages, 4), step_seconds(stages, 8)
         b4, b8 = zm.pipeline_bubble(stages, 4), zm.pipeline_bubble(stages, 8)
         rows.append(
             {
                 "stages": stages,
                 "bubble M=4": b4,
                 "bubble M=8": b8,
-                "step s M=4": t4,
-                "step s M=8": t8,
-                "t4 / t8 measured": t4 / t8,
+                "wall s M=4 / M=8": f"{wall4:.2f} / {wall8:.2f}",
+                "CPU s M=4 / M=8": f"{cpu4:.2f} / {cpu8:.2f}",
+                "t4/t8 wall": wall4 / wall8,
+                "t4/t8 CPU": cpu4 / cpu8,
                 "predicted (1-b8)/(1-b4)": (1 - b8) / (1 - b4),
             }
         )

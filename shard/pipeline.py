@@ -111,6 +111,10 @@ def gpipe(
         (_, outputs), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
         return outputs[None]
 
+    # check_vma=False, as in shard/manual.py: a stage may hold per-shard code (a Pallas kernel)
+    # that declares no varying axes. The transpose stays exact: the outputs are split over
+    # `pipeline` (no division), and the cotangents of the inputs that are whole on it (`xs`,
+    # `rows`) are summed over the stages, of which only stage 0's are not zero for `xs`.
     per_stage = jax.shard_map(
         run,
         mesh=mesh,
