@@ -35,8 +35,8 @@ from bench.harness import Ceilings, Table
 from zoo import math as zm
 
 DEVICES = 8
-CONFIG = zoo.Config(vocab_size=2048, d_model=256, n_layers=8, n_heads=4, d_ff=1024, max_seq_len=128)
-BATCH, SEQ, REPEATS = 32, 64, 3
+CONFIG = zoo.Config(vocab_size=2048, d_model=512, n_layers=8, n_heads=8, d_ff=2048, max_seq_len=128)
+BATCH, SEQ, REPEATS = 32, 128, 3
 
 
 def _loss(model, tokens):
