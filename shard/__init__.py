@@ -26,6 +26,7 @@ from shard.rules import (
     default_rules,
     named_sharding,
     presets,
+    split_sequence,
     use_rules,
 )
 
@@ -53,5 +54,6 @@ __all__ = [
     "replicated",
     "shard_batch",
     "shard_model",
+    "split_sequence",
     "use_rules",
 ]

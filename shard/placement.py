@@ -33,7 +33,13 @@ from shard.params import (
     replicated,
     shard_model,
 )
-from shard.rules import ShardingRules, default_rules, named_sharding, use_rules
+from shard.rules import (
+    ShardingRules,
+    default_rules,
+    named_sharding,
+    split_sequence,
+    use_rules,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,9 @@ class Placement:
     @classmethod
     def from_flags(cls, mesh: str | None, rules: str | None) -> "Placement":
         """`--mesh fsdp=4,tensor=2` and `--rules NAME` (default: the preset the mesh's shape
-        suggests, `shard.rules.default_rules`). No mesh: one device (`--rules` is refused)."""
+        suggests, `shard.rules.default_rules`). No mesh: one device (`--rules` is refused).
+        A `context` axis larger than 1 also splits the activations' sequence over it
+        (`shard.rules.split_sequence`)."""
         if mesh is None:
             if rules is not None:
                 raise ValueError(f"--rules {rules!r} needs a --mesh, e.g. --mesh fsdp=8")
@@ -61,7 +69,10 @@ class Placement:
             if jax.devices()[0].platform == "cpu":
                 hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N)"
             raise ValueError(f"--mesh {mesh!r}: {error}{hint}") from error
-        return cls(device_mesh, ShardingRules.preset(rules or default_rules(sizes)))
+        chosen = ShardingRules.preset(rules or default_rules(sizes))
+        if sizes.get("context", 1) > 1:
+            chosen = split_sequence(chosen)
+        return cls(device_mesh, chosen)
 
     @property
     def sharded(self) -> bool:

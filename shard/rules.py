@@ -40,7 +40,7 @@ LOGICAL_AXES = (
     "page_size",
     "lora_rank",
 )
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 
 Target = str | tuple[str, ...] | None
 Mapping = tuple[tuple[str, Target], ...]
@@ -163,6 +163,19 @@ class ShardingRules:
     def param_spec(self, names: tuple[str, ...]) -> PartitionSpec:
         """The PartitionSpec for a parameter whose dims are called `names`."""
         return _spec(self.param_mapping, names)
+
+
+def split_sequence(rules: ShardingRules) -> ShardingRules:
+    """`rules` with the activations' `seq` dim split over the `context` mesh axis (context, or
+    sequence, parallelism: every token-wise layer runs on its slice of the sequence; attention
+    needs a kernel that sees the whole sequence, layers/kernels/context.py). `kv_seq` (the KV
+    cache) stays whole."""
+    if "seq" in dict(rules.mapping):
+        raise ValueError(
+            f"the rules already map 'seq' to {dict(rules.mapping)['seq']!r}; context "
+            "parallelism splits it over 'context'"
+        )
+    return dataclasses.replace(rules, mapping=(*rules.mapping, ("seq", "context")))
 
 
 def presets() -> list[str]:
