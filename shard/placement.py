@@ -12,6 +12,7 @@ function.
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from shard.params import (
 from shard.rules import (
     ShardingRules,
     default_rules,
+    mesh_axes_of,
     named_sharding,
     split_sequence,
     use_rules,
@@ -77,6 +79,15 @@ class Placement:
     @property
     def sharded(self) -> bool:
         return self.mesh is not None
+
+    @property
+    def sequence_shards(self) -> int:
+        """Into how many pieces the rules split each sequence (context parallelism); 1 when
+        the sequence is whole."""
+        if not self.sharded:
+            return 1
+        axes = mesh_axes_of(self.rules.mesh_axes("seq"))
+        return math.prod(self.mesh.shape[a] for a in axes)
 
     @property
     def devices(self) -> int:

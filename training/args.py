@@ -173,8 +173,10 @@ class Args:
     remat: Literal["none", "full", "dots"] = _help(
         "rematerialisation policy of each block", default="none"
     )
-    attention: Literal["naive", "xla", "flash", "ring", "allgather"] = _help(
-        "attention kernel (zoo.Policy.attention)", default="xla"
+    attention: Literal["naive", "xla", "flash", "ring", "allgather"] | None = _help(
+        "attention kernel (zoo.Policy.attention); default xla, or on a mesh with a context axis "
+        "the context-parallel kernel (ring, allgather) zoo.math predicts faster",
+        default=None,
     )
     moe_dispatch: Literal["dropless", "capacity"] = _help(
         "how MoE layers send tokens to their experts (zoo.Policy.moe_dispatch)", default="dropless"

@@ -473,3 +473,67 @@ def decode_step_roofline(
     flops = batch * forward_flops_per_token(config, 2 * context, causal=True)
     n_bytes = decode_step_bytes(config, batch, context, policy)
     return roofline(flops, n_bytes, hardware, policy.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextAttentionCost:
+    """One attention layer's training cost (forward + backward) per device under context
+    parallelism: `flops` computed, `bytes_moved` received over the context axis, `held_bytes`
+    the K/V (and score block) a device holds at once. Time: the ring overlaps each hop with
+    the previous block's compute (time = max of the two); the all-gather variant waits for its
+    collective (time = the sum)."""
+
+    kernel: str
+    flops: float
+    bytes_moved: float
+    held_bytes: float
+
+    def seconds(self, peak_flops: float, link_bandwidth: float) -> float:
+        compute, comm = self.flops / peak_flops, self.bytes_moved / link_bandwidth
+        return max(compute, comm) if self.kernel == "ring" else compute + comm
+
+
+def context_attention_costs(
+    config: Config, policy: Policy, *, batch: int, seq: int, context: int
+) -> tuple[ContextAttentionCost, ContextAttentionCost]:
+    """(ring, allgather) costs of one layer's attention for `batch` sequences of `seq` tokens on
+    each group of `context` devices that splits them (layers/kernels/context.py).
+
+    The sequence is cut into 2n chunks of c = seq / 2n tokens (zig-zag), a chunk pair costs
+    P = 2 x batch x heads x head_dim x c^2 FLOPs per matmul. Ring: 2n + 1 visible chunk pairs
+    per device (3 at its own block, 2 at each of the n - 1 others), 2 matmuls forward and 5
+    backward (scores recomputed, dV, dP, dQ, dK); K/V hop n - 1 times forward and again
+    backward, the float32 dK/dV accumulators n times. All-gather: the dense score block of its
+    2c queries against all 2nc keys (4n chunk pairs), 2 matmuls forward and 4 backward; K/V
+    gathered ((n - 1) blocks received) and dK/dV reduce-scattered ((n - 1) blocks sent)."""
+    c = config
+    n, item = context, bytes_per_element(policy.compute_dtype)
+    chunk = seq / (2 * n)
+    pair = 2.0 * batch * c.n_heads * c.head_dim * chunk**2
+    kv_block = 2.0 * batch * (seq / n) * c.n_kv_heads * c.head_dim  # K and V elements
+    mask_block = 2.0 * batch * (seq / n) * 4  # int32 positions and segment ids
+    scores = batch * c.n_heads * 4.0  # float32 score elements per query x key
+    ring = ContextAttentionCost(
+        kernel="ring",
+        flops=(2 * n + 1) * 7 * pair,
+        bytes_moved=(n - 1) * 2 * (kv_block * item + mask_block) + n * kv_block * 4,
+        held_bytes=2 * kv_block * item + scores * chunk**2,
+    )
+    gather = ContextAttentionCost(
+        kernel="allgather",
+        flops=4 * n * 6 * pair,
+        bytes_moved=(n - 1) * (kv_block * item + mask_block + kv_block * item),
+        held_bytes=n * kv_block * item + scores * (seq / n) * seq,
+    )
+    return ring, gather
+
+
+def cheaper_context_kernel(
+    config: Config, policy: Policy, *, batch: int, seq: int, context: int, hardware: Hardware
+) -> str:
+    """ "ring" or "allgather": the one `context_attention_costs` predicts faster on `hardware`
+    (its peak for the compute dtype and its interconnect; memory bandwidth without one)."""
+    peak = hardware.peak_flops(policy.compute_dtype)
+    link = hardware.interconnect or hardware.bandwidth
+    costs = context_attention_costs(config, policy, batch=batch, seq=seq, context=context)
+    return min(costs, key=lambda cost: cost.seconds(peak, link)).kernel
