@@ -36,6 +36,7 @@ from shard.rules import (
     mesh_axes_of,
     presets,
     shard_count,
+    split_sequence,
 )
 from zoo import math as zmath
 from zoo.config import Config
@@ -75,6 +76,8 @@ class Plan:
     kv_cache: int
     collectives: tuple[Collective, ...]
     step_compute_s: float
+    context_attention: tuple[zmath.ContextAttentionCost, ...] = ()
+    context_kernel: str | None = None
 
 
 def full_mesh(mesh_shape: dict[str, int]) -> dict[str, int]:
@@ -195,7 +198,8 @@ def plan(
     if batch % batch_shards:
         raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
-    tokens = batch * seq // batch_shards
+    context = _axes_size(sizes, _targets(rules.mapping, "seq"))
+    tokens = batch * seq // batch_shards // context
     held = param_bytes(config, policy, rules, sizes)
     activations = {
         remat: tokens
@@ -249,6 +253,21 @@ def plan(
     collectives += _expert_all_to_alls(
         config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
+    costs, chosen = (), None
+    if context > 1:
+        costs = zmath.context_attention_costs(
+            config, policy, batch=batch // batch_shards, seq=seq, context=context
+        )
+        chosen = min(costs, key=lambda cost: cost.seconds(peak, link))
+        kind = "collective-permute" if chosen.kernel == "ring" else "all-gather"
+        add(
+            kind,
+            "context",
+            f"K/V for {chosen.kernel} attention, fwd + bwd",
+            config.n_layers,
+            chosen.bytes_moved,
+            chosen.flops / peak,
+        )
     step_flops = zmath.training_flops_per_token(config, seq) * batch * seq / devices
     return Plan(
         params=held.total,
@@ -260,6 +279,8 @@ def plan(
         kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
+        context_attention=costs,
+        context_kernel=chosen and chosen.kernel,
     )
 
 
@@ -336,6 +357,18 @@ def format_plan(p: Plan) -> str:
         )
     if not p.collectives:
         lines.append("(none: a single device, or nothing sharded)")
+    if p.context_attention:
+        lines += [
+            "",
+            "context-parallel attention, one layer, fwd + bwd, per device",
+            f"{'kernel':10s} {'GFLOP':>9s} {'MiB moved':>10s} {'MiB held':>9s}",
+        ]
+        lines += [
+            f"{c.kernel:10s} {c.flops / 1e9:9.3f} {c.bytes_moved / 2**20:10.2f} "
+            f"{c.held_bytes / 2**20:9.2f}"
+            for c in p.context_attention
+        ]
+        lines.append(f"cheaper here: {p.context_kernel}")
     return "\n".join(lines)
 
 
@@ -363,10 +396,13 @@ def main(argv: list[str] | None = None) -> None:
         f"rules {rules_name}, mesh {full_mesh(sizes)}, batch {args.batch} x seq {args.seq}, "
         f"{hardware.name} ({hardware.interconnect / 1e9:.0f} GB/s link)"
     )
+    rules = ShardingRules.preset(rules_name)
+    if sizes.get("context", 1) > 1:
+        rules = split_sequence(rules)
     p = plan(
         config,
         policy,
-        ShardingRules.preset(rules_name),
+        rules,
         sizes,
         batch=args.batch,
         seq=args.seq,
