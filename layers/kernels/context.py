@@ -23,6 +23,7 @@ mask is built from the positions and segment ids that travel with the blocks.
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
@@ -56,7 +57,7 @@ def _mask_leaves(mask: AttentionMask) -> tuple:
     return mask.kv_positions, mask.kv_segment_ids
 
 
-def _block_mask(mask: AttentionMask, q_rows: slice, kv: tuple, kv_cols: slice):
+def _block_mask(mask: AttentionMask, q_rows: slice, kv: Sequence, kv_cols: slice):
     """Visibility [batch, q chunk, kv chunk] of these query rows to this K/V chunk."""
     kv_pos, kv_seg = kv
     q_seg = None if mask.q_segment_ids is None else mask.q_segment_ids[:, q_rows]
