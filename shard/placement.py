@@ -36,10 +36,9 @@ from shard.params import (
 )
 from shard.rules import (
     ShardingRules,
-    default_rules,
     mesh_axes_of,
     named_sharding,
-    split_sequence,
+    rules_for,
     use_rules,
 )
 
@@ -58,7 +57,7 @@ class Placement:
         """`--mesh fsdp=4,tensor=2` and `--rules NAME` (default: the preset the mesh's shape
         suggests, `shard.rules.default_rules`). No mesh: one device (`--rules` is refused).
         A `context` axis larger than 1 also splits the activations' sequence over it
-        (`shard.rules.split_sequence`)."""
+        (`shard.rules.rules_for`)."""
         if mesh is None:
             if rules is not None:
                 raise ValueError(f"--rules {rules!r} needs a --mesh, e.g. --mesh fsdp=8")
@@ -71,10 +70,7 @@ class Placement:
             if jax.devices()[0].platform == "cpu":
                 hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N)"
             raise ValueError(f"--mesh {mesh!r}: {error}{hint}") from error
-        chosen = ShardingRules.preset(rules or default_rules(sizes))
-        if sizes.get("context", 1) > 1:
-            chosen = split_sequence(chosen)
-        return cls(device_mesh, chosen)
+        return cls(device_mesh, rules_for(sizes, rules))
 
     @property
     def sharded(self) -> bool:

@@ -178,6 +178,13 @@ def split_sequence(rules: ShardingRules) -> ShardingRules:
     return dataclasses.replace(rules, mapping=(*rules.mapping, ("seq", "context")))
 
 
+def rules_for(sizes: dict[str, int], preset: str | None = None) -> ShardingRules:
+    """The rules of `preset` (default: the one the mesh's shape suggests, `default_rules`) for a
+    mesh of `sizes`; a `context` axis larger than 1 also splits the sequence over it."""
+    rules = ShardingRules.preset(preset or default_rules(sizes))
+    return split_sequence(rules) if sizes.get("context", 1) > 1 else rules
+
+
 def presets() -> list[str]:
     """Names of the sharding strategies."""
     return list(_PRESETS)

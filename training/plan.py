@@ -35,8 +35,8 @@ from shard.rules import (
     default_rules,
     mesh_axes_of,
     presets,
+    rules_for,
     shard_count,
-    split_sequence,
 )
 from zoo import math as zmath
 from zoo.config import Config
@@ -198,8 +198,8 @@ def plan(
     if batch % batch_shards:
         raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
-    context = _axes_size(sizes, _targets(rules.mapping, "seq"))
-    tokens = batch * seq // batch_shards // context
+    seq_shards = _axes_size(sizes, _targets(rules.mapping, "seq"))
+    tokens = batch * seq // batch_shards // seq_shards
     held = param_bytes(config, policy, rules, sizes)
     activations = {
         remat: tokens
@@ -254,15 +254,15 @@ def plan(
         config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
     costs, chosen = (), None
-    if context > 1:
+    if seq_shards > 1:
         costs = zmath.context_attention_costs(
-            config, policy, batch=batch // batch_shards, seq=seq, context=context
+            config, policy, batch=batch // batch_shards, seq=seq, context=seq_shards
         )
         chosen = min(costs, key=lambda cost: cost.seconds(peak, link))
         kind = "collective-permute" if chosen.kernel == "ring" else "all-gather"
         add(
             kind,
-            "context",
+            _targets(rules.mapping, "seq"),
             f"K/V for {chosen.kernel} attention, fwd + bwd",
             config.n_layers,
             chosen.bytes_moved,
@@ -396,13 +396,10 @@ def main(argv: list[str] | None = None) -> None:
         f"rules {rules_name}, mesh {full_mesh(sizes)}, batch {args.batch} x seq {args.seq}, "
         f"{hardware.name} ({hardware.interconnect / 1e9:.0f} GB/s link)"
     )
-    rules = ShardingRules.preset(rules_name)
-    if sizes.get("context", 1) > 1:
-        rules = split_sequence(rules)
     p = plan(
         config,
         policy,
-        rules,
+        rules_for(sizes, rules_name),
         sizes,
         batch=args.batch,
         seq=args.seq,
