@@ -26,6 +26,7 @@ from shard.rules import (
     default_rules,
     named_sharding,
     presets,
+    rules_for,
     split_sequence,
     use_rules,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "per_shard",
     "presets",
     "replicated",
+    "rules_for",
     "shard_batch",
     "shard_model",
     "split_sequence",
