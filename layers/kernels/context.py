@@ -22,6 +22,7 @@ mask is built from the positions and segment ids that travel with the blocks.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -118,6 +119,7 @@ def _skip_unless_visible(allowed, compute, state):
     return jax.lax.cond(allowed.any(), compute, lambda s: s, state)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _ring_local(axis: str | None, n: int, q, k, v, mask: AttentionMask):
     """The per-device ring (inside `shard_map`): q [b, t, heads, d], k, v [b, t, kv, d] are this
     device's slices, `mask` holds this device's positions and segment ids."""
@@ -230,7 +232,6 @@ def _ring_backward(axis, n, residuals, d_out):
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-_ring_local = jax.custom_vjp(_ring_local, nondiff_argnums=(0, 1))
 _ring_local.defvjp(_ring_forward, _ring_backward)
 
 
