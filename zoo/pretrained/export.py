@@ -46,10 +46,16 @@ def _clear(directory: str, overwrite: bool) -> None:
 
 
 def save_pretrained(
-    model: Transformer, directory: str | os.PathLike, *, overwrite: bool = False
+    model: Transformer,
+    directory: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    architecture: str | None = None,
 ) -> None:
-    """Write `model` in the HF layout of the architecture that holds its config (GPT-2, Llama or
-    Mixtral), weights in their own dtype. Gathers the weights on the host (one copy of the
+    """Write `model` in the HF layout of `architecture` (an HF class name, e.g.
+    "Phi3ForCausalLM"), by default the first of `architectures.ARCHITECTURES` that holds its
+    config (a Phi-3 model is written as a Llama or Mistral unless asked), weights in their own
+    dtype. Gathers the weights on the host (one copy of the
     model). A non-empty `directory` is refused unless `overwrite`, which first removes every
     HF model file there (weights, shard index, config, tokenizer)."""
     if has_lora(model):
@@ -59,7 +65,7 @@ def save_pretrained(
             "alone with zoo.save_adapter"
         )
     config = model.config
-    arch = architecture_for(config)
+    arch = architecture_for(config, architecture)
     directory = os.fspath(directory)
     _clear(directory, overwrite)
     tensors: dict[str, np.ndarray] = {}
