@@ -4,7 +4,8 @@ Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does o
     python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
                                              # and logits of dirs written by zoo.save_pretrained
     python hf_reference.py families JOB.json # as tiny, plus parameter counts of full-size
-                                             # configs built on torch's meta device
+                                             # configs built on torch's meta device and
+                                             # logits of .gguf files (transformers' reader)
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
     python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
@@ -46,6 +47,17 @@ def tiny(job: dict) -> None:
 def families(job: dict) -> None:
     tiny(job)
     counts(job)
+    for path in job["gguf"]:
+        read_gguf(path, job["tokens"])
+
+
+def read_gguf(path: str, tokens: list[list[int]]) -> None:
+    """A .gguf file through transformers' own GGUF reader: logits to the path with .npz."""
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    np.savez(path.removesuffix(".gguf") + ".npz", logits=logits(model.eval(), tokens))
 
 
 def counts(job: dict) -> None:

@@ -109,7 +109,8 @@ def zoo_models():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, zoo_models):
     """HF builds each MODELS checkpoint (logits in name.npz), loads each zoo model we saved
-    (logits in zoo-....npz) and counts the presets' parameters (counts.json)."""
+    (logits in zoo-....npz), counts the presets' parameters (counts.json) and reads the GGUF
+    files we wrote (gguf-NAME/NAME.npz)."""
     out = tmp_path_factory.mktemp("families")
     for name, model in zoo_models.items():
         zoo.save_pretrained(model, out / name, architecture=ZOO_MODELS[name][0])
@@ -121,7 +122,17 @@ def reference(tmp_path_factory, zoo_models):
     for name, hf_class in PRESETS.items():
         hf = config_to_hf(architecture(hf_class), zoo.preset(name), "float32")
         counts.append({"name": name, "model_type": hf.pop("model_type"), "config": hf})
-    job = {"models": models, "dirs": list(ZOO_MODELS), "tokens": TOKENS, "counts": counts}
+    ggufs = []
+    for i, (name, (hf_class, arch, config)) in enumerate(GGUF_MODELS.items()):
+        ggufs.append(out / f"gguf-{name}" / f"{name}.gguf")
+        write_gguf(random_model(config, i), hf_class, arch, ggufs[-1])
+    job = {
+        "models": models,
+        "dirs": list(ZOO_MODELS),
+        "tokens": TOKENS,
+        "counts": counts,
+        "gguf": [str(ggufs[list(GGUF_MODELS).index(name)]) for name in GGUF_REFERENCE],
+    }
     run_reference("families", job, out)
     return out
 
@@ -197,15 +208,19 @@ def test_preset_parameter_counts_equal_transformers(reference):
 
 # --- GGUF (llama.cpp) ---------------------------------------------------------------------------
 
+# transformers' GGUF reader, the reference, reads neither key_length (Qwen3's head_dim, default 128
+# there) nor Phi-3's window: "phi3-window" is compared with the model it was written from only.
 GGUF_MODELS = {
     "qwen2": ("Qwen2ForCausalLM", gguf.MODEL_ARCH.QWEN2, _SMALL.replace(qkv_bias=True)),
     "qwen3": (
         "Qwen3ForCausalLM",
         gguf.MODEL_ARCH.QWEN3,
-        _SMALL.replace(qk_norm=True, head_dim=16, tie_embeddings=True),
+        _SMALL.replace(qk_norm=True, head_dim=128, tie_embeddings=True),
     ),
-    "phi3": ("Phi3ForCausalLM", gguf.MODEL_ARCH.PHI3, _SMALL.replace(sliding_window=5)),
+    "phi3": ("Phi3ForCausalLM", gguf.MODEL_ARCH.PHI3, _SMALL.replace(n_kv_heads=1)),
+    "phi3-window": ("Phi3ForCausalLM", gguf.MODEL_ARCH.PHI3, _SMALL.replace(sliding_window=5)),
 }
+GGUF_REFERENCE = ["qwen2", "qwen3", "phi3"]
 
 
 def write_gguf(model: zoo.Transformer, hf_class: str, arch, path) -> None:
@@ -216,6 +231,7 @@ def write_gguf(model: zoo.Transformer, hf_class: str, arch, path) -> None:
     names = gguf.get_tensor_name_map(arch, c.n_layers)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_block_count(c.n_layers)
+    writer.add_vocab_size(c.vocab_size)
     writer.add_context_length(c.max_seq_len)
     writer.add_embedding_length(c.d_model)
     writer.add_feed_forward_length(c.d_ff)
@@ -227,6 +243,10 @@ def write_gguf(model: zoo.Transformer, hf_class: str, arch, path) -> None:
     writer.add_key_length(c.head_dim)
     if arch == gguf.MODEL_ARCH.PHI3:
         writer.add_sliding_window(c.sliding_window or 0)
+        # Else transformers takes Phi3Config's special ids (32000), outside a tiny vocabulary.
+        writer.add_pad_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     for hf, w in sorted(load_file(path.parent / "hf" / "model.safetensors").items()):
         writer.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), w)
     writer.write_header_to_file()
@@ -236,22 +256,27 @@ def write_gguf(model: zoo.Transformer, hf_class: str, arch, path) -> None:
 
 
 @pytest.mark.parametrize("name", list(GGUF_MODELS))
-def test_gguf_loads_the_same_model(tmp_path, name):
-    hf_class, arch, config = GGUF_MODELS[name]
-    model = random_model(config, 0)
-    write_gguf(model, hf_class, arch, tmp_path / f"{name}.gguf")
-    loaded = zoo.load_pretrained(tmp_path / f"{name}.gguf")
+def test_gguf_loads_the_model_it_was_written_from(reference, name):
+    _, _, config = GGUF_MODELS[name]
+    loaded = zoo.load_pretrained(reference / f"gguf-{name}" / f"{name}.gguf")
     # GGUF stores the norm epsilon as a float32.
     assert loaded.config == config.replace(norm_eps=float(np.float32(config.norm_eps)))
-    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(loaded), strict=True):
+    written = random_model(config, list(GGUF_MODELS).index(name))
+    for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_gguf_longrope_is_refused(tmp_path):
-    hf_class, arch, config = GGUF_MODELS["phi3"]
-    path = tmp_path / "phi3.gguf"
-    write_gguf(random_model(config, 0), hf_class, arch, path)
-    reader = gguf.GGUFReader(str(path))
+@pytest.mark.parametrize("name", GGUF_REFERENCE)
+def test_gguf_logits_match_transformers(reference, name):
+    """transformers' GGUF reader un-permutes Q/K for llama alone, as we do."""
+    expected = np.load(reference / f"gguf-{name}" / f"{name}.npz")["logits"]
+    loaded = zoo.load_pretrained(reference / f"gguf-{name}" / f"{name}.gguf")
+    assert relative_error(forward(loaded, jnp.asarray(TOKENS)), expected) < 1e-4
+
+
+def test_gguf_longrope_is_refused(reference, tmp_path):
+    _, _, config = GGUF_MODELS["phi3"]
+    reader = gguf.GGUFReader(str(reference / "gguf-phi3" / "phi3.gguf"))
     writer = gguf.GGUFWriter(str(tmp_path / "long.gguf"), "phi3")
     for field in reader.fields.values():
         if field.name.startswith("phi3."):
