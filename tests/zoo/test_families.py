@@ -21,7 +21,7 @@ from tests.reference.runner import run_reference
 from tests.zoo.random_model import HF_LLAMA, VOCAB, random_model
 from zoo.math import param_count
 from zoo.pretrained.architectures import architecture
-from zoo.pretrained.hf_config import config_to_hf
+from zoo.pretrained.hf_config import config_from_hf, config_to_hf
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).tolist()
 TIED, UNTIED = {"tie_word_embeddings": True}, {"tie_word_embeddings": False}
@@ -357,3 +357,128 @@ def test_fused_phi3_tensors_are_named_with_shapes(reference, tmp_path):
 def test_saving_under_an_architecture_that_cannot_hold_the_config(zoo_models, tmp_path):
     with pytest.raises(ValueError, match=r"Phi3ForCausalLM's HF layout cannot hold.*Qwen2For"):
         zoo.save_pretrained(zoo_models["zoo-qwen2"], tmp_path, architecture="Phi3ForCausalLM")
+
+
+# config.json of published checkpoints (as on the hub; bookkeeping fields kept, since every field
+# must be either read or known harmless): each reads as the preset of the same model.
+_COMMON = {"attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
+PUBLISHED = {
+    "qwen2.5-0.5b": _COMMON
+    | {
+        "architectures": ["Qwen2ForCausalLM"],
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 24,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+        "use_mrope": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "qwen3-30b-a3b": _COMMON
+    | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "mistral-7b": _COMMON
+    | {
+        "architectures": ["MistralForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.0.dev0",
+        "vocab_size": 32768,
+    },
+    "phi3-mini-4k": _COMMON
+    | {
+        "_name_or_path": "Phi-3-mini-4k-instruct",
+        "architectures": ["Phi3ForCausalLM"],
+        "attention_bias": False,
+        "auto_map": {
+            "AutoConfig": "configuration_phi3.Phi3Config",
+            "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+        },
+        "bos_token_id": 1,
+        "embd_pdrop": 0.0,
+        "eos_token_id": 32000,
+        "hidden_act": "silu",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 4096,
+        "model_type": "phi3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "original_max_position_embeddings": 4096,
+        "pad_token_id": 32000,
+        "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.2",
+        "vocab_size": 32064,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_read_as_the_presets(name):
+    arch, config = config_from_hf(PUBLISHED[name])
+    assert arch.name == PUBLISHED[name]["architectures"][0]
+    assert config == zoo.preset(name)

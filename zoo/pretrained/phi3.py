@@ -23,7 +23,8 @@ READS = (
     # Only LongRoPE reads it (refused below): the default rope ignores it.
     "original_max_position_embeddings",
 )
-ONLY = llama.ONLY | {"partial_rotary_factor": 1.0}
+# Later Phi-3 config.json files say attention_bias=false; the model has no biases.
+ONLY = llama.ONLY | {"partial_rotary_factor": 1.0, "attention_bias": False}
 
 
 def config_from_hf(hf: dict) -> Config:

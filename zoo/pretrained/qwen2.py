@@ -15,7 +15,8 @@ from zoo.pretrained.tensor_map import TensorGroup
 
 _WINDOW_FIELDS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 READS = (*(f for f in llama.READS if f not in ("attention_bias", "mlp_bias")), *_WINDOW_FIELDS)
-ONLY = llama.ONLY
+# Qwen2.5's config.json says use_mrope=false: multimodal rotary sections (Qwen2-VL) are not here.
+ONLY = llama.ONLY | {"use_mrope": False}
 
 
 def window(hf: dict, arch: str) -> int | None:
