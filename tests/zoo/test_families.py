@@ -494,3 +494,13 @@ def test_published_configs_read_as_the_presets(name):
     arch, config = config_from_hf(PUBLISHED[name])
     assert arch.name == PUBLISHED[name]["architectures"][0]
     assert config == zoo.preset(name)
+
+
+def test_phi3_adapters_name_the_fused_projections(zoo_models, tmp_path):
+    """PEFT wraps Phi-3's qkv_proj as one module: adapters on our q_proj have no place there."""
+    model = zoo.add_lora(zoo_models["zoo-phi3"], ["q_proj", "o_proj"], 4, 8, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\['attn\.q_proj'\] have no PEFT module.*Phi3For"):
+        zoo.save_adapter(model, tmp_path, architecture="Phi3ForCausalLM")
+    # Written for the Mistral layout the same config also fits, q_proj has its own module.
+    zoo.save_adapter(model, tmp_path, architecture="MistralForCausalLM")
+    assert "q_proj" in json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
