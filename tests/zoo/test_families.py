@@ -212,6 +212,12 @@ def test_flash_equals_naive(loaded, name):
     assert relative_error(flash, np.asarray(naive)) < 1e-5
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_param_count_counts_the_loaded_weights(loaded, name):
+    weights = jax.tree.leaves(eqx.filter(loaded[name], eqx.is_array))
+    assert sum(w.size for w in weights) == param_count(loaded[name].config)
+
+
 def test_preset_parameter_counts_equal_transformers(reference):
     counts = json.loads((reference / "counts.json").read_text())
     ours = {name: param_count(zoo.preset(name)) for name in PRESETS}
