@@ -50,7 +50,12 @@ MODELS = {
     ),
     "qwen3moe-fused": (
         "qwen3_moe",
-        HF_LLAMA | UNTIED | _MOE | {"num_experts": 6, "num_experts_per_tok": 3},
+        HF_LLAMA
+        | UNTIED
+        | _MOE
+        | {"num_experts": 6, "num_experts_per_tok": 3, "num_hidden_layers": 4}
+        # Layers 0-1 dense, then MoE every second layer: layer 3 alone.
+        | {"mlp_only_layers": [0, 1], "decoder_sparse_step": 2},
     ),
     "mistral-window5": ("mistral", HF_LLAMA | UNTIED | {"sliding_window": 5, "head_dim": 16}),
     "mistral-mqa-window64": (
@@ -78,7 +83,9 @@ ZOO_MODELS = {
     "zoo-qwen3": ("Qwen3ForCausalLM", _SMALL.replace(qk_norm=True, head_dim=16, n_kv_heads=1)),
     "zoo-qwen3-moe": (
         "Qwen3MoeForCausalLM",
-        _SMALL.replace(qk_norm=True, n_experts=4, n_experts_per_token=2, moe_d_ff=16),
+        _SMALL.replace(qk_norm=True, n_layers=3, first_dense_layers=1).replace(
+            n_experts=4, n_experts_per_token=2, moe_d_ff=16
+        ),
     ),
     "zoo-mistral": ("MistralForCausalLM", _SMALL.replace(sliding_window=4, head_dim=16)),
     "zoo-phi3": ("Phi3ForCausalLM", _SMALL.replace(sliding_window=4, n_kv_heads=1)),
@@ -162,6 +169,7 @@ def test_configs_are_read_from_the_checkpoints(loaded):
     normed, fused = loaded["qwen3moe-norm-topk"].config, loaded["qwen3moe-fused"].config
     assert (normed.n_experts, normed.n_experts_per_token, normed.moe_d_ff) == (4, 2, 16)
     assert (normed.router_normalize, fused.router_normalize, fused.n_experts) == (True, False, 6)
+    assert (fused.first_dense_layers, fused.moe_every, fused.moe_layers) == (2, 2, (3,))
     assert loaded["mistral-mqa-window64"].config.sliding_window == 64
     assert loaded["phi3-window5"].config.sliding_window == 5
     assert loaded["phi3-mha-head16"].config.tie_embeddings
@@ -329,8 +337,16 @@ def edit_config(path, **changes):
         ),
         ("zoo-qwen2", {"layer_types": ["full_attention"]}, r"for each of the 2 layers"),
         ("zoo-qwen3", {"attention_bias": True}, r"attention_bias=True, which the zoo does not"),
-        ("zoo-qwen3-moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\], which the zoo"),
-        ("zoo-qwen3-moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2, which the zoo"),
+        (
+            "zoo-qwen3-moe",
+            {"mlp_only_layers": [1]},
+            r"mlp_only_layers=\[1\], decoder_sparse_step=1 with 3 layers: .* first k layers",
+        ),
+        (
+            "zoo-qwen3-moe",
+            {"decoder_sparse_step": 2},
+            r"mlp_only_layers=\[0\], decoder_sparse_step=2 with 3 layers",
+        ),
         ("zoo-qwen3-moe", {"num_experts": 0}, r"a Qwen3-MoE needs experts"),
         (
             "zoo-phi3",

@@ -81,7 +81,7 @@ def exports(config: Config) -> bool:
     )
 
 
-def router(c: Config, hf: str) -> list:
+def _router(c: Config, hf: str) -> list:
     return [("mlp.router", hf, (c.d_model,), (c.n_experts,))]
 
 
@@ -135,7 +135,7 @@ def fused(c: Config) -> TensorGroup:
 
 def tensors(c: Config) -> list[TensorGroup]:
     """The per-expert layout (the one `save_pretrained` writes)."""
-    return [*llama.tensors_around_mlp(c, router(c, _PER_EXPERT + "gate")), per_expert(c)]
+    return [*llama.tensors_around_mlp(c, _router(c, _PER_EXPERT + "gate")), per_expert(c)]
 
 
 def read_tensors(c: Config, names: set[str]) -> list[TensorGroup]:
@@ -143,7 +143,7 @@ def read_tensors(c: Config, names: set[str]) -> list[TensorGroup]:
     `mlp.experts.gate_up_proj`, else per expert (so a partly missing checkpoint of either
     layout is reported against its own layout's names)."""
     if any(name.endswith(".mlp.experts.gate_up_proj") for name in names):
-        return [*llama.tensors_around_mlp(c, router(c, _FUSED + "gate")), fused(c)]
+        return [*llama.tensors_around_mlp(c, _router(c, _FUSED + "gate")), fused(c)]
     return tensors(c)
 
 

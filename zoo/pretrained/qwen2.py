@@ -72,15 +72,8 @@ def config_to_hf(config: Config) -> dict:
 def exports(config: Config) -> bool:
     """Whether Qwen2's layout holds this config exactly: a Llama with q/k/v biases (and
     optionally one window on every layer)."""
-    return (
-        config.position == "rope"
-        and config.norm == "rmsnorm"
-        and config.mlp == "swiglu"
-        and config.qkv_bias
-        and not config.bias
-        and not config.qk_norm
-        and config.n_experts == 0
-    )
+    llama_like = llama.exports(config.replace(qkv_bias=False, sliding_window=None))
+    return llama_like and config.qkv_bias and not config.bias
 
 
 def tensors(c: Config) -> list[TensorGroup]:

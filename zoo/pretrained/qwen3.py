@@ -26,15 +26,8 @@ def config_to_hf(config: Config) -> dict:
 def exports(config: Config) -> bool:
     """Whether Qwen3's layout holds this config exactly: a Llama with q/k norms and no biases
     (optionally one window on every layer)."""
-    return (
-        config.position == "rope"
-        and config.norm == "rmsnorm"
-        and config.mlp == "swiglu"
-        and config.qk_norm
-        and not config.bias
-        and not config.qkv_bias
-        and config.n_experts == 0
-    )
+    llama_like = llama.exports(config.replace(qk_norm=False, sliding_window=None))
+    return llama_like and config.qk_norm and not config.bias
 
 
 def tensors(c: Config) -> list[TensorGroup]:
