@@ -110,7 +110,8 @@ def per_expert(
 
 
 def fused(c: Config) -> TensorGroup:
-    """transformers' stacked `gate_up_proj` and `down_proj` <-> our three expert weights."""
+    """transformers' stacked `gate_up_proj` and `down_proj` <-> our three expert weights (the
+    same names and layout in Qwen3-MoE)."""
     n, d, f = c.n_experts, c.d_model, c.expert_d_ff
 
     def to_zoo(gate_up, down):
