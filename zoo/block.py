@@ -56,6 +56,7 @@ class Block(eqx.Module):
             qk_norm=config.qk_norm,
             norm_eps=config.norm_eps,
             use_bias=config.bias,
+            qkv_bias=config.qkv_bias,
             out_init_std=out_std,
             dtype=dtype,
             key=attn_key,

@@ -32,6 +32,10 @@ class Config:
     (default `d_ff`), `n_experts_per_token` of them per token, plus `n_shared_experts` always-on
     ones; the other layers stay dense with width `d_ff`.
 
+    `bias` puts a bias on every linear layer (GPT-2); `qkv_bias` on the query, key and value
+    projections alone (Qwen2). `qk_norm` RMS-normalises each query and key head over head_dim
+    before the rotary embedding (Qwen3).
+
     `max_seq_len` bounds every sequence and KV cache (`check_length`), for learned and rotary
     positions alike: a longer context is asked for by raising it (with `rope_scaling` where the
     family has one).
@@ -53,6 +57,7 @@ class Config:
     mlp: MlpKind = "swiglu"
     tie_embeddings: bool = False
     bias: bool = False
+    qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     n_experts: int = 0
@@ -93,6 +98,11 @@ class Config:
             raise ValueError(f"Config.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.norm_eps <= 0:
             raise ValueError(f"Config.norm_eps must be > 0, got {self.norm_eps}")
+        if self.bias and self.qkv_bias:
+            raise ValueError(
+                "Config.qkv_bias=True is implied by bias=True (a bias on every linear layer); "
+                "set bias alone, or qkv_bias alone for biases on q, k and v only (Qwen2)"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(
                 f"Config.sliding_window must be >= 1 or None, got {self.sliding_window}"

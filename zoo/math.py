@@ -36,6 +36,8 @@ def _attention_params(config: Config) -> int:
     attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
     if c.bias:
         attn += c.q_dim + 2 * c.kv_dim + c.d_model
+    elif c.qkv_bias:
+        attn += c.q_dim + 2 * c.kv_dim
     if c.qk_norm:
         attn += 2 * c.head_dim
     return attn

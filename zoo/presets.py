@@ -47,6 +47,35 @@ def _llama3(
     )
 
 
+def _qwen(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    d_ff: int,
+    tie: bool,
+    vocab_size: int = 151936,
+    max_seq_len: int = 32768,
+    **family,
+) -> Config:
+    """Qwen2.5 (q/k/v biases: `qkv_bias=True`) and Qwen3 (`qk_norm=True`, head_dim 128): rope
+    theta 1e6, RMSNorm eps 1e-6, no sliding window."""
+    return Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        d_ff=d_ff,
+        max_seq_len=max_seq_len,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_embeddings=tie,
+        **family,
+    )
+
+
 _TINY_LLAMA = Config(
     vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128
 )
@@ -108,6 +137,91 @@ _PRESETS: dict[str, Config] = {
         moe_d_ff=1408,
         first_dense_layers=1,
         router_normalize=False,
+    ),
+    # Qwen2.5 (Qwen Team 2024), base models' config.json.
+    "qwen2.5-0.5b": _qwen(
+        d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, d_ff=4864, tie=True, qkv_bias=True
+    ),
+    "qwen2.5-1.5b": _qwen(
+        d_model=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        d_ff=8960,
+        tie=True,
+        max_seq_len=131072,
+        qkv_bias=True,
+    ),
+    "qwen2.5-7b": _qwen(
+        d_model=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        d_ff=18944,
+        tie=False,
+        vocab_size=152064,
+        max_seq_len=131072,
+        qkv_bias=True,
+    ),
+    # Qwen3 (Yang et al. 2025): q/k norms, head_dim 128 apart from d_model / n_heads.
+    "qwen3-0.6b": _qwen(
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        d_ff=3072,
+        tie=True,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+    ),
+    "qwen3-8b": _qwen(
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=12288,
+        tie=False,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+    ),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised; every layer MoE.
+    "qwen3-30b-a3b": _qwen(
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        d_ff=6144,
+        tie=False,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+        n_experts=128,
+        n_experts_per_token=8,
+        moe_d_ff=768,
+        router_normalize=True,
+    ),
+    # Mistral 7B v0.3 (Jiang et al. 2023): vocabulary 32768, no sliding window in v0.2+.
+    "mistral-7b": Config(
+        vocab_size=32768,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=32768,
+        rope_theta=1_000_000.0,
+    ),
+    # Phi-3-mini-4k (Abdin et al. 2024): MHA, window 2047 on every layer.
+    "phi3-mini-4k": Config(
+        vocab_size=32064,
+        d_model=3072,
+        n_layers=32,
+        n_heads=32,
+        d_ff=8192,
+        max_seq_len=4096,
+        sliding_window=2047,
     ),
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),

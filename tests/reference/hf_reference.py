@@ -3,6 +3,9 @@ Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does o
 
     python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
                                              # and logits of dirs written by zoo.save_pretrained
+    python hf_reference.py families JOB.json # as tiny, plus parameter counts of full-size
+                                             # configs built on torch's meta device and
+                                             # logits of .gguf files (transformers' reader)
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
     python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
@@ -39,6 +42,35 @@ def randomize(model: torch.nn.Module) -> None:
 def tiny(job: dict) -> None:
     build(job)
     reload(job)
+
+
+def families(job: dict) -> None:
+    tiny(job)
+    counts(job)
+    for path in job["gguf"]:
+        read_gguf(path, job["tokens"])
+
+
+def read_gguf(path: str, tokens: list[list[int]]) -> None:
+    """A .gguf file through transformers' own GGUF reader: logits to the path with .npz."""
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    np.savez(path.removesuffix(".gguf") + ".npz", logits=logits(model.eval(), tokens))
+
+
+def counts(job: dict) -> None:
+    """Each of job["counts"] (name, model_type, config.json fields) built on the meta device (no
+    memory): its number of parameters (tied weights once) to out/counts.json."""
+    result = {}
+    for spec in job["counts"]:
+        config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        result[spec["name"]] = sum(p.numel() for p in model.parameters())
+    with open(os.path.join(job["out"], "counts.json"), "w") as f:
+        json.dump(result, f)
 
 
 def build(job: dict) -> None:
@@ -209,7 +241,9 @@ def edit_json(path: str, edit) -> None:
         json.dump(value, f)
 
 
+JOBS = {"tiny": tiny, "families": families, "smollm2": smollm2, "chat": chat, "peft": peft}
+
 if __name__ == "__main__":
     command, job_file = sys.argv[1:]
     with open(job_file) as f:
-        {"tiny": tiny, "smollm2": smollm2, "chat": chat, "peft": peft}[command](json.load(f))
+        JOBS[command](json.load(f))
