@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 from zoo.config import Config
-from zoo.pretrained import gpt2, llama, mixtral
+from zoo.pretrained import deepseek, gpt2, llama, mixtral
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -62,6 +62,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", "transformer.", gpt2),
     "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
     "MixtralForCausalLM": _from_module("MixtralForCausalLM", "model.", mixtral),
+    "DeepseekV3ForCausalLM": _from_module("DeepseekV3ForCausalLM", "model.", deepseek),
 }
 
 
@@ -81,6 +82,7 @@ def architecture_for(config: Config) -> Architecture:
             return arch
     raise ValueError(
         "no HF architecture holds this Config (qk_norm, sliding_window without experts, shared "
-        "experts or interleaved dense/MoE layers, or a mix of GPT-2 and Llama features); known: "
+        "experts or interleaved dense/MoE layers without MLA, or a mix of GPT-2 and Llama "
+        "features); known: "
         f"{', '.join(ARCHITECTURES)}"
     )

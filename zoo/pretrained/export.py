@@ -64,7 +64,7 @@ def save_pretrained(
     _clear(directory, overwrite)
     tensors: dict[str, np.ndarray] = {}
     for group in arch.tensors(config):
-        for i in range(config.n_layers) if group.per_layer else [None]:
+        for i in group.layers(config.n_layers):
             arrays = [_layer_array(model, i, path) for path in group.zoo]
             for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
                 tensors[name] = np.ascontiguousarray(array)

@@ -118,6 +118,7 @@ def exports(config: Config) -> bool:
         and config.norm == "rmsnorm"
         and config.mlp == "swiglu"
         and not config.qk_norm
+        and not config.mla
         and config.sliding_window is None
         and config.n_experts == 0
     )

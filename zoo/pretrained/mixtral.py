@@ -70,6 +70,7 @@ def exports(config: Config) -> bool:
         and config.norm == "rmsnorm"
         and config.mlp == "swiglu"
         and not config.qk_norm
+        and not config.mla
         and not config.bias
         and config.n_experts > 0
         and config.n_shared_experts == 0
