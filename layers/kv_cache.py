@@ -151,7 +151,7 @@ class KVCache(eqx.Module):
     `lengths` `[batch]` the tokens each row holds (its next position), `slot` the next slot
     every row writes to."""
 
-    layers: PyTree[LayerKV]
+    layers: PyTree[LayerKV | LayerLatent]
     positions: Int[Array, "batch kv_seq"]
     segment_ids: Int[Array, "batch kv_seq"]
     lengths: Int[Array, " batch"]
@@ -174,7 +174,7 @@ class KVCache(eqx.Module):
         }
 
     @staticmethod
-    def empty(layers: PyTree[LayerKV], batch: int, max_len: int) -> "KVCache":
+    def empty(layers: PyTree[LayerKV | LayerLatent], batch: int, max_len: int) -> "KVCache":
         return KVCache(
             layers=layers,
             positions=jnp.zeros((batch, max_len), jnp.int32),
@@ -183,7 +183,7 @@ class KVCache(eqx.Module):
             slot=jnp.zeros((), jnp.int32),
         )
 
-    def with_layers(self, layers: PyTree[LayerKV]) -> "KVCache":
+    def with_layers(self, layers: PyTree[LayerKV | LayerLatent]) -> "KVCache":
         return KVCache(layers, self.positions, self.segment_ids, self.lengths, self.slot)
 
     def append(

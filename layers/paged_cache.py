@@ -172,7 +172,7 @@ class PagedKVCache(eqx.Module):
     def page_size(self) -> int:
         return jax.tree.leaves(self.layers)[0].shape[-2]
 
-    def with_layers(self, layers: PyTree[LayerPages]) -> "PagedKVCache":
+    def with_layers(self, layers: PyTree[LayerPages | LatentPages]) -> "PagedKVCache":
         return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel)
 
     def append(
@@ -196,7 +196,7 @@ class PagedKVCache(eqx.Module):
             sliding_window=sliding_window,
         )
 
-        def view(pages: LayerPages, layer) -> PagedSlot:
+        def view(pages: LayerPages | LatentPages, layer) -> PagedSlot:
             return PagedSlot(
                 pages, layer, self.page_table, lengths, positions, valid > 0,
                 sliding_window, self.decode_kernel,
