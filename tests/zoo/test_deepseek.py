@@ -23,6 +23,7 @@ from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
 from tests.zoo.random_model import VOCAB, random_model
 from zoo import math as zm
+from zoo.pretrained.hf_config import config_from_hf
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).tolist()
 _YARN = {
@@ -274,3 +275,35 @@ def test_latent_cache_is_what_mla_saves():
     # 61 layers x (512 + 64) x 2 bytes, against 61 x 128 heads x (192 + 128) x 2 bytes.
     assert zm.kv_cache_bytes_per_token(c, bf16) == 61 * 576 * 2
     assert zm.per_head_kv_cache_bytes_per_token(c, bf16) == 61 * 128 * 320 * 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"topk_method": "greedy"}, "topk_method='greedy', which the zoo does not implement"),
+        ({"attention_bias": True}, "attention_bias=True, which the zoo does not implement"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2 differs from num_attention_heads=4"),
+        ({"qk_head_dim": 12}, "qk_head_dim=12 contradicts"),
+        ({"rope_parameters": _YARN | {"rope_type": "linear"}}, "rope_type='linear' is not"),
+        ({"rope_parameters": _YARN | {"attention_factor": 2.0}}, r"not \['attention_factor'\]"),
+        ({"some_new_knob": 1}, r"does not implement: \['some_new_knob'\]"),
+    ],
+)
+def test_config_fields_the_zoo_does_not_implement_are_refused(change, message):
+    hf = {"architectures": ["DeepseekV3ForCausalLM"], **_A, **change}
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"n_kv_heads": 2}, "n_kv_heads=2 must equal n_heads=4"),
+        ({"mla_rope_dim": 24}, r"mla_rope_dim=24 must be in \(0, head_dim=24\)"),
+        ({"router_groups": 8, "router_topk_groups": 4}, "leaves 1 expert per group"),
+        ({"n_experts_per_token": 5}, "exceeds the 4 experts of the router_topk_groups=2"),
+    ],
+)
+def test_bad_deepseek_configs_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.preset("tiny-deepseek-v3", **change)
