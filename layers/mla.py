@@ -164,15 +164,25 @@ class MLA(eqx.Module):
         out = kernel(self._scaled(pad(q)), pad(k), pad(v), mask)
         return out[..., : self.v_dim]
 
+    def _up_weight(self) -> Float[Array, "latent heads nope_v"]:
+        """kv_b_proj's weight `[kv_rank, heads, nope + v]`, which the absorbed form splits."""
+        if type(self.kv_b_proj) is not Linear:
+            raise ValueError(
+                "MLA decode over the latent cache multiplies by kv_b_proj's weight, but it is a "
+                f"{type(self.kv_b_proj).__name__} (LoRA or quantized): merge the adapter "
+                "(zoo.merge_adapter) or dequantize (zoo.dequantize_base) before decoding"
+            )
+        return self.kv_b_proj.weight
+
     def _absorbed_query(self, q_nope, q_pe) -> Float[Array, "batch seq heads width"]:
         """[q_nope W_uk, q_pe]: the query in the cache's latent space."""
-        w_uk = self.kv_b_proj.weight[..., : self.nope_dim].astype(q_nope.dtype)
+        w_uk = self._up_weight()[..., : self.nope_dim].astype(q_nope.dtype)
         q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
         return self._scaled(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1))
 
     def _absorbed_output(self, out: Float[Array, "batch seq heads width"]) -> Float[Array, "..."]:
         """Attention over the latents -> per-head values: drop the k_pe columns, apply W_uv."""
-        w_uv = self.kv_b_proj.weight[..., self.nope_dim :].astype(out.dtype)
+        w_uv = self._up_weight()[..., self.nope_dim :].astype(out.dtype)
         return jnp.einsum("bshr,rhv->bshv", out[..., : self.kv_rank], w_uv)
 
     def __call__(

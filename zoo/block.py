@@ -101,6 +101,7 @@ class Block(eqx.Module):
                 bias=config.router_bias,
                 groups=config.router_groups,
                 topk_groups=config.router_topk_groups,
+                group_score=config.router_group_score,
                 out_init_std=out_std,
                 dtype=dtype,
                 key=mlp_key,

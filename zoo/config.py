@@ -15,6 +15,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
 MlpKind = Literal["gelu", "swiglu"]
 RouterScoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["top2", "max"]
 
 
 # Runtime type checking is off for the config on purpose: `__post_init__` gives every bad field a
@@ -33,7 +34,9 @@ class Config:
     ones; the other layers stay dense with width `d_ff`. Routing is `router_scoring` (softmax or
     sigmoid), top-k renormalised iff `router_normalize`, times `router_scale`; DeepSeek-V3 adds
     `router_bias` (the aux-loss-free balancing bias, used to choose experts only) and
-    group-limited selection (`router_groups` groups, the best `router_topk_groups` kept).
+    group-limited selection (`router_groups` groups, the best `router_topk_groups` kept, a
+    group scored by the sum of its two best experts, or by its best one for DeepSeek-V2's
+    `router_group_score="max"`).
 
     Multi-head Latent Attention (DeepSeek-V2/V3, `mla_kv_rank` set; layers/mla.py): keys and
     values come from a per-token latent of `mla_kv_rank` numbers plus one shared rotary key of
@@ -80,6 +83,7 @@ class Config:
     router_bias: bool = False
     router_groups: int = 1
     router_topk_groups: int = 1
+    router_group_score: GroupScore = "top2"
     mla_kv_rank: int | None = None
     mla_q_rank: int | None = None
     mla_rope_dim: int = 64
@@ -179,7 +183,7 @@ class Config:
                 f"router_topk_groups={topk} be in [1, router_groups]"
             )
         per_group = self.n_experts // groups
-        if groups > 1 and per_group < 2:
+        if groups > 1 and per_group < 2 and self.router_group_score == "top2":
             raise ValueError(
                 f"Config.router_groups={groups} leaves {per_group} expert per group; a group's "
                 "score is the sum of its two best experts, so each group needs >= 2"

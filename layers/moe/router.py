@@ -5,7 +5,8 @@ DeepSeek-V3 (arXiv 2412.19437, section 2.1.2) adds to sigmoid scoring: a balanci
 expert added to the scores to choose the experts only (the gate weights use the unbiased scores;
 "auxiliary-loss-free load balancing", a buffer that the optimizer never moves: it gets no
 gradient), and group-limited selection (experts in `groups` groups, a group's score the sum of
-its two best biased scores, only the best `topk_groups` groups eligible). The gates are
+its two best biased scores, only the best `topk_groups` groups eligible; DeepSeek-V2 scores a
+group by its best expert, `group_score="max"`). The gates are
 renormalised iff `normalize`, then multiplied by `scale` (routed_scaling_factor).
 
 `tokens` in the shapes below is any leading shape (`batch seq` in the model); `topk` is
@@ -21,6 +22,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["top2", "max"]
 
 
 class Routing(eqx.Module):
@@ -53,6 +55,7 @@ class Router(eqx.Module):
     scale: float = eqx.field(static=True)
     groups: int = eqx.field(static=True)
     topk_groups: int = eqx.field(static=True)
+    group_score: GroupScore = eqx.field(static=True)
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class Router(eqx.Module):
         bias: bool = False,
         groups: int = 1,
         topk_groups: int = 1,
+        group_score: GroupScore = "top2",
         init_std: float | None = None,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
@@ -83,7 +87,7 @@ class Router(eqx.Module):
                 f"router groups={groups} must divide n_experts={n_experts} and topk_groups="
                 f"{topk_groups} be in [1, groups]"
             )
-        if groups > 1 and n_experts // groups < 2:
+        if groups > 1 and n_experts // groups < 2 and group_score == "top2":
             raise ValueError(f"router groups={groups}: each group needs >= 2 experts")
         if n_experts_per_token > topk_groups * (n_experts // groups):
             raise ValueError(
@@ -98,6 +102,7 @@ class Router(eqx.Module):
         self.scoring = scoring
         self.normalize = normalize
         self.scale, self.groups, self.topk_groups = scale, groups, topk_groups
+        self.group_score = group_score
 
     @property
     def n_experts(self) -> int:
@@ -126,7 +131,10 @@ class Router(eqx.Module):
             scores = scores + jax.lax.stop_gradient(self.bias.astype(jnp.float32))
         if self.groups > 1:
             per_group = scores.reshape(*scores.shape[:-1], self.groups, -1)
-            group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)
+            if self.group_score == "max":
+                group_scores = jnp.max(per_group, axis=-1)
+            else:
+                group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)
             _, best = jax.lax.top_k(group_scores, self.topk_groups)
             kept = jnp.sum(jax.nn.one_hot(best, self.groups, dtype=bool), axis=-2, dtype=bool)
             kept = jnp.broadcast_to(kept[..., None], per_group.shape).reshape(scores.shape)

@@ -2,6 +2,7 @@
 the gather path and with the Pallas decode kernel) equals the expanded form; flash equals naive;
 a kernel or cache that cannot run it says so."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,6 +12,7 @@ from layers.kernels.paged import PallasDecodeKernel
 from layers.kv_cache import KVCache, LayerKV, LayerLatent
 from layers.mla import MLA
 from layers.paged_cache import LatentPages, PagedKVCache
+from layers.quantized import QuantizedLinear
 from layers.rotary import rotary_frequencies
 
 D_MODEL, SEQ, ROPE = 32, 16, 8
@@ -90,3 +92,14 @@ def test_a_per_head_cache_is_refused():
             kernel=Naive(),
             cache=step.view(cache.layers[0], None),
         )
+
+
+def test_decode_with_a_quantized_up_projection_says_what_to_do():
+    layer, (x, _, _) = mla(), inputs()
+    quantized = QuantizedLinear.from_linear(layer.kv_b_proj, "int8")
+    layer = eqx.tree_at(lambda m: m.kv_b_proj, layer, quantized)
+    cache = KVCache.empty((LayerLatent.zeros(1, SEQ, 32, jnp.float32),), 1, SEQ)
+    step = cache.append(jnp.ones((1, SEQ), jnp.int32))
+    view = step.view(cache.layers[0], None)
+    with pytest.raises(ValueError, match=r"QuantizedLinear.*dequantize_base"):
+        layer(x, step.mask, rope(step.positions), kernel=Naive(), cache=view)

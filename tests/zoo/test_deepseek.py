@@ -1,8 +1,9 @@
-"""DeepSeek-V3 (MLA, latent KV cache, V3 routing, YaRN) against HF transformers: tiny random
-DeepseekV3ForCausalLM checkpoints load with transformers' logits, zoo.save_pretrained reloads in
-transformers, decode over the latent cache (absorbed) equals the full forward (expanded), the
-serving engine equals greedy decoding alone, and the DeepSeek-V2-Lite / V3 presets have exactly
-the parameters of the HF models built from the same config values.
+"""DeepSeek-V3 (MLA, latent KV cache, V3 routing, YaRN) and V2 against HF transformers: tiny
+random DeepseekV3ForCausalLM / DeepseekV2ForCausalLM checkpoints load with transformers' logits,
+zoo.save_pretrained reloads in transformers, decode over the latent cache (absorbed) equals the
+full forward (expanded), the serving engine equals greedy decoding alone, and the
+DeepSeek-V2-Lite / V3 presets have exactly the parameters of the HF models built from the same
+config values.
 
 One reference job (one subprocess) serves the module; forwards are jitted once per config.
 """
@@ -78,8 +79,23 @@ _B = _BASE | {
     "rope_interleave": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
 }
+# DeepSeek-V2: softmax routing limited to the best group (scored by its best expert).
+_V2 = _BASE | {
+    "q_lora_rank": 12,
+    "kv_lora_rank": 16,
+    "v_head_dim": 8,
+    "n_routed_experts": 6,
+    "n_group": 3,
+    "topk_group": 1,
+    "topk_method": "group_limited_greedy",
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.5,
+    "rope_parameters": _YARN,
+}
 MODELS = [
     {"name": "ds-a", "model_type": "deepseek_v3", "config": _A},
+    {"name": "ds-v2", "model_type": "deepseek_v2", "config": _V2},
     {"name": "ds-b", "model_type": "deepseek_v3", "config": _B},
     # The same weights as ds-a with the experts stacked as transformers 5 holds them.
     {"name": "ds-a-fused", "model_type": "deepseek_v3", "config": _A, "fused": True},
@@ -92,6 +108,14 @@ ZOO_CONFIGS = {
         rope_scaling=RopeScaling(
             kind="yarn", factor=8.0, original_max_seq_len=16, mscale=0.9, mscale_all_dim=0.8
         ),
+    ),
+    "zoo-ds-v2": zoo.preset(
+        "tiny-deepseek-v3",
+        vocab_size=VOCAB,
+        router_scoring="softmax",
+        router_bias=False,
+        router_normalize=False,
+        router_group_score="max",
     ),
     "zoo-ds-dense": zoo.preset(
         "tiny-deepseek-v3", vocab_size=VOCAB, n_experts=0, mla_q_rank=None, n_layers=2
@@ -191,6 +215,9 @@ def test_config_is_read_from_the_checkpoint(loaded):
     assert a.rope_scaling.kind == "yarn" and a.mla_rope_interleave and a.router_bias
     assert (b.mla_q_rank, b.rope_scaling, b.mla_rope_interleave) == (None, None, False)
     assert (b.router_normalize, b.router_scale, b.first_dense_layers) == (False, 1.5, 0)
+    v2 = loaded["ds-v2"].config
+    assert (v2.router_scoring, v2.router_bias, v2.router_normalize) == ("softmax", False, False)
+    assert (v2.router_groups, v2.router_topk_groups, v2.router_group_score) == (3, 1, "max")
 
 
 @pytest.mark.parametrize("name", list(ZOO_CONFIGS))
@@ -199,11 +226,13 @@ def test_save_pretrained_reloads_in_transformers(zoo_models, reference, name):
     assert relative_error(reloaded, forward(zoo_models[name], jnp.asarray(TOKENS))) < 1e-4
 
 
-def test_load_save_load_is_exact(loaded, tmp_path):
-    zoo.save_pretrained(loaded["ds-a"], tmp_path)
+@pytest.mark.parametrize("name", ["ds-a", "ds-v2"])
+def test_load_save_load_is_exact(loaded, tmp_path, name):
+    zoo.save_pretrained(loaded[name], tmp_path)
     again = zoo.load_pretrained(tmp_path)
-    assert again.config == loaded["ds-a"].config
-    for x, y in zip(jax.tree.leaves(loaded["ds-a"]), jax.tree.leaves(again), strict=True):
+    assert again.config == loaded[name].config
+    assert jax.tree.structure(again) == jax.tree.structure(loaded[name])
+    for x, y in zip(jax.tree.leaves(loaded[name]), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -291,6 +320,20 @@ def test_latent_cache_is_what_mla_saves():
 )
 def test_config_fields_the_zoo_does_not_implement_are_refused(change, message):
     hf = {"architectures": ["DeepseekV3ForCausalLM"], **_A, **change}
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
+        ({"norm_topk_prob": True}, "norm_topk_prob=True, which the zoo does not implement"),
+        ({"rope_interleave": False}, r"does not implement: \['rope_interleave'\]"),
+    ],
+)
+def test_deepseek_v2_fields_the_zoo_does_not_implement_are_refused(change, message):
+    hf = {"architectures": ["DeepseekV2ForCausalLM"], **_V2, **change}
     with pytest.raises(ValueError, match=message):
         config_from_hf(hf)
 

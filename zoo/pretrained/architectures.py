@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 from zoo.config import Config
-from zoo.pretrained import deepseek, gpt2, llama, mixtral
+from zoo.pretrained import deepseek, deepseek_v2, gpt2, llama, mixtral
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -63,6 +63,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
     "MixtralForCausalLM": _from_module("MixtralForCausalLM", "model.", mixtral),
     "DeepseekV3ForCausalLM": _from_module("DeepseekV3ForCausalLM", "model.", deepseek),
+    "DeepseekV2ForCausalLM": _from_module("DeepseekV2ForCausalLM", "model.", deepseek_v2),
 }
 
 

@@ -83,7 +83,7 @@ _YARN_KEYS = {
 }
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+def _rope(hf: dict, arch: str) -> tuple[float, RopeScaling | None]:
     """rope theta and scaling from `rope_parameters` (transformers >= 5) or the older top-level
     `rope_theta` + `rope_scaling`; only 'default' and 'yarn' (DeepSeek's) are implemented."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -93,12 +93,12 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind != "yarn":
         raise ValueError(
-            f"DeepseekV3 rope_type={kind!r} is not supported; the zoo has 'default' and 'yarn'"
+            f"{arch} rope_type={kind!r} is not supported; the zoo has 'default' and 'yarn'"
         )
     unknown = sorted(set(params) - _YARN_KEYS)
     if unknown or not params.get("truncate", True) or params.get("factor") is None:
         raise ValueError(
-            f"DeepseekV3 yarn rope parameters {params} are not supported: the zoo implements "
+            f"{arch} yarn rope parameters {params} are not supported: the zoo implements "
             f"factor (required), original_max_position_embeddings, beta_fast, beta_slow, mscale, "
             f"mscale_all_dim and truncate=True (not {unknown})"
         )
@@ -114,11 +114,13 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     )
 
 
-def config_from_hf(hf: dict) -> Config:
+def mla_config(hf: dict, arch: str) -> Config:
+    """The Config of a DeepSeek-V2/V3 config.json up to its routing: MLA, rope, sizes, and the
+    dense layers (`n_experts=0`; `moe_fields` adds the MoE layers)."""
     heads = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or heads) != heads:
         raise ValueError(
-            f"DeepseekV3 num_key_value_heads={hf['num_key_value_heads']} differs from "
+            f"{arch} num_key_value_heads={hf['num_key_value_heads']} differs from "
             f"num_attention_heads={heads}; MLA expands every head from the latent (transformers "
             "would repeat the keys into the wrong shape)"
         )
@@ -126,17 +128,16 @@ def config_from_hf(hf: dict) -> Config:
     for name, expected in (("qk_head_dim", nope + rope), ("head_dim", rope)):
         if hf.get(name, expected) != expected:
             raise ValueError(
-                f"DeepseekV3 {name}={hf[name]} contradicts qk_nope_head_dim={nope} and "
+                f"{arch} {name}={hf[name]} contradicts qk_nope_head_dim={nope} and "
                 f"qk_rope_head_dim={rope} (transformers derives {name}={expected})"
             )
     if hf.get("n_shared_experts", 1) < 1:
-        raise ValueError("DeepseekV3 n_shared_experts must be >= 1 (every MoE layer has one)")
-    theta, scaling = _rope(hf)
-    n_layers, first_dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
-    config = Config(
+        raise ValueError(f"{arch} n_shared_experts must be >= 1 (every MoE layer has one)")
+    theta, scaling = _rope(hf, arch)
+    return Config(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
-        n_layers=n_layers,
+        n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         head_dim=nope + rope,
         d_ff=hf["intermediate_size"],
@@ -154,17 +155,31 @@ def config_from_hf(hf: dict) -> Config:
         mla_v_head_dim=v,
         mla_rope_interleave=bool(hf.get("rope_interleave", True)),
     )
-    if first_dense >= n_layers:  # every layer dense
+
+
+def moe_fields(hf: dict, default_first_dense: int) -> dict | None:
+    """The experts' Config fields (routing aside), None when every layer is dense."""
+    first_dense = hf.get("first_k_dense_replace", default_first_dense)
+    if first_dense >= hf["num_hidden_layers"]:
+        return None
+    return {
+        "n_experts": hf.get("n_routed_experts", hf.get("num_local_experts")),
+        "n_experts_per_token": hf["num_experts_per_tok"],
+        "n_shared_experts": hf.get("n_shared_experts", 1),
+        "moe_d_ff": hf["moe_intermediate_size"],
+        "first_dense_layers": first_dense,
+        "router_scale": float(hf.get("routed_scaling_factor", 1.0)),
+    }
+
+
+def config_from_hf(hf: dict) -> Config:
+    config, moe = mla_config(hf, "DeepseekV3"), moe_fields(hf, 3)
+    if moe is None:
         return config
     return config.replace(
-        n_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
-        n_experts_per_token=hf["num_experts_per_tok"],
-        n_shared_experts=hf.get("n_shared_experts", 1),
-        moe_d_ff=hf["moe_intermediate_size"],
-        first_dense_layers=first_dense,
+        **moe,
         router_scoring="sigmoid",
         router_normalize=bool(hf.get("norm_topk_prob", True)),
-        router_scale=float(hf.get("routed_scaling_factor", 1.0)),
         router_bias=True,
         router_groups=hf.get("n_group") or 1,
         router_topk_groups=hf.get("topk_group") or 1,
@@ -232,6 +247,7 @@ def exports(config: Config) -> bool:
         and c.n_shared_experts >= 1
         and c.router_scoring == "sigmoid"
         and c.router_bias
+        and (c.router_groups == 1 or c.router_group_score == "top2")
     )
 
 
@@ -319,8 +335,10 @@ def _groups(c: Config, fused: bool) -> list[TensorGroup]:
             groups += [_only(group, layers)] if layers else []
     if moe:
         router = linear(m + "router.weight", mlp + "gate.weight", (d,), (c.n_experts,))
-        bias = same(m + "router.bias", mlp + "gate.e_score_correction_bias", (c.n_experts,))
-        groups += [_only(router, moe), _only(bias, moe)]
+        groups.append(_only(router, moe))
+        if c.router_bias:
+            bias = same(m + "router.bias", mlp + "gate.e_score_correction_bias", (c.n_experts,))
+            groups.append(_only(bias, moe))
         groups.append(_fused(c, moe) if fused else _per_expert(c, moe))
     return groups
 
