@@ -37,6 +37,12 @@ def rope(positions):
     return rotary_frequencies(positions, head_dim=ROPE, theta=10_000.0)
 
 
+@eqx.filter_jit
+def run(layer, x, mask, rope, kernel, cache=None):
+    """One jitted call (interpreted Pallas kernels run far faster compiled than op by op)."""
+    return layer(x, mask, rope, kernel=kernel, cache=cache)
+
+
 def relative_error(ours, reference) -> float:
     return float(jnp.max(jnp.abs(ours - reference)) / jnp.max(jnp.abs(reference)))
 
@@ -44,13 +50,13 @@ def relative_error(ours, reference) -> float:
 @pytest.mark.parametrize("q_rank", [8, None])
 def test_latent_cache_and_flash_equal_the_expanded_naive_form(q_rank):
     layer, (x, positions, mask) = mla(q_rank), inputs()
-    expected, _ = layer(x, mask, rope(positions), kernel=Naive())
+    expected, _ = run(layer, x, mask, rope(positions), Naive())
     flash = Flash(interpret=True)
-    assert relative_error(layer(x, mask, rope(positions), kernel=flash)[0], expected) < TOLERANCE
+    assert relative_error(run(layer, x, mask, rope(positions), flash)[0], expected) < TOLERANCE
     cache = KVCache.empty((LayerLatent.zeros(1, SEQ, 32, jnp.float32),), 1, SEQ)
     step = cache.append(jnp.ones((1, SEQ), jnp.int32))
     view = step.view(cache.layers[0], None)
-    out, view = layer(x, step.mask, rope(step.positions), kernel=flash, cache=view)
+    out, view = run(layer, x, step.mask, rope(step.positions), flash, view)
     assert relative_error(out, expected) < TOLERANCE
     # The cache holds the latent per token: kv_rank + rope_dim numbers, nothing per head.
     assert view.kv.c.shape == (1, SEQ, 24 + ROPE)
@@ -61,14 +67,14 @@ def test_paged_latent_pools_equal_the_expanded_form(decode_kernel):
     """Prefill 12 tokens into a row's pages (gather path), then decode one (the decode kernel
     when given): the expanded form's output at each position."""
     layer, (x, positions, mask) = mla(), inputs(13)
-    expected, _ = layer(x, mask, rope(positions), kernel=Naive())
+    expected, _ = run(layer, x, mask, rope(positions), Naive())
     pools = (LatentPages.zeros(4, 8, 32, jnp.float32),)
     cache = PagedKVCache(pools, jnp.array([[2, 1]]), jnp.zeros((1,), jnp.int32), decode_kernel)
     outs = []
     for chunk in (x[:, :12], x[:, 12:]):
         step = cache.append(jnp.ones(chunk.shape[:2], jnp.int32))
         view = step.view(cache.layers[0], None)
-        out, view = layer(chunk, step.mask, rope(step.positions), kernel=Naive(), cache=view)
+        out, view = run(layer, chunk, step.mask, rope(step.positions), Naive(), view)
         cache = step.cache.with_layers((view.kv,))
         outs.append(out)
     assert relative_error(jnp.concatenate(outs, axis=1), expected) < TOLERANCE

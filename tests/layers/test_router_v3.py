@@ -1,6 +1,7 @@
 """DeepSeek-V3 routing: sigmoid scores, the balancing bias for selection only, group-limited
 top-k, renormalised and scaled gates, against a NumPy transcription of transformers'
-DeepseekV3TopkRouter; the bias gets no gradient and the optimizer leaves it where it is."""
+DeepseekV3TopkRouter; the bias gets no gradient and the optimizer leaves it where it is; the
+auxiliary-loss-free update moves it."""
 
 import equinox as eqx
 import jax
@@ -9,7 +10,9 @@ import numpy as np
 import optax
 import pytest
 
+import zoo
 from layers.moe import Router
+from tests.zoo.random_model import random_model
 from training.optimizer import adamw
 
 D, EXPERTS, K, GROUPS, TOPK_GROUPS = 16, 8, 3, 4, 2
@@ -88,3 +91,20 @@ def test_bad_groups_are_refused():
         Router(D, EXPERTS, n_experts_per_token=3, groups=4, topk_groups=1, key=jax.random.key(0))
     with pytest.raises(ValueError, match="bias needs scoring='sigmoid'"):
         Router(D, EXPERTS, n_experts_per_token=2, bias=True, key=jax.random.key(0))
+
+
+def test_aux_loss_free_update_moves_each_layers_bias_against_its_load():
+    """Stacked and unrolled storage get the same update, layer by layer (loads shaped as the
+    forward's MoEStats.expert_load: [MoE layers, experts], each row summing to 1)."""
+    model = random_model(zoo.preset("tiny-deepseek-v3", n_layers=4), 0)
+    load = jax.nn.softmax(jax.random.normal(jax.random.key(4), (3, EXPERTS)), axis=-1)
+    rate = 0.01
+    expected = rate * np.sign(np.mean(load, -1, keepdims=True) - load)
+    for storage in (model, model.unstacked()):
+        updated = zoo.update_router_bias(storage, load, rate)
+        for i, layer in enumerate(updated.config.moe_layers):
+            before = storage.layer(layer).mlp.router.bias
+            moved = updated.layer(layer).mlp.router.bias - before
+            np.testing.assert_allclose(moved, expected[i], atol=1e-7)
+    with pytest.raises(ValueError, match="3 MoE layers of 8 experts"):
+        zoo.update_router_bias(model, load[:2], rate)
