@@ -341,7 +341,7 @@ def format_plan(p: Plan) -> str:
     lines += [f"  activations ({k:4s})  {_gib(v)}" for k, v in p.activations.items()]
     lines += [f"  KV cache            {_gib(p.kv_cache)}"]
     if p.kv_cache_per_head is not None:
-        lines += [f"    per-head K/V would be {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
+        lines += [f"    per-head K/V      {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
     lines += [
         "",
         f"compute per step per device: {p.step_compute_s * 1e3:.2f} ms",
