@@ -176,6 +176,10 @@ class Config:
             )
         if not self.router_scale > 0:
             raise ValueError(f"Config.router_scale must be > 0, got {self.router_scale}")
+        if self.router_bias and self.router_scoring != "sigmoid":
+            raise ValueError(
+                "Config.router_bias (DeepSeek-V3's balancing bias) needs router_scoring='sigmoid'"
+            )
         groups, topk = self.router_groups, self.router_topk_groups
         if groups < 1 or self.n_experts % groups or not 1 <= topk <= groups:
             raise ValueError(

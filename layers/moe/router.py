@@ -96,7 +96,7 @@ class Router(eqx.Module):
             )
         std = init_std if init_std is not None else d_model**-0.5
         self.weight = (std * jax.random.normal(key, (d_model, n_experts))).astype(dtype)
-        # Kept in float32 whatever the parameter dtype (HF keeps it so: it decides selection).
+        # Created in float32 as HF keeps it (it decides selection); a policy cast may change it.
         self.bias = jnp.zeros((n_experts,), jnp.float32) if bias else None
         self.n_experts_per_token = n_experts_per_token
         self.scoring = scoring

@@ -345,6 +345,7 @@ def test_deepseek_v2_fields_the_zoo_does_not_implement_are_refused(change, messa
         ({"mla_rope_dim": 24}, r"mla_rope_dim=24 must be in \(0, head_dim=24\)"),
         ({"router_groups": 8, "router_topk_groups": 4}, "leaves 1 expert per group"),
         ({"n_experts_per_token": 5}, "exceeds the 4 experts of the router_topk_groups=2"),
+        ({"router_scoring": "softmax"}, "router_bias .* needs router_scoring='sigmoid'"),
     ],
 )
 def test_bad_deepseek_configs_are_refused(change, message):
