@@ -39,6 +39,8 @@ LOGICAL_AXES = (
     "pages",
     "page_size",
     "lora_rank",
+    "latent",
+    "latent_heads",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 

@@ -78,6 +78,7 @@ class Plan:
     step_compute_s: float
     context_attention: tuple[zmath.ContextAttentionCost, ...] = ()
     context_kernel: str | None = None
+    kv_cache_per_head: int | None = None  # MLA: what per-head keys and values would take
 
 
 def full_mesh(mesh_shape: dict[str, int]) -> dict[str, int]:
@@ -138,14 +139,26 @@ def kv_cache_bytes_per_device(
     sizes: dict[str, int],
     batch: int,
     context: int,
+    *,
+    per_head: bool = False,
 ) -> int:
     """Keys plus values of every layer in the cache's own layout and logical axes
-    (layers/kv_cache.py), in the compute dtype, sharded by the activation rules."""
+    (layers/kv_cache.py), in the compute dtype, sharded by the activation rules. MLA caches one
+    latent per token and layer; `per_head=True` counts per-head keys and values of the same
+    heads instead (what MLA saves)."""
     itemsize = zmath.bytes_per_element(policy.compute_dtype)
+    if config.mla and not per_head:  # LayerLatent
+        names = ("batch", "kv_seq", "latent")
+        shape = (batch, context, config.mla_kv_rank + config.mla_rope_dim)
+        spec = rules.partition_spec(names)
+        return config.n_layers * _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
+    heads, v_dim = config.n_kv_heads, config.head_dim
+    if config.mla:
+        heads, v_dim = config.n_heads, config.mla_v_head_dim
     total = 0
-    for names in (K_AXES, V_AXES):
-        dims = {"batch": batch, "kv_heads": config.n_kv_heads, "kv_seq": context}
-        shape = tuple(dims.get(n, config.head_dim) for n in names)
+    for names, width in ((K_AXES, config.head_dim), (V_AXES, v_dim)):
+        dims = {"batch": batch, "kv_heads": heads, "kv_seq": context}
+        shape = tuple(dims.get(n, width) for n in names)
         spec = rules.partition_spec(names)
         total += _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
     return config.n_layers * total
@@ -281,6 +294,11 @@ def plan(
         step_compute_s=step_flops / peak,
         context_attention=costs,
         context_kernel=chosen and chosen.kernel,
+        kv_cache_per_head=kv_cache_bytes_per_device(
+            config, policy, rules, sizes, batch, context or seq, per_head=True
+        )
+        if config.mla
+        else None,
     )
 
 
@@ -343,6 +361,8 @@ def format_plan(p: Plan) -> str:
     ]
     lines += [f"  activations ({k:4s})  {_gib(v)}" for k, v in p.activations.items()]
     lines += [f"  KV cache            {_gib(p.kv_cache)}"]
+    if p.kv_cache_per_head is not None:
+        lines += [f"    per-head K/V      {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
     lines += [
         "",
         f"compute per step per device: {p.step_compute_s * 1e3:.2f} ms",

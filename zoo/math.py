@@ -6,6 +6,10 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
   value products, 4 x layers x seq x q_dim per token forward (half of that when causal
   masking skips the upper triangle);
 - embedding lookups cost no FLOPs, the LM head is a matmul (tied or not);
+- multi-head latent attention (DeepSeek-V2/V3) counts its low-rank projections, its latent norms
+  and, in FLOPs, the expanded form (per-head keys of head_dim, values of mla_v_head_dim); its KV
+  cache holds the latent (mla_kv_rank + mla_rope_dim numbers per token and layer), which
+  `per_head_kv_cache_bytes_per_token` compares with per-head keys and values of the same heads;
 - an MoE layer (Shazeer et al. 2017) holds all its experts' parameters but each token only
   multiplies by the router, its k routed experts and the shared ones: `param_count` counts all,
   `active_param_count` and the FLOPs count what one token uses. Capacity dispatch spends more
@@ -31,8 +35,22 @@ def _norm_params(config: Config) -> int:
     return config.d_model * (2 if config.norm == "layernorm" and config.bias else 1)
 
 
+def _mla_projection_params(config: Config) -> int:
+    """MLA's weight matrices: q (low-rank or plain), kv_a (latent + rotary key), kv_b (per-head
+    non-rotary keys and values), o."""
+    c = config
+    d, q_out, nope = c.d_model, c.q_dim, c.head_dim - c.mla_rope_dim
+    q = d * q_out if c.mla_q_rank is None else c.mla_q_rank * (d + q_out)
+    kv = d * (c.mla_kv_rank + c.mla_rope_dim) + c.mla_kv_rank * c.n_heads * (
+        nope + c.mla_v_head_dim
+    )
+    return q + kv + c.n_heads * c.mla_v_head_dim * d
+
+
 def _attention_params(config: Config) -> int:
     c = config
+    if c.mla:  # projections and the latent RMSNorm scales
+        return _mla_projection_params(c) + c.mla_kv_rank + (c.mla_q_rank or 0)
     attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
     if c.bias:
         attn += c.q_dim + 2 * c.kv_dim + c.d_model
@@ -54,10 +72,12 @@ def layer_params(config: Config) -> int:
 
 
 def _moe_mlp_params(config: Config, n_routed: int) -> int:
-    """Router, `n_routed` SwiGLU experts and the shared experts (no biases)."""
+    """Router (with its balancing bias, if any), `n_routed` SwiGLU experts and the shared
+    experts (no biases)."""
     c = config
     experts = (n_routed + c.n_shared_experts) * 3 * c.d_model * c.expert_d_ff
-    return c.d_model * c.n_experts + experts
+    router = c.d_model * c.n_experts + (c.n_experts if c.router_bias else 0)
+    return router + experts
 
 
 def moe_layer_params(config: Config) -> int:
@@ -139,7 +159,11 @@ def matmul_params(config: Config) -> int:
     """Parameters that take part in a matmul per token: every block's projections and the LM head
     (tied or not). Norm scales, biases and lookups are left out: their FLOPs are negligible."""
     c = config
-    attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    attn = (
+        _mla_projection_params(c)
+        if c.mla
+        else c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    )
     n_moe = len(c.moe_layers)
     dense_mlp = (3 if c.mlp == "swiglu" else 2) * c.d_model * c.d_ff
     mlps = (c.n_layers - n_moe) * dense_mlp
@@ -149,8 +173,11 @@ def matmul_params(config: Config) -> int:
 
 
 def attention_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
-    """Forward FLOPs per token of QK^T and PV (attending to `seq_len` keys on average x2)."""
-    flops = 4.0 * config.n_layers * seq_len * config.q_dim
+    """Forward FLOPs per token of QK^T and PV (attending to `seq_len` keys on average x2); MLA's
+    values are `mla_v_head_dim` wide."""
+    c = config
+    v_dim = c.n_heads * c.mla_v_head_dim if c.mla else c.q_dim
+    flops = 2.0 * c.n_layers * seq_len * (c.q_dim + v_dim)
     return flops / 2 if causal else flops
 
 
@@ -204,6 +231,13 @@ def _projections(config: Config) -> list[tuple[tuple[int, ...], int]]:
     c = config
     attention = [((c.d_model,), c.q_dim), ((c.d_model,), c.kv_dim), ((c.d_model,), c.kv_dim)]
     attention.append(((c.n_heads, c.head_dim), c.d_model))
+    if c.mla:
+        rank, nope, v = c.mla_kv_rank, c.head_dim - c.mla_rope_dim, c.mla_v_head_dim
+        q = [((c.d_model,), c.q_dim)]
+        if c.mla_q_rank is not None:
+            q = [((c.d_model,), c.mla_q_rank), ((c.mla_q_rank,), c.q_dim)]
+        attention = [*q, ((c.d_model,), rank + c.mla_rope_dim), ((rank,), c.n_heads * (nope + v))]
+        attention.append(((c.n_heads, v), c.d_model))
     up = [((c.d_model,), c.d_ff)] * (2 if c.mlp == "swiglu" else 1)
     mlp = [*up, ((c.d_ff,), c.d_model)]
     n_dense = c.n_layers - len(c.moe_layers)
@@ -230,8 +264,22 @@ def frozen_base_bytes(
 
 
 def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
-    """Keys and values of every layer for one token, in the compute dtype."""
-    return 2 * config.n_layers * config.kv_dim * bytes_per_element(policy.compute_dtype)
+    """Keys and values of every layer for one token, in the compute dtype; for MLA the latent
+    (`mla_kv_rank + mla_rope_dim` numbers per layer), what its cache holds."""
+    c = config
+    width = c.mla_kv_rank + c.mla_rope_dim if c.mla else 2 * c.kv_dim
+    return c.n_layers * width * bytes_per_element(policy.compute_dtype)
+
+
+def per_head_kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
+    """What per-head keys and values of the same heads would take per token (MHA with MLA's
+    head widths: keys of head_dim, values of mla_v_head_dim); `kv_cache_bytes_per_token` for
+    any other attention."""
+    c = config
+    if not c.mla:
+        return kv_cache_bytes_per_token(c, policy)
+    width = c.n_heads * (c.head_dim + c.mla_v_head_dim)
+    return c.n_layers * width * bytes_per_element(policy.compute_dtype)
 
 
 def decode_step_bytes(

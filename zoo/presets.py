@@ -76,6 +76,13 @@ def _qwen(
     )
 
 
+def _deepseek_yarn(mscale: float) -> RopeScaling:
+    """DeepSeek-V2/V3's YaRN: 4K trained context stretched 40x to 160K."""
+    return RopeScaling(
+        kind="yarn", factor=40.0, original_max_seq_len=4096, mscale=mscale, mscale_all_dim=mscale
+    )
+
+
 _TINY_LLAMA = Config(
     vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128
 )
@@ -223,6 +230,56 @@ _PRESETS: dict[str, Config] = {
         max_seq_len=4096,
         sliding_window=2047,
     ),
+    # DeepSeek-V2-Lite (arXiv 2405.04434): MLA without a low-rank query, 64 routed experts (6
+    # per token, softmax gates not renormalised) + 2 shared, first layer dense; 15.7B parameters.
+    "deepseek-v2-lite": Config(
+        vocab_size=102400,
+        d_model=2048,
+        n_layers=27,
+        n_heads=16,
+        head_dim=192,
+        d_ff=10944,
+        max_seq_len=163840,
+        norm_eps=1e-6,
+        rope_scaling=_deepseek_yarn(0.707),
+        n_experts=64,
+        n_experts_per_token=6,
+        n_shared_experts=2,
+        moe_d_ff=1408,
+        first_dense_layers=1,
+        router_normalize=False,
+        mla_kv_rank=512,
+        mla_rope_dim=64,
+        mla_v_head_dim=128,
+    ),
+    # DeepSeek-V3 (arXiv 2412.19437): MLA with a rank-1536 query, 256 routed experts in 8 groups
+    # (4 kept, 8 experts per token, sigmoid gates with the balancing bias, x2.5) + 1 shared,
+    # three dense layers; 671B parameters without the multi-token-prediction module.
+    "deepseek-v3": Config(
+        vocab_size=129280,
+        d_model=7168,
+        n_layers=61,
+        n_heads=128,
+        head_dim=192,
+        d_ff=18432,
+        max_seq_len=163840,
+        norm_eps=1e-6,
+        rope_scaling=_deepseek_yarn(1.0),
+        n_experts=256,
+        n_experts_per_token=8,
+        n_shared_experts=1,
+        moe_d_ff=2048,
+        first_dense_layers=3,
+        router_scoring="sigmoid",
+        router_scale=2.5,
+        router_bias=True,
+        router_groups=8,
+        router_topk_groups=4,
+        mla_kv_rank=512,
+        mla_q_rank=1536,
+        mla_rope_dim=64,
+        mla_v_head_dim=128,
+    ),
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),
     "tiny-gpt2": _gpt2(2, 64, 4).replace(vocab_size=256, max_seq_len=128),
@@ -241,6 +298,30 @@ _PRESETS: dict[str, Config] = {
         moe_d_ff=32,
         first_dense_layers=1,
         router_normalize=False,
+    ),
+    "tiny-deepseek-v3": Config(
+        vocab_size=256,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        head_dim=24,
+        d_ff=128,
+        max_seq_len=128,
+        norm_eps=1e-6,
+        n_experts=8,
+        n_experts_per_token=2,
+        n_shared_experts=1,
+        moe_d_ff=32,
+        first_dense_layers=1,
+        router_scoring="sigmoid",
+        router_scale=2.5,
+        router_bias=True,
+        router_groups=4,
+        router_topk_groups=2,
+        mla_kv_rank=24,
+        mla_q_rank=16,
+        mla_rope_dim=8,
+        mla_v_head_dim=16,
     ),
 }
 

@@ -15,9 +15,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from layers import Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm
 from layers.kernels import causal_mask
 from layers.kernels.context import CONTEXT_KERNELS
-from layers.kv_cache import KVCache, LayerKV
+from layers.kv_cache import KVCache, LayerKV, LayerLatent
 from layers.moe import MoEStats
-from layers.paged_cache import PagedKVCache
+from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
 from layers.rotary import rotary_frequencies
 from shard import constrain
 from shard.sequence import from_zigzag, sequence_axis, to_zigzag
@@ -124,7 +124,7 @@ class Transformer(eqx.Module):
         if c.position != "rope":
             return None
         return rotary_frequencies(
-            positions, head_dim=c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling
+            positions, head_dim=c.rotary_dim, theta=c.rope_theta, scaling=c.rope_scaling
         )
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> KVCache:
@@ -136,8 +136,25 @@ class Transformer(eqx.Module):
             )
         self.config.check_length(max_len, "the KV cache")
         c, dtype = self.config, dtype or self.policy.compute
-        make = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
+        if c.mla:  # the latent [c, k_pe] per token, not per-head keys and values
+            width = c.mla_kv_rank + c.mla_rope_dim
+            make = functools.partial(LayerLatent.zeros, batch, max_len, width, dtype)
+        else:
+            make = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
         return KVCache.empty(self.cache_layers(make), batch, max_len)
+
+    def init_pages(self, n_pages: int, page_size: int, *, dtype=None) -> tuple:
+        """Empty page pools for a `PagedKVCache` (`layers`), shaped like the layer storage:
+        per-head key and value pools, or MLA's one latent pool."""
+        c, dtype = self.config, dtype or self.policy.compute
+        if c.mla:
+            width = c.mla_kv_rank + c.mla_rope_dim
+            make = functools.partial(LatentPages.zeros, n_pages, page_size, width, dtype)
+        else:
+            make = functools.partial(
+                LayerPages.zeros, n_pages, page_size, c.n_kv_heads, c.head_dim, dtype
+            )
+        return self.cache_layers(make)
 
     def cache_layers(self, make) -> tuple:
         """A cache's per-layer arrays shaped like the layer storage, `make(layers=...)` each

@@ -2,10 +2,11 @@
 Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does one job:
 
     python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
-                                             # and logits of dirs written by zoo.save_pretrained
-    python hf_reference.py families JOB.json # as tiny, plus parameter counts of full-size
-                                             # configs built on torch's meta device and
-                                             # logits of .gguf files (transformers' reader)
+                                             # and logits of dirs written by zoo.save_pretrained;
+                                             # parameter counts of models built on torch's meta
+                                             # device (JOB["count"], optional)
+    python hf_reference.py families JOB.json # as tiny, plus logits of .gguf files (transformers'
+                                             # own GGUF reader)
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
     python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
@@ -33,20 +34,40 @@ def logits(model, tokens: list[list[int]]) -> np.ndarray:
 
 def randomize(model: torch.nn.Module) -> None:
     """HF init leaves norm scales at 1 and biases at 0, which would hide a mis-mapped norm or bias:
-    perturb every 1-D parameter so each one matters."""
+    perturb every 1-D parameter so each one matters, and DeepSeek-V3's router balancing bias (a
+    buffer, zero at init) so that it changes which experts are chosen."""
     for param in model.parameters():
         if param.ndim == 1:
             param.add_(0.1 * torch.randn_like(param))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.add_(0.1 * torch.randn_like(buffer))
 
 
 def tiny(job: dict) -> None:
     build(job)
     reload(job)
+    count(job)
+
+
+def count(job: dict) -> None:
+    """Each JOB["count"] spec built on torch's meta device (no memory): its parameters plus
+    DeepSeek-V3's router bias buffers (weights of the checkpoint, a leaf of ours), in
+    out/counts.json by name."""
+    counts = {}
+    for spec in job.get("count", []):
+        config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        n = sum(p.numel() for p in model.parameters())
+        n += sum(b.numel() for name, b in model.named_buffers() if "e_score_correction" in name)
+        counts[spec["name"]] = n
+    with open(os.path.join(job["out"], "counts.json"), "w") as f:
+        json.dump(counts, f)
 
 
 def families(job: dict) -> None:
     tiny(job)
-    counts(job)
     for path in job["gguf"]:
         read_gguf(path, job["tokens"])
 
@@ -58,19 +79,6 @@ def read_gguf(path: str, tokens: list[list[int]]) -> None:
         folder, gguf_file=name, dtype=torch.float32
     )
     np.savez(path.removesuffix(".gguf") + ".npz", logits=logits(model.eval(), tokens))
-
-
-def counts(job: dict) -> None:
-    """Each of job["counts"] (name, model_type, config.json fields) built on the meta device (no
-    memory): its number of parameters (tied weights once) to out/counts.json."""
-    result = {}
-    for spec in job["counts"]:
-        config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        result[spec["name"]] = sum(p.numel() for p in model.parameters())
-    with open(os.path.join(job["out"], "counts.json"), "w") as f:
-        json.dump(result, f)
 
 
 def build(job: dict) -> None:

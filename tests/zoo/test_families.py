@@ -137,7 +137,7 @@ def reference(tmp_path_factory, zoo_models):
         "models": models,
         "dirs": list(ZOO_MODELS),
         "tokens": TOKENS,
-        "counts": counts,
+        "count": counts,
         "gguf": [str(ggufs[list(GGUF_MODELS).index(name)]) for name in GGUF_REFERENCE],
     }
     run_reference("families", job, out)

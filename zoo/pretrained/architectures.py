@@ -7,7 +7,18 @@ import dataclasses
 from collections.abc import Callable
 
 from zoo.config import Config
-from zoo.pretrained import gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from zoo.pretrained import (
+    deepseek,
+    deepseek_v2,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -67,6 +78,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": _from_module("Qwen3MoeForCausalLM", "model.", qwen3_moe),
     "MistralForCausalLM": _from_module("MistralForCausalLM", "model.", mistral),
     "Phi3ForCausalLM": _from_module("Phi3ForCausalLM", "model.", phi3),
+    "DeepseekV3ForCausalLM": _from_module("DeepseekV3ForCausalLM", "model.", deepseek),
+    "DeepseekV2ForCausalLM": _from_module("DeepseekV2ForCausalLM", "model.", deepseek_v2),
 }
 
 

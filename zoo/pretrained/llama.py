@@ -119,6 +119,7 @@ def exports(config: Config) -> bool:
         and config.mlp == "swiglu"
         and not config.qk_norm
         and not config.qkv_bias
+        and not config.mla
         and config.sliding_window is None
         and config.n_experts == 0
     )

@@ -70,6 +70,7 @@ def exports(config: Config) -> bool:
         and config.norm == "rmsnorm"
         and config.mlp == "swiglu"
         and not config.qk_norm
+        and not config.mla
         and not config.bias
         and not config.qkv_bias
         and config.n_experts > 0
