@@ -29,6 +29,7 @@ BENCHMARKS = {
     "sampling": "bench.sampling",
     "engine": "bench.engine",
     "lora": "bench.lora",
+    "context": "bench.context",
     "pipeline": "bench.pipeline",
 }
 
