@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="micro-batches per step with a pipeline axis (train.py's --grad-accum); default "
-        "4 x the pipeline size",
+        "the most, up to 4 x the pipeline size, that split --batch evenly over the batch axes",
     )
     parser.add_argument("--rules", choices=presets(), help="default: from the mesh's shape")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
@@ -472,12 +472,23 @@ def main(argv: list[str] | None = None) -> None:
         "--moe-dispatch", choices=["dropless", "capacity"], default="dropless", help="MoE models"
     )
     args = parser.parse_args(argv)
+    try:
+        _print_plan(args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _print_plan(args: argparse.Namespace) -> None:
     sizes = parse_mesh(args.mesh)
     config = preset(args.model)
     policy = Policy.of_dtype(args.dtype).replace(moe_dispatch=args.moe_dispatch)
     rules_name = args.rules or default_rules(sizes)
     hardware = zmath.HARDWARE[args.hardware]
-    microbatches = args.microbatches or 4 * sizes.get("pipeline", 1)
+    stages = sizes.get("pipeline", 1)
+    rows = math.prod(sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
+    microbatches = args.microbatches or max(
+        [m for m in range(1, 4 * stages + 1) if args.batch % (m * rows) == 0], default=1
+    )
     print(
         f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, "
         f"{zmath.active_param_count(config) / 1e9:.2f}B active, {args.dtype}), "
