@@ -492,6 +492,8 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
         result.initial_val_loss = val_loss
     batches = Prefetcher(train_data.iterate(position), placement.batch)
+    # Checkpoints are written in the background while the loop goes on (training/state.py).
+    checkpointer = runs.Checkpointer(run_dir, config=config, policy=run_policy, keep=args.keep)
     bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
     # Step time is measured over the steps between two log lines (the device is waited for
     # only there), less the time spent evaluating and checkpointing in between.
@@ -535,16 +537,17 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
             if save:
                 if not bool(all_finite(params)):
                     stop_not_finite(f"the weights after step {step}", run_dir)
-                runs.save(
-                    run_dir,
+                blocked = checkpointer.save(
                     params=params,
                     opt_state=opt_state,
                     step=step,
                     data_position=position + step - start,
                     rng=rng,
-                    config=config,
-                    policy=run_policy,
-                    keep=args.keep,
+                )
+                telemetry.log(step=step, checkpoint_blocked_s=blocked)
+                say(
+                    f"step {step:5d} | checkpoint {checkpointer.path(step).name}: the loop was "
+                    f"blocked {blocked * 1e3:.1f} ms (written in the background)"
                 )
             if log:
                 window_start, window_wait, window_steps = now, batches.wait_s, 0
@@ -554,6 +557,8 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     finally:
         batches.close()
         bar.close()
+        waited = checkpointer.close()  # the last checkpoint is finalized before the run ends
+    say(f"the last checkpoint was finalized {waited * 1e3:.1f} ms after the loop ended")
     plot = telemetry.plot(run_dir / "loss.png", entropy)
     result.model = eqx.combine(params, static)
     if result.val_loss is not None:
