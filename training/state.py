@@ -19,6 +19,8 @@ writing the shards it holds), `meta/` (the caller's JSON) and, once orbax has fi
   processes (nothing is gathered on one host).
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import threading
@@ -104,7 +106,8 @@ class Writer:
             if jax.tree.leaves(tree)
         }
         items[META] = ocp.args.JsonSave(meta)
-        self._manager.save(step, args=ocp.args.Composite(**items))
+        with self._disk_errors():
+            self._manager.save(step, args=ocp.args.Composite(**items))
         # The checksums need the finalized files: a thread waits for them and hashes them
         # while the caller trains on (only process 0 writes; every process waits).
         path = self.path(step)
@@ -122,7 +125,23 @@ class Writer:
         if self._checksum is not None:
             self._checksum.join()
             self._checksum = None
-        self._manager.wait_until_finished()  # re-raises an error of the background write
+        with self._disk_errors():
+            self._manager.wait_until_finished()  # re-raises an error of the background write
+
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        """A full disk, wherever in orbax or tensorstore it shows, as an error that says what
+        to do (the step's temporary directory is removed when a writer next opens the run)."""
+        try:
+            yield
+        except Exception as error:
+            if getattr(error, "errno", None) != errno.ENOSPC and "No space left" not in str(error):
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on the disk holding {self.root} while writing a checkpoint; "
+                "free some space (or lower --keep) and resume from the last complete checkpoint",
+            ) from error
 
     def close(self) -> float:
         """Wait for the last save to be finalized; the seconds waited."""

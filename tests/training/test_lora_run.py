@@ -72,6 +72,7 @@ def test_checkpoints_hold_the_adapters_alone(lora_run):
     n_adapter = sum(x.size for x in jax.tree.leaves(split_trainable(result.model)[0]))
     n_model = zoo.math.param_count(result.model.config)
     assert n_adapter < n_model / 10
+
     def stored(item: str) -> int:
         arrays = saved_arrays(run_dir.latest(out), item).values()
         return sum(math.prod(a.shape) for a in arrays)
