@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 
 from shard import Placement
@@ -103,9 +104,10 @@ class Checkpointer:
         self.close()
 
 
-def _rng_item(rng: jax.Array) -> dict[str, jax.Array]:
-    # orbax saves pytrees, not a lone array, and raw key data, not a typed key.
-    return {"key_data": jax.random.key_data(rng)}
+def _rng_item(rng: jax.Array) -> dict[str, np.ndarray]:
+    # orbax saves pytrees, not a lone array, and raw key data, not a typed key; on the host,
+    # since the key lives on one device of one process, which orbax cannot save multi-process.
+    return {"key_data": np.asarray(jax.random.key_data(rng))}
 
 
 def save(
@@ -183,7 +185,10 @@ def restore(
             placement,
         ),
         "rng": _placed(
-            jax.eval_shape(lambda: _rng_item(jax.random.key(0))), None, placement, replicate=True
+            {"key_data": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))},
+            None,
+            placement,
+            replicate=True,
         ),
     }
     try:
