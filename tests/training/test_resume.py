@@ -1,8 +1,10 @@
 """A run stopped and resumed from a checkpoint matches the uninterrupted run: bit for bit on one
 device; within float tolerance after a SIGKILL, resumed on another mesh."""
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,10 +13,14 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 
 import train
+import zoo
 from tests.training.conftest import stopped_copy
-from training import run_dir
+from training import convert_run, run_dir
+from training.optimizer import adamw
+from training.state import read_meta
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -60,3 +66,34 @@ def test_a_killed_fsdp_run_resumes_on_another_mesh(tmp_path, tiny_argv):
     train.main([*argv, "--mesh", "fsdp=4,tensor=2", "--resume", str(resumed)])
     again = _losses(resumed)
     np.testing.assert_allclose([again[5], again[6]], [reference[5], reference[6]], rtol=1e-4)
+
+
+def _write_equinox_format(run) -> None:
+    """Rewrite `run`'s only checkpoint as the pre-orbax code did: `state.eqx` holding (params,
+    optimizer state, key data) in Equinox serialisation and `meta.json` with its SHA-256."""
+    (path,) = run_dir.checkpoints(run)
+    config, _ = run_dir.checkpoint_config(run)
+    model = run_dir.abstract_model(config, zoo.Policy())
+    restored = run_dir.restore(run, model=model, optimizer=adamw(lambda _: 0.0))
+    meta = read_meta(path)
+    shutil.rmtree(path)
+    path.mkdir()
+    state = (restored.params, restored.opt_state, jax.random.key_data(restored.rng))
+    eqx.tree_serialise_leaves(path / "state.eqx", state)
+    digest = hashlib.sha256((path / "state.eqx").read_bytes()).hexdigest()
+    (path / "meta.json").write_text(json.dumps({**meta, "sha256": digest}))
+
+
+def test_an_equinox_format_run_is_refused_then_converted_and_resumes(tmp_path, tiny_argv, full_run):
+    full_dir, _ = full_run
+    run = stopped_copy(full_dir, tmp_path / "old", step=3)
+    _write_equinox_format(run)
+    argv = tiny_argv(tmp_path / "x", "--steps", "6", "--resume", str(run))
+    with pytest.raises(ValueError, match=r"(?s)Equinox format .*python -m training\.convert_run"):
+        train.main(argv)
+
+    convert_run.main([str(run)])
+    assert not list(run.glob("checkpoints.*"))  # the staging and the old directories are gone
+    train.main(argv)
+    full_losses, resumed_losses = _losses(full_dir), _losses(run)
+    assert all(resumed_losses[s] == full_losses[s] for s in (4, 5, 6))
