@@ -42,7 +42,7 @@ from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
 from shard.xla_flags import set_default_xla_flags
-from training import lora_run
+from training import lora_run, offload
 from training import run_dir as runs
 from training.args import ArgError, Args, check, given, parse_args
 from training.model_config import (
@@ -396,6 +396,8 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             if getattr(args, f.name) != getattr(defaults, f.name)
         )
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
+    if args.offload_opt_state:
+        offload.check_supported(placement.mesh.devices.flat if placement.sharded else jax.devices())
     run_dir = Path(args.resume or args.out)
     if args.init_from and Path(args.init_from).resolve() == run_dir.resolve():
         raise ValueError(
@@ -465,9 +467,14 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         say(f"resumed from {restored.path} at step {start}")
     else:
         opt_state = placement.init_opt_state(optimizer, params)
+    memory = None
+    if args.offload_opt_state:
+        memory = offload.state_shardings(placement, optimizer, params)
+        opt_state = jax.device_put(opt_state, memory[1])
+        say(f"optimizer state: in {offload.HOST} memory between steps (--offload-opt-state)")
     train_fn, eval_fn = compile_steps(
         static, optimizer, args.grad_accum, placement=placement, model=model,
-        aux_weights=aux_weights(args),
+        aux_weights=aux_weights(args), opt_state_memory=memory,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
     t0 = time.perf_counter()
