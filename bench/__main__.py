@@ -1,6 +1,7 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers, the serving engine, LoRA/QLoRA vs full fine-tuning) with sizes for the device found,
+samplers, the serving engine, LoRA/QLoRA vs full fine-tuning, asynchronous vs synchronous
+checkpoint saves) with sizes for the device found,
 each printing predicted (zoo.math roofline) vs measured beside the ceilings measured once in
 this run, and writes `results.json` and `results.md` to RESULTS_DIR.
 
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "sampling": "bench.sampling",
     "engine": "bench.engine",
     "lora": "bench.lora",
+    "checkpoint": "bench.checkpoint",
 }
 
 
