@@ -22,7 +22,14 @@ import optax
 
 from shard import Placement
 from shard.axes import is_float_array_like
-from training.state import LEGACY_STATE, CorruptState, Writer, read_meta, restore_state
+from training.state import (
+    LEGACY_STATE,
+    CorruptState,
+    MismatchedState,
+    Writer,
+    read_meta,
+    restore_state,
+)
 from zoo import Config, Policy, Transformer
 from zoo.adapter import split_trainable
 
@@ -193,6 +200,12 @@ def restore(
     }
     try:
         state = restore_state(path, templates)
+    except MismatchedState as error:
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: checkpoint {path} holds another state than this run "
+            f"makes ({error}); resume with the settings it was written with (--model, "
+            "--override, --clip, --lora-*)"
+        ) from error
     except CorruptState as error:
         raise ValueError(
             f"--resume {str(run_dir)!r}: checkpoint {path} is corrupt or not this run's state "
@@ -272,7 +285,7 @@ def run_model(
     template = _placed(params, placement.param_shardings(params), placement)
     try:
         params = restore_state(path, {"params": template})["params"]  # not the optimizer state
-    except CorruptState as error:
+    except (CorruptState, MismatchedState) as error:
         raise ValueError(f"checkpoint {path} is corrupt ({error}); delete it") from error
     model = eqx.combine(params, static)
     return model if policy is None else model.with_policy(policy)

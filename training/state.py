@@ -41,6 +41,10 @@ class CorruptState(ValueError):
     """A state directory that cannot be read back as it was written."""
 
 
+class MismatchedState(ValueError):
+    """A state directory intact, but holding other arrays than the template asks for."""
+
+
 def _ocp():
     # Imported on first use: orbax brings in tensorstore and asyncio machinery that most
     # commands (inference, the plan printer) never need.
@@ -216,7 +220,7 @@ def restore_state(directory: str | Path, templates: Mapping[str, PyTree]) -> dic
                 restored[name] = reader.restore(
                     directory / name, args=ocp.args.StandardRestore(template)
                 )
-        except CorruptState:
+        except MismatchedState:
             raise
         except Exception as error:
             raise CorruptState(f"{directory}: cannot read {name}/: {error}") from error
@@ -235,13 +239,13 @@ def _check_shapes(name: str, template: PyTree, have: dict[str, Any]) -> None:
     as padding or truncation): the first difference, named by its path."""
     want = _by_name(template)
     if len(want) != len(have):
-        raise CorruptState(f"{name}/ holds {len(have)} arrays where {len(want)} are expected")
+        raise MismatchedState(f"{name}/ holds {len(have)} arrays where {len(want)} are expected")
     for path, leaf in want.items():
         found = have.get(path)
         if found is None:
-            raise CorruptState(f"{name}/ has no array {path}")
+            raise MismatchedState(f"{name}/ has no array {path}")
         if tuple(found.shape) != tuple(leaf.shape) or found.dtype != leaf.dtype:
-            raise CorruptState(
+            raise MismatchedState(
                 f"{name}/{path} is {found.dtype}{list(found.shape)}, "
                 f"expected {leaf.dtype}{list(leaf.shape)}"
             )
