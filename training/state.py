@@ -91,6 +91,7 @@ class Writer:
         )
         self._manager = ocp.CheckpointManager(self.root, options=options)
         self._checksum: threading.Thread | None = None
+        self._failed: Exception | None = None
 
     def path(self, step: int) -> Path:
         return self.root / f"{STEP_PREFIX}_{step:0{STEP_DIGITS}d}"
@@ -117,9 +118,12 @@ class Writer:
         path = self.path(step)
 
         def finalize():
-            self._manager.wait_until_finished()
-            if jax.process_index() == 0:
-                _write_checksums(path)
+            try:
+                self._manager.wait_until_finished()
+                if jax.process_index() == 0:
+                    _write_checksums(path)
+            except Exception as error:  # raised to the caller by the next save or close
+                self._failed = error
 
         self._checksum = threading.Thread(target=finalize, name=f"checksum-{step}")
         self._checksum.start()
@@ -129,8 +133,11 @@ class Writer:
         if self._checksum is not None:
             self._checksum.join()
             self._checksum = None
+        failed, self._failed = self._failed, None
         with self._disk_errors():
-            self._manager.wait_until_finished()  # re-raises an error of the background write
+            if failed is not None:
+                raise failed  # the background write's (or checksum's) error
+            self._manager.wait_until_finished()
 
     @contextlib.contextmanager
     def _disk_errors(self):
