@@ -41,6 +41,7 @@ from data.supervised import PAIR_ROLES
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
+from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
 from training import lora_run, offload
 from training import run_dir as runs
@@ -52,6 +53,7 @@ from training.model_config import (
     check_imported,
     policy,
     preset_config,
+    with_context_kernel,
 )
 from training.optimizer import adamw, learning_rate
 from training.step import abstract_batch, compile_steps, split_model
@@ -396,6 +398,7 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             if getattr(args, f.name) != getattr(defaults, f.name)
         )
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
+    check_sequence_length(args.seq_len, placement.sequence_shards)
     if args.offload_opt_state:
         offload.check_supported(placement.mesh.devices.flat if placement.sharded else jax.devices())
     run_dir = Path(args.resume or args.out)
@@ -428,6 +431,7 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     )
     key = jax.random.key(args.seed)
     model, name = build_model(args, placement, encoding.n_vocab, key, run_dir)
+    model = with_context_kernel(model, args, placement)
     config, run_policy = model.config, model.policy
     if not args.resume:
         spec = record_tokenizer(args, encoding, run_dir)

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "sampling": "bench.sampling",
     "engine": "bench.engine",
     "lora": "bench.lora",
+    "context": "bench.context",
     "checkpoint": "bench.checkpoint",
 }
 

@@ -33,7 +33,7 @@ from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.step import check_prompts, check_tokens
 from layers.kernels.paged import PallasDecodeKernel
-from layers.paged_cache import LayerPages, PagedKVCache
+from layers.paged_cache import PagedKVCache
 from shard import Placement
 from shard.rules import check_divisible
 from zoo.transformer import Transformer
@@ -172,11 +172,7 @@ class Engine:
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
         self.peak_pages = 0
-        c = model.config
-        make = functools.partial(
-            LayerPages.zeros, n_pages, page_size, c.n_kv_heads, c.head_dim, model.policy.compute
-        )
-        self.pages = self.placement.place_arrays(model.cache_layers(make))
+        self.pages = self.placement.place_arrays(model.init_pages(n_pages, page_size))
         if self.placement.sharded:
             for rows, what in ((max_batch, "max_batch"), (prefill_rows, "prefill_rows")):
                 spec = self.placement.batch_sharding("batch").spec

@@ -50,6 +50,7 @@ class Attention(eqx.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         use_bias: bool = False,
+        qkv_bias: bool = False,
         out_init_std: float | None = None,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
@@ -57,11 +58,13 @@ class Attention(eqx.Module):
         if n_heads % n_kv_heads != 0:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         q_key, k_key, v_key, o_key = jax.random.split(key, 4)
+        # `qkv_bias`: biases on q, k and v alone (Qwen2); `use_bias`: on every projection.
+        in_bias = use_bias or qkv_bias
         self.q_proj = Linear(
             d_model,
             (n_heads, head_dim),
             axes=("embed", "heads", "head_dim"),
-            use_bias=use_bias,
+            use_bias=in_bias,
             dtype=dtype,
             key=q_key,
         )
@@ -69,7 +72,7 @@ class Attention(eqx.Module):
             d_model,
             (n_kv_heads, head_dim),
             axes=("embed", "kv_heads", "head_dim"),
-            use_bias=use_bias,
+            use_bias=in_bias,
             dtype=dtype,
             key=k_key,
         )
@@ -77,7 +80,7 @@ class Attention(eqx.Module):
             d_model,
             (n_kv_heads, head_dim),
             axes=("embed", "kv_heads", "head_dim"),
-            use_bias=use_bias,
+            use_bias=in_bias,
             dtype=dtype,
             key=v_key,
         )

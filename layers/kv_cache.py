@@ -12,6 +12,10 @@ GQA group of query heads shares one read of its K/V head (bench/decode_layout.py
 alternatives). The kernels see `[batch, kv_seq, kv_heads, head_dim]` views: transposes that XLA
 folds into the products' operand layouts.
 
+Multi-head latent attention layers (layers/mla.py) cache one array instead: `LayerLatent`, the
+latent `[batch, kv_seq, latent]` (kv_rank + rope_dim numbers per token), read as the keys and
+the values of one K/V head (`KVSlot.attend_latent`).
+
 A layer's arrays may carry leading stacked dims (`[layers, ...]`), mirroring weights stacked for
 `lax.scan`; `KVSlot` then names which layer a block writes.
 
@@ -55,12 +59,27 @@ class LayerKV(eqx.Module):
         return {"k": K_AXES, "v": V_AXES}
 
 
+class LayerLatent(eqx.Module):
+    """One MLA layer's cached latents `[c, k_pe]` (leading `layers` dims when stacked)."""
+
+    c: Float[Array, "*layers batch kv_seq latent"]
+
+    @staticmethod
+    def zeros(
+        batch: int, max_len: int, width: int, dtype: DTypeLike, *, layers=()
+    ) -> "LayerLatent":
+        return LayerLatent(c=jnp.zeros((*tuple(layers), batch, max_len, width), dtype))
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"c": ("batch", "kv_seq", "latent")}
+
+
 class KVSlot(eqx.Module):
     """What one block gets: its layer's arrays (`kv`, with `layer` its index into stacked
     arrays, or None for one layer's own arrays) and the slot where this step's tokens go.
     Writing touches only the new slots, so a donated cache is updated in place."""
 
-    kv: LayerKV
+    kv: LayerKV | LayerLatent
     layer: Int[Array, ""] | None
     slot: Int[Array, ""]
 
@@ -89,6 +108,31 @@ class KVSlot(eqx.Module):
         out = kernel(q, layer_k.transpose(0, 2, 1, 3), layer_v.transpose(0, 3, 1, 2), mask)
         return out, KVSlot(LayerKV(new_k, new_v), self.layer, self.slot)
 
+    def attend_latent(
+        self,
+        q: Float[Array, "batch seq heads latent"],
+        latent: Float[Array, "batch seq latent"],
+        mask: AttentionMask,
+        kernel: Callable,
+    ) -> tuple[Float[Array, "batch seq heads latent"], "KVSlot"]:
+        """MLA: store this step's latents at `slot`, then `kernel` with every slot's latent as
+        the key and the value of one K/V head (layers/mla.py says why values = keys)."""
+        if not isinstance(self.kv, LayerLatent):
+            raise ValueError(
+                "an MLA layer got a per-head KV cache; build the cache with the model's own "
+                "init_cache so that MLA layers get latent arrays"
+            )
+        latent = latent.astype(self.kv.c.dtype)
+        if self.layer is None:
+            new = jax.lax.dynamic_update_slice(self.kv.c, latent, (0, self.slot, 0))
+            layer_c = new
+        else:
+            i = self.layer
+            new = jax.lax.dynamic_update_slice(self.kv.c, latent[None], (i, 0, self.slot, 0))
+            layer_c = jax.lax.dynamic_index_in_dim(new, i, keepdims=False)
+        kv = layer_c[:, :, None, :]
+        return kernel(q, kv, kv, mask), KVSlot(LayerLatent(new), self.layer, self.slot)
+
 
 class Appended(NamedTuple):
     """What `append` gives the forward pass: the cache with its bookkeeping advanced (layers
@@ -107,7 +151,7 @@ class KVCache(eqx.Module):
     `lengths` `[batch]` the tokens each row holds (its next position), `slot` the next slot
     every row writes to."""
 
-    layers: PyTree[LayerKV]
+    layers: PyTree[LayerKV | LayerLatent]
     positions: Int[Array, "batch kv_seq"]
     segment_ids: Int[Array, "batch kv_seq"]
     lengths: Int[Array, " batch"]
@@ -130,7 +174,7 @@ class KVCache(eqx.Module):
         }
 
     @staticmethod
-    def empty(layers: PyTree[LayerKV], batch: int, max_len: int) -> "KVCache":
+    def empty(layers: PyTree[LayerKV | LayerLatent], batch: int, max_len: int) -> "KVCache":
         return KVCache(
             layers=layers,
             positions=jnp.zeros((batch, max_len), jnp.int32),
@@ -139,7 +183,7 @@ class KVCache(eqx.Module):
             slot=jnp.zeros((), jnp.int32),
         )
 
-    def with_layers(self, layers: PyTree[LayerKV]) -> "KVCache":
+    def with_layers(self, layers: PyTree[LayerKV | LayerLatent]) -> "KVCache":
         return KVCache(layers, self.positions, self.segment_ids, self.lengths, self.slot)
 
     def append(

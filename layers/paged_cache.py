@@ -4,6 +4,9 @@ tokens actually held rather than `batch x max_len`. The pool layout is
 layers/kernels/paged/pages.py's: `[kv_heads, pages, page_size, head_dim]` per layer (with leading
 stacked dims when the model's layers are stacked).
 
+MLA layers (layers/mla.py) keep one pool, `LatentPages`: the latents `[1, pages, page_size,
+latent]` in the same layout with a single K/V head, passed to the kernels as keys and values.
+
 The model's forward takes it like the contiguous cache (layers/kv_cache.py's protocol): `append`
 numbers the new tokens from each row's length; each layer's `PagedSlot` scatters the new keys and
 values into the row's pages, then attends. A decode step (one query per row) runs the
@@ -45,12 +48,27 @@ class LayerPages(eqx.Module):
         return {"k": POOL_AXES, "v": POOL_AXES}
 
 
+class LatentPages(eqx.Module):
+    """One MLA layer's pool of latents `[c, k_pe]` (leading `layers` dims when stacked)."""
+
+    c: Float[Array, "*layers one pages page_size latent"]
+
+    @staticmethod
+    def zeros(
+        n_pages: int, page_size: int, width: int, dtype: DTypeLike, *, layers=()
+    ) -> "LatentPages":
+        return LatentPages(c=jnp.zeros((*tuple(layers), 1, n_pages, page_size, width), dtype))
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        return {"c": ("latent_heads", "pages", "page_size", "latent")}
+
+
 class PagedSlot(eqx.Module):
     """One layer's view for one call: its pools (`pages`, with `layer` its index when stacked),
     the rows' page tables and lengths (after this call's tokens), and the new tokens' positions
     and validity."""
 
-    pages: LayerPages
+    pages: LayerPages | LatentPages
     layer: Int[Array, ""] | None
     page_table: Int[Array, "batch row_pages"]
     lengths: Int[Array, " batch"]
@@ -60,7 +78,7 @@ class PagedSlot(eqx.Module):
     decode_kernel: PallasDecodeKernel | None = eqx.field(static=True)
 
     @property
-    def kv(self) -> LayerPages:
+    def kv(self) -> LayerPages | LatentPages:
         return self.pages
 
     def _write(self, pool, new):
@@ -100,19 +118,41 @@ class PagedSlot(eqx.Module):
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "PagedSlot"]:
         pages = LayerPages(self._write(self.pages.k, k), self._write(self.pages.v, v))
         view = eqx.tree_at(lambda s: s.pages, self, pages)
+        return self._attend_pools(q, pages.k, pages.v, mask, kernel), view
+
+    def attend_latent(
+        self,
+        q: Float[Array, "batch seq heads latent"],
+        latent: Float[Array, "batch seq latent"],
+        mask: AttentionMask,
+        kernel,
+    ) -> tuple[Float[Array, "batch seq heads latent"], "PagedSlot"]:
+        """MLA: write the latents into the rows' pages, then attend with the latent pool as the
+        keys and values of one K/V head (layers/mla.py)."""
+        if not isinstance(self.pages, LatentPages):
+            raise ValueError(
+                "an MLA layer got per-head K/V pools; build the pools with the model's own "
+                "init_pages so that MLA layers get latent pools"
+            )
+        pool = self._write(self.pages.c, latent[:, :, None, :])
+        view = eqx.tree_at(lambda s: s.pages, self, LatentPages(pool))
+        return self._attend_pools(q, pool, pool, mask, kernel), view
+
+    def _attend_pools(self, q, k_pool, v_pool, mask: AttentionMask, kernel):
+        """The paged decode kernel over the pools for one query per row, else `kernel` over the
+        rows' gathered pages."""
         if self.decode_kernel is not None and q.shape[1] == 1:
             if self.layer is not None:
                 raise ValueError(
                     "the paged decode kernel reads one layer's pool: use a model with unrolled "
                     "layers (model.unstacked()), or no decode kernel (the gather path)"
                 )
-            out = paged_attention(
-                q, pages.k, pages.v, self.page_table, self.lengths,
+            return paged_attention(
+                q, k_pool, v_pool, self.page_table, self.lengths,
                 q_positions=self.positions, sliding_window=self.sliding_window,
                 kernel=self.decode_kernel,
             )  # fmt: skip
-            return out, view
-        return kernel(q, self._contiguous(pages.k), self._contiguous(pages.v), mask), view
+        return kernel(q, self._contiguous(k_pool), self._contiguous(v_pool), mask)
 
 
 class PagedKVCache(eqx.Module):
@@ -120,7 +160,7 @@ class PagedKVCache(eqx.Module):
     `Transformer.cache_layers`); `page_table` `[batch, row_pages]` and `lengths` `[batch]` say
     where each row's tokens are and how many it holds."""
 
-    layers: PyTree[LayerPages]
+    layers: PyTree[LayerPages | LatentPages]
     page_table: Int[Array, "batch row_pages"]
     lengths: Int[Array, " batch"]
     decode_kernel: PallasDecodeKernel | None = eqx.field(static=True, default=None)
@@ -132,7 +172,7 @@ class PagedKVCache(eqx.Module):
     def page_size(self) -> int:
         return jax.tree.leaves(self.layers)[0].shape[-2]
 
-    def with_layers(self, layers: PyTree[LayerPages]) -> "PagedKVCache":
+    def with_layers(self, layers: PyTree[LayerPages | LatentPages]) -> "PagedKVCache":
         return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel)
 
     def append(
@@ -156,7 +196,7 @@ class PagedKVCache(eqx.Module):
             sliding_window=sliding_window,
         )
 
-        def view(pages: LayerPages, layer) -> PagedSlot:
+        def view(pages: LayerPages | LatentPages, layer) -> PagedSlot:
             return PagedSlot(
                 pages, layer, self.page_table, lengths, positions, valid > 0,
                 sliding_window, self.decode_kernel,

@@ -26,6 +26,8 @@ from shard.rules import (
     default_rules,
     named_sharding,
     presets,
+    rules_for,
+    split_sequence,
     use_rules,
 )
 
@@ -51,7 +53,9 @@ __all__ = [
     "per_shard",
     "presets",
     "replicated",
+    "rules_for",
     "shard_batch",
     "shard_model",
+    "split_sequence",
     "use_rules",
 ]

@@ -1,6 +1,7 @@
-"""The device mesh: four named axes (data, fsdp, tensor, expert), built over `jax.make_mesh`.
+"""The device mesh: named axes (data, fsdp, tensor, expert, context), built over
+`jax.make_mesh`.
 
-Every mesh has all four axes (size 1 where unused), so any preset's rules fit any mesh.
+Every mesh has all the axes (size 1 where unused), so any preset's rules fit any mesh.
 """
 
 import math
@@ -17,14 +18,15 @@ def mesh(
     fsdp: int = 1,
     tensor: int = 1,
     expert: int = 1,
+    context: int = 1,
     devices: list | None = None,
     **unknown: int,
 ) -> Mesh:
-    """A mesh of shape (data, fsdp, tensor, expert) over `devices` (default: every device of
-    every process). The product of the sizes must equal the number of devices."""
+    """A mesh of shape (data, fsdp, tensor, expert, context) over `devices` (default: every
+    device of every process). The product of the sizes must equal the number of devices."""
     if unknown:
         raise ValueError(f"unknown mesh axis {sorted(unknown)}; mesh axes are {MESH_AXES}")
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor, "expert": expert}
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor, "expert": expert, "context": context}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")

@@ -12,6 +12,7 @@ function.
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,13 @@ from shard.params import (
     replicated,
     shard_model,
 )
-from shard.rules import ShardingRules, default_rules, named_sharding, use_rules
+from shard.rules import (
+    ShardingRules,
+    mesh_axes_of,
+    named_sharding,
+    rules_for,
+    use_rules,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +55,9 @@ class Placement:
     @classmethod
     def from_flags(cls, mesh: str | None, rules: str | None) -> "Placement":
         """`--mesh fsdp=4,tensor=2` and `--rules NAME` (default: the preset the mesh's shape
-        suggests, `shard.rules.default_rules`). No mesh: one device (`--rules` is refused)."""
+        suggests, `shard.rules.default_rules`). No mesh: one device (`--rules` is refused).
+        A `context` axis larger than 1 also splits the activations' sequence over it
+        (`shard.rules.rules_for`)."""
         if mesh is None:
             if rules is not None:
                 raise ValueError(f"--rules {rules!r} needs a --mesh, e.g. --mesh fsdp=8")
@@ -61,11 +70,20 @@ class Placement:
             if jax.devices()[0].platform == "cpu":
                 hint = " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N)"
             raise ValueError(f"--mesh {mesh!r}: {error}{hint}") from error
-        return cls(device_mesh, ShardingRules.preset(rules or default_rules(sizes)))
+        return cls(device_mesh, rules_for(sizes, rules))
 
     @property
     def sharded(self) -> bool:
         return self.mesh is not None
+
+    @property
+    def sequence_shards(self) -> int:
+        """Into how many pieces the rules split each sequence (context parallelism); 1 when
+        the sequence is whole."""
+        if not self.sharded:
+            return 1
+        axes = mesh_axes_of(self.rules.mesh_axes("seq"))
+        return math.prod(self.mesh.shape[a] for a in axes)
 
     @property
     def devices(self) -> int:

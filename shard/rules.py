@@ -39,8 +39,10 @@ LOGICAL_AXES = (
     "pages",
     "page_size",
     "lora_rank",
+    "latent",
+    "latent_heads",
 )
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 
 Target = str | tuple[str, ...] | None
 Mapping = tuple[tuple[str, Target], ...]
@@ -163,6 +165,26 @@ class ShardingRules:
     def param_spec(self, names: tuple[str, ...]) -> PartitionSpec:
         """The PartitionSpec for a parameter whose dims are called `names`."""
         return _spec(self.param_mapping, names)
+
+
+def split_sequence(rules: ShardingRules) -> ShardingRules:
+    """`rules` with the activations' `seq` dim split over the `context` mesh axis (context, or
+    sequence, parallelism: every token-wise layer runs on its slice of the sequence; attention
+    needs a kernel that sees the whole sequence, layers/kernels/context.py). `kv_seq` (the KV
+    cache) stays whole."""
+    if "seq" in dict(rules.mapping):
+        raise ValueError(
+            f"the rules already map 'seq' to {dict(rules.mapping)['seq']!r}; context "
+            "parallelism splits it over 'context'"
+        )
+    return dataclasses.replace(rules, mapping=(*rules.mapping, ("seq", "context")))
+
+
+def rules_for(sizes: dict[str, int], preset: str | None = None) -> ShardingRules:
+    """The rules of `preset` (default: the one the mesh's shape suggests, `default_rules`) for a
+    mesh of `sizes`; a `context` axis larger than 1 also splits the sequence over it."""
+    rules = ShardingRules.preset(preset or default_rules(sizes))
+    return split_sequence(rules) if sizes.get("context", 1) > 1 else rules
 
 
 def presets() -> list[str]:

@@ -173,8 +173,10 @@ class Args:
     remat: Literal["none", "full", "dots"] = _help(
         "rematerialisation policy of each block", default="none"
     )
-    attention: Literal["naive", "xla", "flash"] = _help(
-        "attention kernel (zoo.Policy.attention)", default="xla"
+    attention: Literal["naive", "xla", "flash", "ring", "allgather"] | None = _help(
+        "attention kernel (zoo.Policy.attention); default xla, or on a mesh with a context axis "
+        "the context-parallel kernel (ring, allgather) zoo.math predicts faster",
+        default=None,
     )
     moe_dispatch: Literal["dropless", "capacity"] = _help(
         "how MoE layers send tokens to their experts (zoo.Policy.moe_dispatch)", default="dropless"
@@ -226,8 +228,8 @@ class Args:
         default=None,
     )
     mesh: str | None = _help(
-        "shard over a device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, tensor, expert; the "
-        "sizes must multiply to the device count). Default: one device",
+        "shard over a device mesh, e.g. fsdp=4,tensor=2 (axes data, fsdp, tensor, expert, "
+        "context; the sizes must multiply to the device count). Default: one device",
         default=None,
     )
     rules: Literal["dp", "fsdp", "tp", "fsdp_tp", "ep"] | None = _help(

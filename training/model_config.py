@@ -5,16 +5,20 @@ A fresh run: the `--model` preset with `--override FIELD=VALUE` applied (archite
 type-checked by the Config). `--init-from`: the checkpoint's architecture, where an `--override`
 is refused unless it repeats the checkpoint's value. Either way the policy comes from the
 run-time flags (`--dtype`, `--param-dtype`, `--remat`, `--attention`, `--moe-dispatch`,
-`--capacity-factor`), and the tokenizer and `--seq-len` must fit the model.
+`--capacity-factor`), and the tokenizer and `--seq-len` must fit the model. A mesh that splits
+the sequence picks its context-parallel kernel unless `--attention` names one.
 """
 
 import json
 from typing import Any
 
 from layers.moe import Capacity, Dropless
+from shard import Placement
 from training.args import Args
 from training.loss import AuxWeights
-from zoo import Config, Policy, preset
+from training.telemetry import hardware
+from zoo import Config, Policy, Transformer, preset
+from zoo import math as zmath
 
 DEFAULT_MODEL = "gpt-mini"
 
@@ -44,9 +48,25 @@ def policy(args: Args) -> Policy:
         compute_dtype=args.dtype,
         param_dtype=args.param_dtype,
         remat=args.remat,
-        attention=args.attention,
+        attention=args.attention or "xla",
         moe_dispatch=dispatch,
     )
+
+
+def with_context_kernel(model: Transformer, args: Args, placement: Placement) -> Transformer:
+    """`model` as built, unless the mesh splits the sequence (context parallelism) and no
+    `--attention` was given: then under the context-parallel kernel (`ring` or `allgather`)
+    that zoo.math predicts faster on this hardware (`--peak-flops`/`--peak-bandwidth`, else
+    detected; without an interconnect figure the memory bandwidth stands in for the link).
+    The choice does not depend on the batch: both kernels' FLOPs and bytes grow with it."""
+    n = placement.sequence_shards
+    if n == 1 or args.attention is not None:
+        return model
+    hw = hardware(args.peak_flops, args.peak_bandwidth, model.policy.compute_dtype)
+    kernel = zmath.cheaper_context_kernel(
+        model.config, model.policy, batch=1, seq=args.seq_len, context=n, hardware=hw
+    )
+    return model.with_policy(attention=kernel)
 
 
 def aux_weights(args: Args) -> AuxWeights:

@@ -36,6 +36,7 @@ from shard.rules import (
     default_rules,
     mesh_axes_of,
     presets,
+    rules_for,
     shard_count,
 )
 from zoo import math as zmath
@@ -76,6 +77,9 @@ class Plan:
     kv_cache: int
     collectives: tuple[Collective, ...]
     step_compute_s: float
+    context_attention: tuple[zmath.ContextAttentionCost, ...] = ()
+    context_kernel: str | None = None
+    kv_cache_per_head: int | None = None  # MLA: what per-head keys and values would take
     # --offload-opt-state: the Adam state's bytes per device held in pinned host memory between
     # steps instead (0 without it).
     adam_state_on_host: int = 0
@@ -139,14 +143,26 @@ def kv_cache_bytes_per_device(
     sizes: dict[str, int],
     batch: int,
     context: int,
+    *,
+    per_head: bool = False,
 ) -> int:
     """Keys plus values of every layer in the cache's own layout and logical axes
-    (layers/kv_cache.py), in the compute dtype, sharded by the activation rules."""
+    (layers/kv_cache.py), in the compute dtype, sharded by the activation rules. MLA caches one
+    latent per token and layer; `per_head=True` counts per-head keys and values of the same
+    heads instead (what MLA saves)."""
     itemsize = zmath.bytes_per_element(policy.compute_dtype)
+    if config.mla and not per_head:  # LayerLatent
+        names = ("batch", "kv_seq", "latent")
+        shape = (batch, context, config.mla_kv_rank + config.mla_rope_dim)
+        spec = rules.partition_spec(names)
+        return config.n_layers * _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
+    heads, v_dim = config.n_kv_heads, config.head_dim
+    if config.mla:
+        heads, v_dim = config.n_heads, config.mla_v_head_dim
     total = 0
-    for names in (K_AXES, V_AXES):
-        dims = {"batch": batch, "kv_heads": config.n_kv_heads, "kv_seq": context}
-        shape = tuple(dims.get(n, config.head_dim) for n in names)
+    for names, width in ((K_AXES, config.head_dim), (V_AXES, v_dim)):
+        dims = {"batch": batch, "kv_heads": heads, "kv_seq": context}
+        shape = tuple(dims.get(n, width) for n in names)
         spec = rules.partition_spec(names)
         total += _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
     return config.n_layers * total
@@ -200,7 +216,8 @@ def plan(
     if batch % batch_shards:
         raise ValueError(f"batch {batch} does not divide by its mesh axes {batch_axes}")
     tensor = _axes_size(sizes, _targets(rules.param_mapping, "mlp"))
-    tokens = batch * seq // batch_shards
+    seq_shards = _axes_size(sizes, _targets(rules.mapping, "seq"))
+    tokens = batch * seq // batch_shards // seq_shards
     held = param_bytes(config, policy, rules, sizes)
     activations = {
         remat: tokens
@@ -254,6 +271,21 @@ def plan(
     collectives += _expert_all_to_alls(
         config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
+    costs, chosen = (), None
+    if seq_shards > 1:
+        costs = zmath.context_attention_costs(
+            config, policy, batch=batch // batch_shards, seq=seq, context=seq_shards
+        )
+        chosen = min(costs, key=lambda cost: cost.seconds(peak, link))
+        kind = "collective-permute" if chosen.kernel == "ring" else "all-gather"
+        add(
+            kind,
+            _targets(rules.mapping, "seq"),
+            f"K/V for {chosen.kernel} attention, fwd + bwd",
+            config.n_layers,
+            chosen.bytes_moved,
+            chosen.flops / peak,
+        )
     step_flops = zmath.training_flops_per_token(config, seq) * batch * seq / devices
     return Plan(
         params=held.total,
@@ -266,6 +298,13 @@ def plan(
         kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
+        context_attention=costs,
+        context_kernel=chosen and chosen.kernel,
+        kv_cache_per_head=kv_cache_bytes_per_device(
+            config, policy, rules, sizes, batch, context or seq, per_head=True
+        )
+        if config.mla
+        else None,
     )
 
 
@@ -334,6 +373,8 @@ def format_plan(p: Plan) -> str:
         ]
     lines += [f"  activations ({k:4s})  {_gib(v)}" for k, v in p.activations.items()]
     lines += [f"  KV cache            {_gib(p.kv_cache)}"]
+    if p.kv_cache_per_head is not None:
+        lines += [f"    per-head K/V      {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
     lines += [
         "",
         f"compute per step per device: {p.step_compute_s * 1e3:.2f} ms",
@@ -348,6 +389,18 @@ def format_plan(p: Plan) -> str:
         )
     if not p.collectives:
         lines.append("(none: a single device, or nothing sharded)")
+    if p.context_attention:
+        lines += [
+            "",
+            "context-parallel attention, one layer, fwd + bwd, per device",
+            f"{'kernel':10s} {'GFLOP':>9s} {'MiB moved':>10s} {'MiB held':>9s}",
+        ]
+        lines += [
+            f"{c.kernel:10s} {c.flops / 1e9:9.3f} {c.bytes_moved / 2**20:10.2f} "
+            f"{c.held_bytes / 2**20:9.2f}"
+            for c in p.context_attention
+        ]
+        lines.append(f"cheaper here: {p.context_kernel}")
     return "\n".join(lines)
 
 
@@ -381,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     p = plan(
         config,
         policy,
-        ShardingRules.preset(rules_name),
+        rules_for(sizes, rules_name),
         sizes,
         batch=args.batch,
         seq=args.seq,

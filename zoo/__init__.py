@@ -10,6 +10,7 @@ from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
 from zoo.quantize import dequantize_base, quantize_base
+from zoo.router_balance import update_router_bias
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer, load_tokenizer
 from zoo.transformer import Transformer
@@ -34,6 +35,7 @@ __all__ = [
     "quantize_base",
     "save_adapter",
     "save_pretrained",
+    "update_router_bias",
 ]
 
 

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from layers import MLP, Attention, LayerNorm, RMSNorm, SwiGLU
 from layers.attention import CacheView
 from layers.kernels import AttentionMask
+from layers.mla import MLA
 from layers.moe import MoE, MoEStats
 from shard import constrain
 from zoo.config import Config
@@ -27,12 +28,34 @@ def make_norm(config: Config, dtype: DTypeLike) -> LayerNorm | RMSNorm:
     return RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
 
 
+def make_mla(config: Config, out_std: float, dtype: DTypeLike, key: PRNGKeyArray) -> MLA:
+    """DeepSeek's multi-head latent attention for `config.mla`; the softmax scale is
+    head_dim^-0.5 times YaRN's mscale^2, and the latent norms use HF's fixed eps 1e-6."""
+    c = config
+    mscale = c.rope_scaling.softmax_mscale() if c.rope_scaling is not None else 1.0
+    return MLA(
+        c.d_model,
+        n_heads=c.n_heads,
+        head_dim=c.head_dim,
+        rope_dim=c.mla_rope_dim,
+        v_dim=c.mla_v_head_dim,
+        kv_rank=c.mla_kv_rank,
+        q_rank=c.mla_q_rank,
+        scale=c.head_dim**-0.5 * mscale**2,
+        rope_interleave=c.mla_rope_interleave,
+        out_init_std=out_std,
+        dtype=dtype,
+        key=key,
+    )
+
+
 class Block(eqx.Module):
     """x + attn(norm(x)), then x + mlp(norm(x)); with `moe=True` the MLP is a mixture of
-    experts, whose router statistics the block returns (None otherwise)."""
+    experts, whose router statistics the block returns (None otherwise). Attention is
+    multi-head latent attention (layers/mla.py) when `config.mla`."""
 
     attn_norm: LayerNorm | RMSNorm
-    attn: Attention
+    attn: Attention | MLA
     mlp_norm: LayerNorm | RMSNorm
     mlp: MLP | SwiGLU | MoE
 
@@ -48,17 +71,22 @@ class Block(eqx.Module):
         # GPT-2's scaled init of residual projections: std / sqrt(2 * n_layers).
         out_std = 1.0 / math.sqrt(config.d_model * 2 * config.n_layers)
         self.attn_norm = make_norm(config, dtype)
-        self.attn = Attention(
-            config.d_model,
-            n_heads=config.n_heads,
-            n_kv_heads=config.n_kv_heads,
-            head_dim=config.head_dim,
-            qk_norm=config.qk_norm,
-            norm_eps=config.norm_eps,
-            use_bias=config.bias,
-            out_init_std=out_std,
-            dtype=dtype,
-            key=attn_key,
+        self.attn = (
+            make_mla(config, out_std, dtype, attn_key)
+            if config.mla
+            else Attention(
+                config.d_model,
+                n_heads=config.n_heads,
+                n_kv_heads=config.n_kv_heads,
+                head_dim=config.head_dim,
+                qk_norm=config.qk_norm,
+                norm_eps=config.norm_eps,
+                use_bias=config.bias,
+                qkv_bias=config.qkv_bias,
+                out_init_std=out_std,
+                dtype=dtype,
+                key=attn_key,
+            )
         )
         self.mlp_norm = make_norm(config, dtype)
         if moe:
@@ -70,6 +98,11 @@ class Block(eqx.Module):
                 n_shared=config.n_shared_experts,
                 scoring=config.router_scoring,
                 normalize=config.router_normalize,
+                scale=config.router_scale,
+                bias=config.router_bias,
+                groups=config.router_groups,
+                topk_groups=config.router_topk_groups,
+                group_score=config.router_group_score,
                 out_init_std=out_std,
                 dtype=dtype,
                 key=mlp_key,

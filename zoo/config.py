@@ -15,6 +15,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
 MlpKind = Literal["gelu", "swiglu"]
 RouterScoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["top2", "max"]
 
 
 # Runtime type checking is off for the config on purpose: `__post_init__` gives every bad field a
@@ -30,7 +31,26 @@ class Config:
     Mixture of experts (`n_experts > 0`): after `first_dense_layers` dense layers, every
     `moe_every`-th layer's MLP is an MoE layer of `n_experts` SwiGLU experts of width `moe_d_ff`
     (default `d_ff`), `n_experts_per_token` of them per token, plus `n_shared_experts` always-on
-    ones; the other layers stay dense with width `d_ff`.
+    ones; the other layers stay dense with width `d_ff`. Routing is `router_scoring` (softmax or
+    sigmoid), top-k renormalised iff `router_normalize`, times `router_scale`; DeepSeek-V3 adds
+    `router_bias` (the aux-loss-free balancing bias, used to choose experts only) and
+    group-limited selection (`router_groups` groups, the best `router_topk_groups` kept, a
+    group scored by the sum of its two best experts, or by its best one for DeepSeek-V2's
+    `router_group_score="max"`).
+
+    Multi-head Latent Attention (DeepSeek-V2/V3, `mla_kv_rank` set; layers/mla.py): keys and
+    values come from a per-token latent of `mla_kv_rank` numbers plus one shared rotary key of
+    `mla_rope_dim`; queries from a rank-`mla_q_rank` latent (None: a plain projection). Then
+    `head_dim` is the query/key width per head, `qk_nope_head_dim + qk_rope_head_dim` in HF's
+    terms (its last `mla_rope_dim` dims are rotary, the rest not), the softmax scale is
+    `head_dim**-0.5` (times YaRN's mscale^2), values are `mla_v_head_dim` wide (default: the
+    non-rotary width), and the KV cache holds `mla_kv_rank + mla_rope_dim` numbers per token and
+    layer. `mla_rope_interleave`: the rotary dims come in interleaved pairs (HF's
+    `rope_interleave`, DeepSeek's checkpoints), not in halves.
+
+    `bias` puts a bias on every linear layer (GPT-2); `qkv_bias` on the query, key and value
+    projections alone (Qwen2). `qk_norm` RMS-normalises each query and key head over head_dim
+    before the rotary embedding (Qwen3).
 
     `max_seq_len` bounds every sequence and KV cache (`check_length`), for learned and rotary
     positions alike: a longer context is asked for by raising it (with `rope_scaling` where the
@@ -53,6 +73,7 @@ class Config:
     mlp: MlpKind = "swiglu"
     tie_embeddings: bool = False
     bias: bool = False
+    qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     n_experts: int = 0
@@ -63,6 +84,16 @@ class Config:
     first_dense_layers: int = 0
     router_scoring: RouterScoring = "softmax"
     router_normalize: bool = True
+    router_scale: float = 1.0
+    router_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: GroupScore = "top2"
+    mla_kv_rank: int | None = None
+    mla_q_rank: int | None = None
+    mla_rope_dim: int = 64
+    mla_v_head_dim: int | None = None
+    mla_rope_interleave: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -89,15 +120,50 @@ class Config:
                 f"Config.d_model={self.d_model} must equal n_heads x head_dim = "
                 f"{self.n_heads} x {self.head_dim} for GPT-2 style (learned-position) models"
             )
-        if self.position == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"Config.head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.mla:
+            self._check_mla()
+        if self.position == "rope" and self.rotary_dim % 2 != 0:
+            name = "mla_rope_dim" if self.mla else "head_dim"
+            raise ValueError(f"Config.{name}={self.rotary_dim} must be even for rotary embeddings")
         if self.norm_eps <= 0:
             raise ValueError(f"Config.norm_eps must be > 0, got {self.norm_eps}")
+        if self.bias and self.qkv_bias:
+            raise ValueError(
+                "Config.qkv_bias=True is implied by bias=True (a bias on every linear layer); "
+                "set bias alone, or qkv_bias alone for biases on q, k and v only (Qwen2)"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(
                 f"Config.sliding_window must be >= 1 or None, got {self.sliding_window}"
             )
         self._check_moe()
+
+    def _check_mla(self):
+        why = "multi-head latent attention (mla_kv_rank set)"
+        if self.mla_kv_rank < 1 or (self.mla_q_rank is not None and self.mla_q_rank < 1):
+            raise ValueError(
+                f"Config.mla_kv_rank={self.mla_kv_rank} must be >= 1 and mla_q_rank="
+                f"{self.mla_q_rank} >= 1 or None"
+            )
+        if not 0 < self.mla_rope_dim < self.head_dim:
+            raise ValueError(
+                f"Config.mla_rope_dim={self.mla_rope_dim} must be in (0, head_dim={self.head_dim}) "
+                "for MLA: head_dim is the query/key width, its last mla_rope_dim dims rotary"
+            )
+        if self.mla_v_head_dim is None:
+            object.__setattr__(self, "mla_v_head_dim", self.head_dim - self.mla_rope_dim)
+        if self.mla_v_head_dim < 1:
+            raise ValueError(f"Config.mla_v_head_dim must be >= 1, got {self.mla_v_head_dim}")
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"Config.n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads} with "
+                f"{why}: every head's keys and values come from the one shared latent"
+            )
+        if self.position != "rope" or self.qk_norm or self.bias:
+            raise ValueError(
+                f"Config.position={self.position!r}, qk_norm={self.qk_norm}, bias={self.bias}: "
+                f"{why} needs position='rope', qk_norm=False and bias=False"
+            )
 
     def _check_moe(self):
         if self.n_experts < 0:
@@ -118,6 +184,29 @@ class Config:
                 f"Config.mlp={self.mlp!r}, bias={self.bias}: MoE experts are SwiGLU without "
                 "biases; use mlp='swiglu' and bias=False with n_experts > 0"
             )
+        if not self.router_scale > 0:
+            raise ValueError(f"Config.router_scale must be > 0, got {self.router_scale}")
+        if self.router_bias and self.router_scoring != "sigmoid":
+            raise ValueError(
+                "Config.router_bias (DeepSeek-V3's balancing bias) needs router_scoring='sigmoid'"
+            )
+        groups, topk = self.router_groups, self.router_topk_groups
+        if groups < 1 or self.n_experts % groups or not 1 <= topk <= groups:
+            raise ValueError(
+                f"Config.router_groups={groups} must divide n_experts={self.n_experts} and "
+                f"router_topk_groups={topk} be in [1, router_groups]"
+            )
+        per_group = self.n_experts // groups
+        if groups > 1 and per_group < 2 and self.router_group_score == "top2":
+            raise ValueError(
+                f"Config.router_groups={groups} leaves {per_group} expert per group; a group's "
+                "score is the sum of its two best experts, so each group needs >= 2"
+            )
+        if self.n_experts_per_token > topk * per_group:
+            raise ValueError(
+                f"Config.n_experts_per_token={self.n_experts_per_token} exceeds the "
+                f"{topk * per_group} experts of the router_topk_groups={topk} groups kept"
+            )
         if not 0 <= self.first_dense_layers < self.n_layers:
             raise ValueError(
                 f"Config.first_dense_layers={self.first_dense_layers} must be in "
@@ -129,6 +218,17 @@ class Config:
                 f"{self.n_layers - self.first_dense_layers} layers after first_dense_layers "
                 "(each group of moe_every layers ends with one MoE layer)"
             )
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (layers/mla.py)."""
+        return self.mla_kv_rank is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each query/key head that rotary embeddings turn: all of `head_dim`, or MLA's
+        decoupled `mla_rope_dim`."""
+        return self.mla_rope_dim if self.mla else self.head_dim
 
     @property
     def q_dim(self) -> int:

@@ -6,6 +6,10 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
   value products, 4 x layers x seq x q_dim per token forward (half of that when causal
   masking skips the upper triangle);
 - embedding lookups cost no FLOPs, the LM head is a matmul (tied or not);
+- multi-head latent attention (DeepSeek-V2/V3) counts its low-rank projections, its latent norms
+  and, in FLOPs, the expanded form (per-head keys of head_dim, values of mla_v_head_dim); its KV
+  cache holds the latent (mla_kv_rank + mla_rope_dim numbers per token and layer), which
+  `per_head_kv_cache_bytes_per_token` compares with per-head keys and values of the same heads;
 - an MoE layer (Shazeer et al. 2017) holds all its experts' parameters but each token only
   multiplies by the router, its k routed experts and the shared ones: `param_count` counts all,
   `active_param_count` and the FLOPs count what one token uses. Capacity dispatch spends more
@@ -31,11 +35,27 @@ def _norm_params(config: Config) -> int:
     return config.d_model * (2 if config.norm == "layernorm" and config.bias else 1)
 
 
+def _mla_projection_params(config: Config) -> int:
+    """MLA's weight matrices: q (low-rank or plain), kv_a (latent + rotary key), kv_b (per-head
+    non-rotary keys and values), o."""
+    c = config
+    d, q_out, nope = c.d_model, c.q_dim, c.head_dim - c.mla_rope_dim
+    q = d * q_out if c.mla_q_rank is None else c.mla_q_rank * (d + q_out)
+    kv = d * (c.mla_kv_rank + c.mla_rope_dim) + c.mla_kv_rank * c.n_heads * (
+        nope + c.mla_v_head_dim
+    )
+    return q + kv + c.n_heads * c.mla_v_head_dim * d
+
+
 def _attention_params(config: Config) -> int:
     c = config
+    if c.mla:  # projections and the latent RMSNorm scales
+        return _mla_projection_params(c) + c.mla_kv_rank + (c.mla_q_rank or 0)
     attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
     if c.bias:
         attn += c.q_dim + 2 * c.kv_dim + c.d_model
+    elif c.qkv_bias:
+        attn += c.q_dim + 2 * c.kv_dim
     if c.qk_norm:
         attn += 2 * c.head_dim
     return attn
@@ -52,10 +72,12 @@ def layer_params(config: Config) -> int:
 
 
 def _moe_mlp_params(config: Config, n_routed: int) -> int:
-    """Router, `n_routed` SwiGLU experts and the shared experts (no biases)."""
+    """Router (with its balancing bias, if any), `n_routed` SwiGLU experts and the shared
+    experts (no biases)."""
     c = config
     experts = (n_routed + c.n_shared_experts) * 3 * c.d_model * c.expert_d_ff
-    return c.d_model * c.n_experts + experts
+    router = c.d_model * c.n_experts + (c.n_experts if c.router_bias else 0)
+    return router + experts
 
 
 def moe_layer_params(config: Config) -> int:
@@ -137,7 +159,11 @@ def matmul_params(config: Config) -> int:
     """Parameters that take part in a matmul per token: every block's projections and the LM head
     (tied or not). Norm scales, biases and lookups are left out: their FLOPs are negligible."""
     c = config
-    attn = c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    attn = (
+        _mla_projection_params(c)
+        if c.mla
+        else c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
+    )
     n_moe = len(c.moe_layers)
     dense_mlp = (3 if c.mlp == "swiglu" else 2) * c.d_model * c.d_ff
     mlps = (c.n_layers - n_moe) * dense_mlp
@@ -147,8 +173,11 @@ def matmul_params(config: Config) -> int:
 
 
 def attention_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
-    """Forward FLOPs per token of QK^T and PV (attending to `seq_len` keys on average x2)."""
-    flops = 4.0 * config.n_layers * seq_len * config.q_dim
+    """Forward FLOPs per token of QK^T and PV (attending to `seq_len` keys on average x2); MLA's
+    values are `mla_v_head_dim` wide."""
+    c = config
+    v_dim = c.n_heads * c.mla_v_head_dim if c.mla else c.q_dim
+    flops = 2.0 * c.n_layers * seq_len * (c.q_dim + v_dim)
     return flops / 2 if causal else flops
 
 
@@ -202,6 +231,13 @@ def _projections(config: Config) -> list[tuple[tuple[int, ...], int]]:
     c = config
     attention = [((c.d_model,), c.q_dim), ((c.d_model,), c.kv_dim), ((c.d_model,), c.kv_dim)]
     attention.append(((c.n_heads, c.head_dim), c.d_model))
+    if c.mla:
+        rank, nope, v = c.mla_kv_rank, c.head_dim - c.mla_rope_dim, c.mla_v_head_dim
+        q = [((c.d_model,), c.q_dim)]
+        if c.mla_q_rank is not None:
+            q = [((c.d_model,), c.mla_q_rank), ((c.mla_q_rank,), c.q_dim)]
+        attention = [*q, ((c.d_model,), rank + c.mla_rope_dim), ((rank,), c.n_heads * (nope + v))]
+        attention.append(((c.n_heads, v), c.d_model))
     up = [((c.d_model,), c.d_ff)] * (2 if c.mlp == "swiglu" else 1)
     mlp = [*up, ((c.d_ff,), c.d_model)]
     n_dense = c.n_layers - len(c.moe_layers)
@@ -228,8 +264,22 @@ def frozen_base_bytes(
 
 
 def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
-    """Keys and values of every layer for one token, in the compute dtype."""
-    return 2 * config.n_layers * config.kv_dim * bytes_per_element(policy.compute_dtype)
+    """Keys and values of every layer for one token, in the compute dtype; for MLA the latent
+    (`mla_kv_rank + mla_rope_dim` numbers per layer), what its cache holds."""
+    c = config
+    width = c.mla_kv_rank + c.mla_rope_dim if c.mla else 2 * c.kv_dim
+    return c.n_layers * width * bytes_per_element(policy.compute_dtype)
+
+
+def per_head_kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
+    """What per-head keys and values of the same heads would take per token (MHA with MLA's
+    head widths: keys of head_dim, values of mla_v_head_dim); `kv_cache_bytes_per_token` for
+    any other attention."""
+    c = config
+    if not c.mla:
+        return kv_cache_bytes_per_token(c, policy)
+    width = c.n_heads * (c.head_dim + c.mla_v_head_dim)
+    return c.n_layers * width * bytes_per_element(policy.compute_dtype)
 
 
 def decode_step_bytes(
@@ -473,3 +523,67 @@ def decode_step_roofline(
     flops = batch * forward_flops_per_token(config, 2 * context, causal=True)
     n_bytes = decode_step_bytes(config, batch, context, policy)
     return roofline(flops, n_bytes, hardware, policy.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextAttentionCost:
+    """One attention layer's training cost (forward + backward) per device under context
+    parallelism: `flops` computed, `bytes_moved` received over the context axis, `held_bytes`
+    the K/V (and score block) a device holds at once. Time: the ring overlaps each hop with
+    the previous block's compute (time = max of the two); the all-gather variant waits for its
+    collective (time = the sum)."""
+
+    kernel: str
+    flops: float
+    bytes_moved: float
+    held_bytes: float
+
+    def seconds(self, peak_flops: float, link_bandwidth: float) -> float:
+        compute, comm = self.flops / peak_flops, self.bytes_moved / link_bandwidth
+        return max(compute, comm) if self.kernel == "ring" else compute + comm
+
+
+def context_attention_costs(
+    config: Config, policy: Policy, *, batch: int, seq: int, context: int
+) -> tuple[ContextAttentionCost, ContextAttentionCost]:
+    """(ring, allgather) costs of one layer's attention for `batch` sequences of `seq` tokens on
+    each group of `context` devices that splits them (layers/kernels/context.py).
+
+    The sequence is cut into 2n chunks of c = seq / 2n tokens (zig-zag), a chunk pair costs
+    P = 2 x batch x heads x head_dim x c^2 FLOPs per matmul. Ring: 2n + 1 visible chunk pairs
+    per device (3 at its own block, 2 at each of the n - 1 others), 2 matmuls forward and 5
+    backward (scores recomputed, dV, dP, dQ, dK); K/V hop n - 1 times forward and again
+    backward, the float32 dK/dV accumulators n times. All-gather: the dense score block of its
+    2c queries against all 2nc keys (4n chunk pairs), 2 matmuls forward and 4 backward; K/V
+    gathered ((n - 1) blocks received) and dK/dV reduce-scattered ((n - 1) blocks sent)."""
+    c = config
+    n, item = context, bytes_per_element(policy.compute_dtype)
+    chunk = seq / (2 * n)
+    pair = 2.0 * batch * c.n_heads * c.head_dim * chunk**2
+    kv_block = 2.0 * batch * (seq / n) * c.n_kv_heads * c.head_dim  # K and V elements
+    mask_block = 2.0 * batch * (seq / n) * 4  # int32 positions and segment ids
+    scores = batch * c.n_heads * 4.0  # float32 score elements per query x key
+    ring = ContextAttentionCost(
+        kernel="ring",
+        flops=(2 * n + 1) * 7 * pair,
+        bytes_moved=(n - 1) * 2 * (kv_block * item + mask_block) + n * kv_block * 4,
+        held_bytes=2 * kv_block * item + scores * chunk**2,
+    )
+    gather = ContextAttentionCost(
+        kernel="allgather",
+        flops=4 * n * 6 * pair,
+        bytes_moved=(n - 1) * (kv_block * item + mask_block + kv_block * item),
+        held_bytes=n * kv_block * item + scores * (seq / n) * seq,
+    )
+    return ring, gather
+
+
+def cheaper_context_kernel(
+    config: Config, policy: Policy, *, batch: int, seq: int, context: int, hardware: Hardware
+) -> str:
+    """ "ring" or "allgather": the one `context_attention_costs` predicts faster on `hardware`
+    (its peak for the compute dtype and its interconnect; memory bandwidth without one)."""
+    peak = hardware.peak_flops(policy.compute_dtype)
+    link = hardware.interconnect or hardware.bandwidth
+    costs = context_attention_costs(config, policy, batch=batch, seq=seq, context=context)
+    return min(costs, key=lambda cost: cost.seconds(peak, link)).kernel

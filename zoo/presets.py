@@ -47,6 +47,42 @@ def _llama3(
     )
 
 
+def _qwen(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    d_ff: int,
+    tie: bool,
+    vocab_size: int = 151936,
+    max_seq_len: int = 32768,
+    **family,
+) -> Config:
+    """Qwen2.5 (q/k/v biases: `qkv_bias=True`) and Qwen3 (`qk_norm=True`, head_dim 128): rope
+    theta 1e6, RMSNorm eps 1e-6, no sliding window."""
+    return Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        d_ff=d_ff,
+        max_seq_len=max_seq_len,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_embeddings=tie,
+        **family,
+    )
+
+
+def _deepseek_yarn(mscale: float) -> RopeScaling:
+    """DeepSeek-V2/V3's YaRN: 4K trained context stretched 40x to 160K."""
+    return RopeScaling(
+        kind="yarn", factor=40.0, original_max_seq_len=4096, mscale=mscale, mscale_all_dim=mscale
+    )
+
+
 _TINY_LLAMA = Config(
     vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128
 )
@@ -109,6 +145,141 @@ _PRESETS: dict[str, Config] = {
         first_dense_layers=1,
         router_normalize=False,
     ),
+    # Qwen2.5 (Qwen Team 2024), base models' config.json.
+    "qwen2.5-0.5b": _qwen(
+        d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, d_ff=4864, tie=True, qkv_bias=True
+    ),
+    "qwen2.5-1.5b": _qwen(
+        d_model=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        d_ff=8960,
+        tie=True,
+        max_seq_len=131072,
+        qkv_bias=True,
+    ),
+    "qwen2.5-7b": _qwen(
+        d_model=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        d_ff=18944,
+        tie=False,
+        vocab_size=152064,
+        max_seq_len=131072,
+        qkv_bias=True,
+    ),
+    # Qwen3 (Yang et al. 2025): q/k norms, head_dim 128 apart from d_model / n_heads.
+    "qwen3-0.6b": _qwen(
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        d_ff=3072,
+        tie=True,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+    ),
+    "qwen3-8b": _qwen(
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=12288,
+        tie=False,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+    ),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised; every layer MoE.
+    "qwen3-30b-a3b": _qwen(
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        d_ff=6144,
+        tie=False,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+        n_experts=128,
+        n_experts_per_token=8,
+        moe_d_ff=768,
+        router_normalize=True,
+    ),
+    # Mistral 7B v0.3 (Jiang et al. 2023): vocabulary 32768, no sliding window in v0.2+.
+    "mistral-7b": Config(
+        vocab_size=32768,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        max_seq_len=32768,
+        rope_theta=1_000_000.0,
+    ),
+    # Phi-3-mini-4k (Abdin et al. 2024): MHA, window 2047 on every layer.
+    "phi3-mini-4k": Config(
+        vocab_size=32064,
+        d_model=3072,
+        n_layers=32,
+        n_heads=32,
+        d_ff=8192,
+        max_seq_len=4096,
+        sliding_window=2047,
+    ),
+    # DeepSeek-V2-Lite (arXiv 2405.04434): MLA without a low-rank query, 64 routed experts (6
+    # per token, softmax gates not renormalised) + 2 shared, first layer dense; 15.7B parameters.
+    "deepseek-v2-lite": Config(
+        vocab_size=102400,
+        d_model=2048,
+        n_layers=27,
+        n_heads=16,
+        head_dim=192,
+        d_ff=10944,
+        max_seq_len=163840,
+        norm_eps=1e-6,
+        rope_scaling=_deepseek_yarn(0.707),
+        n_experts=64,
+        n_experts_per_token=6,
+        n_shared_experts=2,
+        moe_d_ff=1408,
+        first_dense_layers=1,
+        router_normalize=False,
+        mla_kv_rank=512,
+        mla_rope_dim=64,
+        mla_v_head_dim=128,
+    ),
+    # DeepSeek-V3 (arXiv 2412.19437): MLA with a rank-1536 query, 256 routed experts in 8 groups
+    # (4 kept, 8 experts per token, sigmoid gates with the balancing bias, x2.5) + 1 shared,
+    # three dense layers; 671B parameters without the multi-token-prediction module.
+    "deepseek-v3": Config(
+        vocab_size=129280,
+        d_model=7168,
+        n_layers=61,
+        n_heads=128,
+        head_dim=192,
+        d_ff=18432,
+        max_seq_len=163840,
+        norm_eps=1e-6,
+        rope_scaling=_deepseek_yarn(1.0),
+        n_experts=256,
+        n_experts_per_token=8,
+        n_shared_experts=1,
+        moe_d_ff=2048,
+        first_dense_layers=3,
+        router_scoring="sigmoid",
+        router_scale=2.5,
+        router_bias=True,
+        router_groups=8,
+        router_topk_groups=4,
+        mla_kv_rank=512,
+        mla_q_rank=1536,
+        mla_rope_dim=64,
+        mla_v_head_dim=128,
+    ),
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),
     "tiny-gpt2": _gpt2(2, 64, 4).replace(vocab_size=256, max_seq_len=128),
@@ -127,6 +298,30 @@ _PRESETS: dict[str, Config] = {
         moe_d_ff=32,
         first_dense_layers=1,
         router_normalize=False,
+    ),
+    "tiny-deepseek-v3": Config(
+        vocab_size=256,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        head_dim=24,
+        d_ff=128,
+        max_seq_len=128,
+        norm_eps=1e-6,
+        n_experts=8,
+        n_experts_per_token=2,
+        n_shared_experts=1,
+        moe_d_ff=32,
+        first_dense_layers=1,
+        router_scoring="sigmoid",
+        router_scale=2.5,
+        router_bias=True,
+        router_groups=4,
+        router_topk_groups=2,
+        mla_kv_rank=24,
+        mla_q_rank=16,
+        mla_rope_dim=8,
+        mla_v_head_dim=16,
     ),
 }
 

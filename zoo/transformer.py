@@ -14,11 +14,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from layers import Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm
 from layers.kernels import causal_mask
-from layers.kv_cache import KVCache, LayerKV
+from layers.kernels.context import CONTEXT_KERNELS
+from layers.kv_cache import KVCache, LayerKV, LayerLatent
 from layers.moe import MoEStats
-from layers.paged_cache import PagedKVCache
+from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
 from layers.rotary import rotary_frequencies
 from shard import constrain
+from shard.sequence import from_zigzag, sequence_axis, to_zigzag
 from zoo.block import Block, Rope, make_norm
 from zoo.config import Config
 from zoo.output import ModelOutput
@@ -122,7 +124,7 @@ class Transformer(eqx.Module):
         if c.position != "rope":
             return None
         return rotary_frequencies(
-            positions, head_dim=c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling
+            positions, head_dim=c.rotary_dim, theta=c.rope_theta, scaling=c.rope_scaling
         )
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> KVCache:
@@ -134,8 +136,25 @@ class Transformer(eqx.Module):
             )
         self.config.check_length(max_len, "the KV cache")
         c, dtype = self.config, dtype or self.policy.compute
-        make = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
+        if c.mla:  # the latent [c, k_pe] per token, not per-head keys and values
+            width = c.mla_kv_rank + c.mla_rope_dim
+            make = functools.partial(LayerLatent.zeros, batch, max_len, width, dtype)
+        else:
+            make = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
         return KVCache.empty(self.cache_layers(make), batch, max_len)
+
+    def init_pages(self, n_pages: int, page_size: int, *, dtype=None) -> tuple:
+        """Empty page pools for a `PagedKVCache` (`layers`), shaped like the layer storage:
+        per-head key and value pools, or MLA's one latent pool."""
+        c, dtype = self.config, dtype or self.policy.compute
+        if c.mla:
+            width = c.mla_kv_rank + c.mla_rope_dim
+            make = functools.partial(LatentPages.zeros, n_pages, page_size, width, dtype)
+        else:
+            make = functools.partial(
+                LayerPages.zeros, n_pages, page_size, c.n_kv_heads, c.head_dim, dtype
+            )
+        return self.cache_layers(make)
 
     def cache_layers(self, make) -> tuple:
         """A cache's per-layer arrays shaped like the layer storage, `make(layers=...)` each
@@ -179,6 +198,14 @@ class Transformer(eqx.Module):
         the last); default every position.
         """
         c = self.config
+        _, split = sequence_axis()
+        if split > 1 and not isinstance(self.policy.attention, CONTEXT_KERNELS):
+            raise ValueError(
+                f"the sharding rules split the sequence over {split} devices (context "
+                f"parallelism) but the attention kernel {self.policy.kernel_name!r} needs whole "
+                "sequences; use Policy(attention=Ring()) or AllGatherKV() "
+                "(layers/kernels/context.py)"
+            )
         if cache is None:
             c.check_length(tokens.shape[1], "the sequence")
             if positions is None:
@@ -187,8 +214,17 @@ class Transformer(eqx.Module):
                     if segment_ids is not None
                     else jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
                 )
+            if split > 1:  # context parallelism: the zig-zag order (shard/sequence.py)
+                tokens, positions = to_zigzag(tokens, split), to_zigzag(positions, split)
+                segment_ids = None if segment_ids is None else to_zigzag(segment_ids, split)
             mask = causal_mask(positions, segment_ids, sliding_window=c.sliding_window)
         else:
+            if split > 1:
+                raise ValueError(
+                    f"the sharding rules split the sequence over {split} devices (context "
+                    "parallelism), which a KV cache (prefill, decode) does not support; run "
+                    "inference on a mesh without a context axis"
+                )
             if positions is not None:
                 raise ValueError(
                     "forward with a KV cache numbers the tokens itself (each row continues from "
@@ -210,6 +246,8 @@ class Transformer(eqx.Module):
             layer_caches.append(kv)
         if cache is not None:
             cache = cache.with_layers(tuple(layer_caches))
+        if split > 1:
+            x = from_zigzag(x, split)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         aux = (

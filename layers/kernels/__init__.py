@@ -3,13 +3,15 @@
 q: [batch, seq, heads, head_dim]; k, v: [batch, kv_seq, kv_heads, head_dim]; mask: AttentionMask.
 The functions are `naive_attention` (the specification), `xla_attention`
 (jax.nn.dot_product_attention) and `flash_attention` (Pallas); the objects `Naive()`, `Xla()` and
-`Flash(block_sizes=...)` are what a model's policy holds (kernel.py).
+`Flash(block_sizes=...)` are what a model's policy holds (kernel.py); `Ring()` and `AllGatherKV()`
+(context.py) attend over a sequence split across devices (context parallelism).
 
 `paged/` is attention over a paged KV pool (a decode step or a prefill chunk against pages):
 its own interface, `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
 sliding_window, kernel)`, with `GatherKernel()` (XLA) or `PallasDecodeKernel(...)`.
 """
 
+from layers.kernels.context import AllGatherKV, Ring
 from layers.kernels.flash import BlockSizes, flash_attention
 from layers.kernels.kernel import KERNELS, AttentionKernel, Flash, Naive, Xla, kernel_named
 from layers.kernels.mask import AttentionMask, causal_mask
@@ -25,6 +27,7 @@ from layers.kernels.xla import xla_attention
 
 __all__ = [
     "KERNELS",
+    "AllGatherKV",
     "AttentionKernel",
     "AttentionMask",
     "BlockSizes",
@@ -32,6 +35,7 @@ __all__ = [
     "GatherKernel",
     "Naive",
     "PallasDecodeKernel",
+    "Ring",
     "Xla",
     "causal_mask",
     "check_page_table",

@@ -9,6 +9,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 from jaxtyping import Array, Float
 
+from layers.kernels.context import AllGatherKV, Ring
 from layers.kernels.flash import DEFAULT_BLOCK_SIZES, BlockSizes, flash_attention
 from layers.kernels.mask import AttentionMask
 from layers.kernels.naive import naive_attention
@@ -66,7 +67,13 @@ class Flash:
         )
 
 
-KERNELS: dict[str, AttentionKernel] = {"naive": Naive(), "xla": Xla(), "flash": Flash()}
+KERNELS: dict[str, AttentionKernel] = {
+    "naive": Naive(),
+    "xla": Xla(),
+    "flash": Flash(),
+    "ring": Ring(),
+    "allgather": AllGatherKV(),
+}
 
 
 def kernel_named(name: str) -> AttentionKernel:

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from layers.mlp import SwiGLU
 from layers.moe.dispatch import Capacity, Dropless
 from layers.moe.experts import Experts
-from layers.moe.router import Router, Scoring
+from layers.moe.router import GroupScore, Router, Scoring
 from layers.moe.stats import MoEStats, routing_stats
 
 Dispatch = Dropless | Capacity
@@ -40,6 +40,11 @@ class MoE(eqx.Module):
         n_shared: int = 0,
         scoring: Scoring = "softmax",
         normalize: bool = True,
+        scale: float = 1.0,
+        bias: bool = False,
+        groups: int = 1,
+        topk_groups: int = 1,
+        group_score: GroupScore = "top2",
         out_init_std: float | None = None,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
@@ -53,6 +58,11 @@ class MoE(eqx.Module):
             n_experts_per_token=n_experts_per_token,
             scoring=scoring,
             normalize=normalize,
+            scale=scale,
+            bias=bias,
+            groups=groups,
+            topk_groups=topk_groups,
+            group_score=group_score,
             dtype=dtype,
             key=router_key,
         )

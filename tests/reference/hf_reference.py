@@ -2,7 +2,11 @@
 Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does one job:
 
     python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
-                                             # and logits of dirs written by zoo.save_pretrained
+                                             # and logits of dirs written by zoo.save_pretrained;
+                                             # parameter counts of models built on torch's meta
+                                             # device (JOB["count"], optional)
+    python hf_reference.py families JOB.json # as tiny, plus logits of .gguf files (transformers'
+                                             # own GGUF reader)
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
     python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
@@ -30,15 +34,51 @@ def logits(model, tokens: list[list[int]]) -> np.ndarray:
 
 def randomize(model: torch.nn.Module) -> None:
     """HF init leaves norm scales at 1 and biases at 0, which would hide a mis-mapped norm or bias:
-    perturb every 1-D parameter so each one matters."""
+    perturb every 1-D parameter so each one matters, and DeepSeek-V3's router balancing bias (a
+    buffer, zero at init) so that it changes which experts are chosen."""
     for param in model.parameters():
         if param.ndim == 1:
             param.add_(0.1 * torch.randn_like(param))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.add_(0.1 * torch.randn_like(buffer))
 
 
 def tiny(job: dict) -> None:
     build(job)
     reload(job)
+    count(job)
+
+
+def count(job: dict) -> None:
+    """Each JOB["count"] spec built on torch's meta device (no memory): its parameters plus
+    DeepSeek-V3's router bias buffers (weights of the checkpoint, a leaf of ours), in
+    out/counts.json by name."""
+    counts = {}
+    for spec in job.get("count", []):
+        config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        n = sum(p.numel() for p in model.parameters())
+        n += sum(b.numel() for name, b in model.named_buffers() if "e_score_correction" in name)
+        counts[spec["name"]] = n
+    with open(os.path.join(job["out"], "counts.json"), "w") as f:
+        json.dump(counts, f)
+
+
+def families(job: dict) -> None:
+    tiny(job)
+    for path in job["gguf"]:
+        read_gguf(path, job["tokens"])
+
+
+def read_gguf(path: str, tokens: list[list[int]]) -> None:
+    """A .gguf file through transformers' own GGUF reader: logits to the path with .npz."""
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    np.savez(path.removesuffix(".gguf") + ".npz", logits=logits(model.eval(), tokens))
 
 
 def build(job: dict) -> None:
@@ -209,7 +249,9 @@ def edit_json(path: str, edit) -> None:
         json.dump(value, f)
 
 
+JOBS = {"tiny": tiny, "families": families, "smollm2": smollm2, "chat": chat, "peft": peft}
+
 if __name__ == "__main__":
     command, job_file = sys.argv[1:]
     with open(job_file) as f:
-        {"tiny": tiny, "smollm2": smollm2, "chat": chat, "peft": peft}[command](json.load(f))
+        JOBS[command](json.load(f))

@@ -15,6 +15,8 @@ from zoo.math import HARDWARE
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
 CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
 MOE = zoo.preset("tiny-moe")
+# Multi-head latent attention: its own projections and a latent KV cache.
+MLA = zoo.preset("tiny-deepseek-v3", n_layers=1, n_experts=0)
 NAIVE = zoo.Policy(attention="naive")
 CAPACITY = NAIVE.replace(moe_dispatch="capacity")
 MESHES = {"fsdp": {"fsdp": 8}, "tp": {"data": 2, "tensor": 4}, "fsdp_tp": {"fsdp": 2, "tensor": 4}}
@@ -43,11 +45,13 @@ def zeros_in_shardings(config, policy, rules, mesh):
     return eqx.combine(zeros, static)
 
 
-@pytest.mark.parametrize("name", [*MESHES, "ep"])
+@pytest.mark.parametrize("name", [*MESHES, "ep", "mla-tp"])
 def test_plan_bytes_match_real_shardings(name):
-    config, mesh_shape = (MOE, EP_MESH) if name == "ep" else (CONFIG, MESHES[name])
+    config, mesh_shape = (MOE, EP_MESH) if name == "ep" else (CONFIG, MESHES.get(name))
+    config, mesh_shape = (MLA, MESHES["tp"]) if name == "mla-tp" else (config, mesh_shape)
     policy = CAPACITY if name == "ep" else NAIVE
-    rules, mesh = shard.ShardingRules.preset(name), shard.mesh(**mesh_shape)
+    rules = shard.ShardingRules.preset(name.removeprefix("mla-"))
+    mesh = shard.mesh(**mesh_shape)
     p = plan(config, policy, rules, mesh_shape, batch=8, seq=16, hardware=HARDWARE["h100"])
 
     model = zeros_in_shardings(config, policy, rules, mesh)

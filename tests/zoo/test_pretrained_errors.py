@@ -135,7 +135,7 @@ def test_unsupported_dtype(checkpoint):
 
 
 def test_config_without_an_hf_architecture_cannot_be_saved(tmp_path):
-    model = random_model(CONFIG.replace(qk_norm=True), 0)
+    model = random_model(CONFIG.replace(norm="layernorm"), 0)
     with pytest.raises(ValueError, match="no HF architecture holds this Config"):
         zoo.save_pretrained(model, tmp_path)
 

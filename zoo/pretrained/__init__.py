@@ -3,7 +3,8 @@
 `load_pretrained(path, policy=..., placement=...)` (weights placed straight into their
 shardings under a sharded placement) and `save_pretrained(model, directory)`; LoRA adapters in
 PEFT's format with `save_adapter(model, directory)` and `load_adapter(model, directory)`. The
-architectures the zoo knows (GPT-2, Llama, Mixtral) are listed in `architectures.ARCHITECTURES`.
+architectures the zoo knows (GPT-2, Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3) are
+listed in `architectures.ARCHITECTURES`, the GGUF ones in `gguf.ARCHITECTURES`.
 """
 
 from zoo.pretrained.adapter import load_adapter, save_adapter

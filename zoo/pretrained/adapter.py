@@ -97,14 +97,16 @@ def save_adapter(
     *,
     base_model_name_or_path: str | None = None,
     overwrite: bool = False,
+    architecture: str | None = None,
 ) -> None:
     """Write `model`'s LoRA adapters (only them, not the base) as a PEFT LoRA adapter for the
-    HF architecture that holds its config. `base_model_name_or_path` goes into the config for
-    PEFT to find the base model. Refuses a directory that already holds an adapter unless
-    `overwrite`."""
+    HF architecture of the base model: `architecture` (e.g. "Phi3ForCausalLM", whose fused
+    projections hold no adapters), by default the first that holds its config (as
+    `save_pretrained`). `base_model_name_or_path` goes into the config for PEFT to find the base
+    model. Refuses a directory that already holds an adapter unless `overwrite`."""
     directory = os.fspath(directory)
     rank, alpha, dropout = lora_settings(model)
-    arch = architecture_for(model.config)
+    arch = architecture_for(model.config, architecture)
     modules = peft_modules(arch, model)
     paths = adapted_projections(model)
     unstorable = [p for p in paths if p not in modules]

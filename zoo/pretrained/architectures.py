@@ -7,7 +7,18 @@ import dataclasses
 from collections.abc import Callable
 
 from zoo.config import Config
-from zoo.pretrained import gpt2, llama, mixtral
+from zoo.pretrained import (
+    deepseek,
+    deepseek_v2,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -62,6 +73,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", "transformer.", gpt2),
     "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
     "MixtralForCausalLM": _from_module("MixtralForCausalLM", "model.", mixtral),
+    "Qwen2ForCausalLM": _from_module("Qwen2ForCausalLM", "model.", qwen2),
+    "Qwen3ForCausalLM": _from_module("Qwen3ForCausalLM", "model.", qwen3),
+    "Qwen3MoeForCausalLM": _from_module("Qwen3MoeForCausalLM", "model.", qwen3_moe),
+    "MistralForCausalLM": _from_module("MistralForCausalLM", "model.", mistral),
+    "Phi3ForCausalLM": _from_module("Phi3ForCausalLM", "model.", phi3),
+    "DeepseekV3ForCausalLM": _from_module("DeepseekV3ForCausalLM", "model.", deepseek),
+    "DeepseekV2ForCausalLM": _from_module("DeepseekV2ForCausalLM", "model.", deepseek_v2),
 }
 
 
@@ -74,13 +92,23 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def architecture_for(config: Config) -> Architecture:
-    """The architecture whose HF layout holds `config` exactly (for save_pretrained)."""
+def architecture_for(config: Config, name: str | None = None) -> Architecture:
+    """The architecture whose HF layout holds `config` exactly (for save_pretrained): the one
+    called `name`, or else the first in `ARCHITECTURES` that does (a Phi-3 is written as a Llama
+    or Mistral, which compute the same, unless asked for by name)."""
+    if name is not None:
+        arch = architecture(name)
+        if not arch.exports(config):
+            raise ValueError(
+                f"{name}'s HF layout cannot hold this Config; architectures that can: "
+                f"{[a.name for a in ARCHITECTURES.values() if a.exports(config)]}"
+            )
+        return arch
     for arch in ARCHITECTURES.values():
         if arch.exports(config):
             return arch
     raise ValueError(
-        "no HF architecture holds this Config (qk_norm, sliding_window without experts, shared "
+        "no HF architecture holds this Config (e.g. a LayerNorm with rotary positions, shared "
         "experts or interleaved dense/MoE layers, or a mix of GPT-2 and Llama features); known: "
         f"{', '.join(ARCHITECTURES)}"
     )

@@ -46,10 +46,16 @@ def _clear(directory: str, overwrite: bool) -> None:
 
 
 def save_pretrained(
-    model: Transformer, directory: str | os.PathLike, *, overwrite: bool = False
+    model: Transformer,
+    directory: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    architecture: str | None = None,
 ) -> None:
-    """Write `model` in the HF layout of the architecture that holds its config (GPT-2, Llama or
-    Mixtral), weights in their own dtype. Gathers the weights on the host (one copy of the
+    """Write `model` in the HF layout of `architecture` (an HF class name, e.g.
+    "Phi3ForCausalLM"), by default the first of `architectures.ARCHITECTURES` that holds its
+    config (a Phi-3 model is written as a Llama or Mistral unless asked), weights in their own
+    dtype. Gathers the weights on the host (one copy of the
     model). A non-empty `directory` is refused unless `overwrite`, which first removes every
     HF model file there (weights, shard index, config, tokenizer)."""
     if has_lora(model):
@@ -59,12 +65,12 @@ def save_pretrained(
             "alone with zoo.save_adapter"
         )
     config = model.config
-    arch = architecture_for(config)
+    arch = architecture_for(config, architecture)
     directory = os.fspath(directory)
     _clear(directory, overwrite)
     tensors: dict[str, np.ndarray] = {}
     for group in arch.tensors(config):
-        for i in range(config.n_layers) if group.per_layer else [None]:
+        for i in group.layers(config.n_layers):
             arrays = [_layer_array(model, i, path) for path in group.zoo]
             for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
                 tensors[name] = np.ascontiguousarray(array)

@@ -59,8 +59,7 @@ def _check_tensor_names(
 ) -> None:
     expected = set()
     for group in groups:
-        layers = range(c.n_layers) if group.per_layer else [None]
-        expected.update(name for i in layers for name in hf_names(group, i))
+        expected.update(name for i in group.layers(c.n_layers) for name in hf_names(group, i))
     available = source.names()
     missing = sorted(expected - available)
     if missing:
@@ -112,7 +111,7 @@ def load_weights(
         # One group at a time (all layers of it), placed before the next is read: the host
         # holds one group's tensors, never the whole checkpoint.
         buffers: dict[str, np.ndarray] = {}
-        for i in range(config.n_layers) if group.per_layer else [None]:
+        for i in group.layers(config.n_layers):
             for path, array in zip(group.zoo, _read_layer(source, group, i), strict=True):
                 target, index = (path, None) if i is None else layer_path(skeleton, i, path)
                 if index is None:

@@ -1,16 +1,23 @@
-"""GGUF files (llama.cpp) of the llama architecture, seen as an HF Llama checkpoint: the config
-comes from the GGUF metadata, tensor names are mapped to HF's, quantized tensors are dequantized
+"""GGUF files (llama.cpp) seen as HF checkpoints: the config comes from the GGUF metadata, tensor
+names are mapped to the HF architecture's, quantized tensors are dequantized
 (`gguf.quants.dequantize`, to float32) one at a time, and llama.cpp's permutation of the Q/K rows
-is undone. SmolLM2's GGUF is one of these."""
+is undone where its converter applies one. SmolLM2's GGUF is a llama one.
 
+One row of `ARCHITECTURES` per llama.cpp architecture: its HF class, the GGUF tensor names that
+differ from llama's, whether Q/K rows are permuted, and the config.json fields it adds. llama.cpp's
+converter (convert_hf_to_gguf.py) permutes Q/K for llama only; qwen2, qwen3 and phi3 keep HF's
+row order. Phi-3's fused `attn_qkv` and `ffn_up` (gate rows, then up rows) are HF's `qkv_proj` and
+`gate_up_proj` as they are.
+"""
+
+import dataclasses
 import functools
 import os
 import re
+from collections.abc import Callable
 
 import gguf
 import numpy as np
-
-ARCHITECTURES = ("llama",)
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -27,6 +34,46 @@ _PER_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """A llama.cpp architecture as an HF one: `hf_class`, per-layer tensor names beyond (or
+    instead of) llama's (`tensors`: GGUF name -> HF module), whether the converter permuted the
+    Q/K rows, and `fields(reader, tensor_names)`: config.json fields beyond the shared ones."""
+
+    hf_class: str
+    tensors: dict[str, str] = dataclasses.field(default_factory=dict)
+    permuted_qk: bool = False
+    fields: Callable[[gguf.GGUFReader, set[str]], dict] = lambda reader, names: {}
+
+
+def _llama_fields(reader: gguf.GGUFReader, names: set[str]) -> dict:
+    return {
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
+    }
+
+
+def _phi3_fields(reader: gguf.GGUFReader, names: set[str]) -> dict:
+    # The converter writes 0 for "no window" (Phi-4); the 4k Phi-3-mini has 2047.
+    window = int(metadata(reader, "phi3.attention.sliding_window", 0))
+    return {"sliding_window": window or None}
+
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True, fields=_llama_fields),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture(
+        "Qwen3ForCausalLM",
+        tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    ),
+    "phi3": GGUFArchitecture(
+        "Phi3ForCausalLM",
+        tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        fields=_phi3_fields,
+    ),
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -60,13 +107,15 @@ def metadata(reader: gguf.GGUFReader, key: str, default=None):
     return field.contents()
 
 
-def hf_name(gguf_name: str) -> str:
-    """HF Llama's name for a GGUF tensor (unknown names are kept, and reported as extra)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF name of a GGUF tensor of llama.cpp architecture `arch` (unknown names are kept,
+    and reported as extra)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    per_layer = _PER_LAYER | ARCHITECTURES[arch].tensors
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match[2] in _PER_LAYER:
-        return f"model.layers.{match[1]}.{_PER_LAYER[match[2]]}.{match[3]}"
+    if match and match[2] in per_layer:
+        return f"model.layers.{match[1]}.{per_layer[match[2]]}.{match[3]}"
     return gguf_name
 
 
@@ -81,7 +130,7 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def hf_config(reader: gguf.GGUFReader) -> dict:
-    """An HF LlamaForCausalLM config.json equivalent of the GGUF metadata."""
+    """The HF config.json equivalent of the GGUF metadata (`{arch}.*` keys)."""
     arch = metadata(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -89,41 +138,55 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
             f"{', '.join(ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
+    for scaling in ("rope_freqs.weight", "rope_factors_long.weight"):
+        if scaling in names:
+            raise ValueError(
+                f"this GGUF stores rope scaling as a {scaling.removesuffix('.weight')} tensor "
+                "(Llama-3 scaling or Phi-3 LongRoPE), which the zoo does not read yet; load the "
+                "HF safetensors checkpoint instead"
+            )
+
+    def key(name: str, default=None):
+        return metadata(reader, f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    d_model = int(key("embedding_length"))
+    # head_dim: key_length where the converter wrote it (Qwen3), else the rotary dims.
+    rotary = int(key("rope.dimension_count", d_model // heads))
+    head_dim = int(key("attention.key_length", rotary))
+    if rotary != head_dim:
         raise ValueError(
-            "this GGUF stores Llama-3 rope scaling as a rope_freqs tensor, which the zoo does "
-            "not read yet; load the HF safetensors checkpoint instead"
+            f"GGUF {arch}.rope.dimension_count={rotary} rotates part of head_dim={head_dim} "
+            "(partial rotary embedding), which the zoo does not implement"
         )
-    heads = int(metadata(reader, "llama.attention.head_count"))
-    d_model = int(metadata(reader, "llama.embedding_length"))
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": int(metadata(reader, "llama.vocab_size", int(embed.shape[1]))),
+        "architectures": [ARCHITECTURES[arch].hf_class],
+        "vocab_size": int(key("vocab_size", int(embed.shape[1]))),
         "hidden_size": d_model,
-        "num_hidden_layers": int(metadata(reader, "llama.block_count")),
+        "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(metadata(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(metadata(reader, "llama.rope.dimension_count", d_model // heads)),
-        "intermediate_size": int(metadata(reader, "llama.feed_forward_length")),
-        "max_position_embeddings": int(metadata(reader, "llama.context_length")),
-        "rms_norm_eps": float(metadata(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(metadata(reader, "llama.rope.freq_base", 10_000.0)),
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "intermediate_size": int(key("feed_forward_length")),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10_000.0)),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "mlp_bias": "blk.0.ffn_up.bias" in names,
-    }
+    } | ARCHITECTURES[arch].fields(reader, names)
 
 
 class GGUFSource:
-    """Name -> float32 tensor, in HF Llama names and layout, dequantized on read."""
+    """Name -> float32 tensor, in the HF architecture's names and layout, dequantized on read."""
 
     def __init__(self, reader: gguf.GGUFReader, hf: dict):
-        self._tensors = {hf_name(t.name): t for t in reader.tensors}
-        self._heads = {
-            "q_proj": hf["num_attention_heads"],
-            "k_proj": hf["num_key_value_heads"],
-        }
+        arch = metadata(reader, "general.architecture")
+        self._tensors = {hf_name(t.name, arch): t for t in reader.tensors}
+        self._heads = (
+            {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
+            if ARCHITECTURES[arch].permuted_qk
+            else {}
+        )
 
     def names(self) -> set[str]:
         return set(self._tensors)

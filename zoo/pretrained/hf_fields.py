@@ -11,6 +11,8 @@ HARMLESS = frozenset(
     {
         "_name_or_path",
         "architectures",
+        # The remote-code classes a checkpoint ships for older transformers (Phi-3's).
+        "auto_map",
         "model_type",
         "dtype",
         "torch_dtype",

@@ -118,6 +118,8 @@ def exports(config: Config) -> bool:
         and config.norm == "rmsnorm"
         and config.mlp == "swiglu"
         and not config.qk_norm
+        and not config.qkv_bias
+        and not config.mla
         and config.sliding_window is None
         and config.n_experts == 0
     )
@@ -134,29 +136,37 @@ def tensors(c: Config) -> list[TensorGroup]:
 
 
 def tensors_around_mlp(
-    c: Config, mlp: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]
+    c: Config,
+    mlp: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
+    *,
+    qkv: list[TensorGroup] | None = None,
 ) -> list[TensorGroup]:
     """Every group but the feed-forward ones, plus the projections `mlp` (ours, theirs, in, out):
-    shared with Mixtral, whose layers differ from Llama's only in the MLP."""
+    shared with the Llama-like families, whose layers differ from Llama's only in the MLP, q/k/v
+    biases (Qwen2), q/k norms (Qwen3) or a fused `qkv` (Phi-3: groups replacing the q, k and v
+    projections)."""
     d = c.d_model
     q, kv = (c.n_heads, c.head_dim), (c.n_kv_heads, c.head_dim)
     a = "model.layers.{i}.self_attn."
-    projections = [
+    separate_qkv = [
         ("attn.q_proj", a + "q_proj", (d,), q),
         ("attn.k_proj", a + "k_proj", (d,), kv),
         ("attn.v_proj", a + "v_proj", (d,), kv),
-        ("attn.o_proj", a + "o_proj", q, (d,)),
-        *mlp,
     ]
+    projections = [*(separate_qkv if qkv is None else []), ("attn.o_proj", a + "o_proj", q, (d,))]
     groups = [
         same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
         same("blocks.attn_norm.scale", "model.layers.{i}.input_layernorm.weight", (d,)),
         same("blocks.mlp_norm.scale", "model.layers.{i}.post_attention_layernorm.weight", (d,)),
         same("final_norm.scale", "model.norm.weight", (d,)),
+        *(qkv or []),
     ]
-    for ours, theirs, in_shape, out_shape in projections:
+    if c.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            groups.append(same(f"blocks.attn.{name}.scale", f"{a}{name}.weight", (c.head_dim,)))
+    for ours, theirs, in_shape, out_shape in [*projections, *mlp]:
         groups.append(linear(f"blocks.{ours}.weight", f"{theirs}.weight", in_shape, out_shape))
-        if c.bias:
+        if c.bias or (c.qkv_bias and ours in ("attn.q_proj", "attn.k_proj", "attn.v_proj")):
             groups.append(bias(f"blocks.{ours}.bias", f"{theirs}.bias", out_shape))
     if not c.tie_embeddings:
         groups.append(linear("lm_head.weight", "lm_head.weight", (d,), (c.vocab_size,)))

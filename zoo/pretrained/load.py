@@ -18,7 +18,8 @@ def load_pretrained(
     placement: Placement | None = None,
 ) -> Transformer:
     """The model stored at `path`: an HF directory (config.json + model.safetensors or a sharded
-    model.safetensors.index.json) or a llama-architecture `.gguf` file.
+    model.safetensors.index.json) or a `.gguf` file of a llama.cpp architecture in
+    `gguf.ARCHITECTURES` (llama, qwen2, qwen3, phi3).
 
     The architecture and sizes always come from the checkpoint; how the model runs is `policy`,
     by default computing and storing in the dtype config.json declares (float32 if none), and

@@ -70,7 +70,9 @@ def exports(config: Config) -> bool:
         and config.norm == "rmsnorm"
         and config.mlp == "swiglu"
         and not config.qk_norm
+        and not config.mla
         and not config.bias
+        and not config.qkv_bias
         and config.n_experts > 0
         and config.n_shared_experts == 0
         and config.first_dense_layers == 0
@@ -84,12 +86,13 @@ def _router(c: Config, hf: str) -> list:
     return [("mlp.router", hf, (c.d_model,), (c.n_experts,))]
 
 
-def _per_expert(c: Config) -> TensorGroup:
-    """Three HF tensors per expert <-> our three stacked expert weights."""
+def per_expert(
+    c: Config, prefix: str = _PER_EXPERT, names: tuple[str, str, str] = ("w1", "w3", "w2")
+) -> TensorGroup:
+    """Three HF tensors per expert (gate, up, down: `prefix + experts.E.<name>.weight`) <-> our
+    three stacked expert weights. Qwen3-MoE stores them the same way under other names."""
     n, d, f = c.n_experts, c.d_model, c.expert_d_ff
-    names = [
-        tuple(f"{_PER_EXPERT}experts.{e}.{w}.weight" for e in range(n)) for w in ("w1", "w3", "w2")
-    ]
+    hf = [tuple(f"{prefix}experts.{e}.{w}.weight" for e in range(n)) for w in names]
 
     def to_zoo(*ws):
         w1, w3, w2 = (np.stack(ws[k * n : (k + 1) * n]) for k in range(3))
@@ -100,15 +103,16 @@ def _per_expert(c: Config) -> TensorGroup:
 
     return TensorGroup(
         (_GATE, _UP, _DOWN),
-        sum(names, ()),
+        sum(hf, ()),
         ((f, d),) * (2 * n) + ((d, f),) * n,
         to_zoo,
         to_hf,
     )
 
 
-def _fused(c: Config) -> TensorGroup:
-    """transformers' stacked `gate_up_proj` and `down_proj` <-> our three expert weights."""
+def fused(c: Config) -> TensorGroup:
+    """transformers' stacked `gate_up_proj` and `down_proj` <-> our three expert weights (the
+    same names and layout in Qwen3-MoE)."""
     n, d, f = c.n_experts, c.d_model, c.expert_d_ff
 
     def to_zoo(gate_up, down):
@@ -133,7 +137,7 @@ def _fused(c: Config) -> TensorGroup:
 
 def tensors(c: Config) -> list[TensorGroup]:
     """The per-expert layout (the one `save_pretrained` writes)."""
-    return [*llama.tensors_around_mlp(c, _router(c, _PER_EXPERT + "gate")), _per_expert(c)]
+    return [*llama.tensors_around_mlp(c, _router(c, _PER_EXPERT + "gate")), per_expert(c)]
 
 
 def read_tensors(c: Config, names: set[str]) -> list[TensorGroup]:
@@ -141,7 +145,7 @@ def read_tensors(c: Config, names: set[str]) -> list[TensorGroup]:
     `mlp.experts.gate_up_proj`, else per expert (so a partly missing checkpoint of either
     layout is reported against its own layout's names)."""
     if any(name.endswith(".mlp.experts.gate_up_proj") for name in names):
-        return [*llama.tensors_around_mlp(c, _router(c, _FUSED + "gate")), _fused(c)]
+        return [*llama.tensors_around_mlp(c, _router(c, _FUSED + "gate")), fused(c)]
     return tensors(c)
 
 

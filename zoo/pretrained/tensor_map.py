@@ -23,7 +23,8 @@ class TensorGroup:
     """`zoo` leaves (dotted paths in a Transformer) <-> `hf` tensors of shapes `hf_shapes`.
 
     `to_zoo(*hf_arrays) -> tuple of our arrays` and `to_hf(*our_arrays) -> tuple of HF arrays`,
-    one layer at a time for per-layer groups.
+    one layer at a time for per-layer groups. `only_layers` restricts a per-layer group to some
+    layers (DeepSeek's dense first layers and MoE ones hold different tensors); None: all.
     """
 
     zoo: tuple[str, ...]
@@ -31,10 +32,17 @@ class TensorGroup:
     hf_shapes: tuple[Shape, ...]
     to_zoo: Callable[..., tuple[np.ndarray, ...]]
     to_hf: Callable[..., tuple[np.ndarray, ...]]
+    only_layers: tuple[int, ...] | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf[0]
+
+    def layers(self, n_layers: int) -> list[int | None]:
+        """The layer indices to read or write this group for ([None] outside the stack)."""
+        if not self.per_layer:
+            return [None]
+        return list(range(n_layers)) if self.only_layers is None else list(self.only_layers)
 
 
 def same(zoo: str, hf: str, shape: Shape) -> TensorGroup:
