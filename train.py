@@ -464,18 +464,22 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     )
     optimizer = adamw(schedule, weight_decay=args.weight_decay, clip=args.clip)
     position, rng = 0, key
+    memory = None  # --offload-opt-state: the state's (device, host) shardings
+    if args.offload_opt_state:
+        memory = offload.state_shardings(placement, optimizer, params)
+        say(f"optimizer state: in {offload.HOST} memory between steps (--offload-opt-state)")
     if args.resume:
-        restored = runs.restore(run_dir, model=model, optimizer=optimizer, placement=placement)
+        restored = runs.restore(
+            run_dir, model=model, optimizer=optimizer, placement=placement,
+            opt_state_shardings=memory and memory[1],
+        )  # fmt: skip
         params, opt_state = restored.params, restored.opt_state
         position, rng = restored.data_position, restored.rng
         say(f"resumed from {restored.path} at step {start}")
     else:
         opt_state = placement.init_opt_state(optimizer, params)
-    memory = None
-    if args.offload_opt_state:
-        memory = offload.state_shardings(placement, optimizer, params)
-        opt_state = jax.device_put(opt_state, memory[1])
-        say(f"optimizer state: in {offload.HOST} memory between steps (--offload-opt-state)")
+        if memory is not None:
+            opt_state = jax.device_put(opt_state, memory[1])
     train_fn, eval_fn = compile_steps(
         static, optimizer, args.grad_accum, placement=placement, model=model,
         aux_weights=aux_weights(args), opt_state_memory=memory,

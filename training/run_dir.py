@@ -171,10 +171,12 @@ def restore(
     model: Transformer,
     optimizer: optax.GradientTransformation,
     placement: Placement | None = None,
+    opt_state_shardings: Any = None,
 ) -> Restored:
     """The latest checkpoint of `run_dir` for `model` (real or abstract: only its structure,
     config and policy are read), its parameters and `optimizer`'s state placed in their
-    shardings."""
+    shardings: the placement's, or `opt_state_shardings` for the state (e.g. in host memory,
+    training/offload.py: read straight there, never whole on a device)."""
     placement = placement or Placement()
     path = latest(run_dir)
     meta = _meta(path, run_dir)
@@ -188,8 +190,9 @@ def restore(
         "params": _placed(params, placement.param_shardings(params), placement),
         "opt_state": _placed(
             jax.eval_shape(optimizer.init, params),
-            placement.opt_state_shardings(optimizer, params),
+            opt_state_shardings or placement.opt_state_shardings(optimizer, params),
             placement,
+            given=opt_state_shardings is not None,
         ),
         "rng": _placed(
             {"key_data": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))},
@@ -226,14 +229,21 @@ def _shapes(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _placed(shapes: Any, shardings: Any, placement: Placement, *, replicate: bool = False) -> Any:
+def _placed(
+    shapes: Any,
+    shardings: Any,
+    placement: Placement,
+    *,
+    replicate: bool = False,
+    given: bool = False,
+) -> Any:
     """`shapes` (ShapeDtypeStruct leaves) carrying the shardings they are restored into:
-    `shardings`, the mesh's replicated sharding (`replicate`), or the default device without a
-    mesh."""
-    if not placement.sharded:
+    `shardings` (always when `given`), the mesh's replicated sharding (`replicate`), or the
+    default device without a mesh."""
+    if not given and not placement.sharded:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, shapes)
-    elif replicate:
+    elif not given and replicate:
         shardings = jax.tree.map(lambda _: placement.replicated(), shapes)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
