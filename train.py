@@ -43,7 +43,7 @@ from layers.moe import MoEStats
 from shard import Placement
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
-from training import lora_run
+from training import lora_run, offload
 from training import run_dir as runs
 from training.args import ArgError, Args, accumulation, check, given, parse_args
 from training.model_config import (
@@ -399,6 +399,8 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
         )
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     check_sequence_length(args.seq_len, placement.sequence_shards)
+    if args.offload_opt_state:
+        offload.check_supported(placement.mesh.devices.flat if placement.sharded else jax.devices())
     run_dir = Path(args.resume or args.out)
     if args.init_from and Path(args.init_from).resolve() == run_dir.resolve():
         raise ValueError(
@@ -462,16 +464,25 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     )
     optimizer = adamw(schedule, weight_decay=args.weight_decay, clip=args.clip)
     position, rng = 0, key
+    memory = None  # --offload-opt-state: the state's (device, host) shardings
+    if args.offload_opt_state:
+        memory = offload.state_shardings(placement, optimizer, params)
+        say(f"optimizer state: in {offload.HOST} memory between steps (--offload-opt-state)")
     if args.resume:
-        restored = runs.restore(run_dir, model=model, optimizer=optimizer, placement=placement)
+        restored = runs.restore(
+            run_dir, model=model, optimizer=optimizer, placement=placement,
+            opt_state_shardings=memory and memory[1],
+        )  # fmt: skip
         params, opt_state = restored.params, restored.opt_state
         position, rng = restored.data_position, restored.rng
         say(f"resumed from {restored.path} at step {start}")
     else:
         opt_state = placement.init_opt_state(optimizer, params)
+        if memory is not None:
+            opt_state = jax.device_put(opt_state, memory[1])
     train_fn, eval_fn = compile_steps(
         static, optimizer, accumulation(args)[0], placement=placement, model=model,
-        aux_weights=aux_weights(args),
+        aux_weights=aux_weights(args), opt_state_memory=memory,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
     t0 = time.perf_counter()
@@ -496,6 +507,8 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
         result.initial_val_loss = val_loss
     batches = Prefetcher(train_data.iterate(position), placement.batch)
+    # Checkpoints are written in the background while the loop goes on (training/state.py).
+    checkpointer = runs.Checkpointer(run_dir, config=config, policy=run_policy, keep=args.keep)
     bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
     # Step time is measured over the steps between two log lines (the device is waited for
     # only there), less the time spent evaluating and checkpointing in between.
@@ -539,16 +552,17 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
             if save:
                 if not bool(all_finite(params)):
                     stop_not_finite(f"the weights after step {step}", run_dir)
-                runs.save(
-                    run_dir,
+                blocked = checkpointer.save(
                     params=params,
                     opt_state=opt_state,
                     step=step,
                     data_position=position + step - start,
                     rng=rng,
-                    config=config,
-                    policy=run_policy,
-                    keep=args.keep,
+                )
+                telemetry.log(step=step, checkpoint_blocked_s=blocked)
+                say(
+                    f"step {step:5d} | checkpoint {checkpointer.path(step).name}: the loop was "
+                    f"blocked {blocked * 1e3:.1f} ms (written in the background)"
                 )
             if log:
                 window_start, window_wait, window_steps = now, batches.wait_s, 0
@@ -558,6 +572,8 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     finally:
         batches.close()
         bar.close()
+        waited = checkpointer.close()  # the last checkpoint is finalized before the run ends
+    say(f"the last checkpoint was finalized {waited * 1e3:.1f} ms after the loop ended")
     plot = telemetry.plot(run_dir / "loss.png", entropy)
     result.model = eqx.combine(params, static)
     if result.val_loss is not None:

@@ -252,6 +252,10 @@ class Args:
         "write a checkpoint every N steps", default=200, bounds=POSITIVE_INT
     )
     keep: int = _help("checkpoints to keep", default=3, bounds=POSITIVE_INT)
+    offload_opt_state: bool = _help(
+        "hold the optimizer state in pinned host memory between steps (training/offload.py)",
+        default=False,
+    )
     seed: int = _help("seed for initialisation and data order", default=0, bounds=SEED)
     cache_dir: str = _help(
         "cache for the stdlib corpus and trained tokenizers", default="~/.cache/eqx-zoo"

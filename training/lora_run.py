@@ -24,6 +24,7 @@ from jaxtyping import PRNGKeyArray
 from shard import Placement
 from training import run_dir as runs
 from training.args import lora_target_names
+from training.state import checkpoint_files
 from zoo import Config, Policy, Transformer, add_lora, quantize_base
 from zoo import math as zmath
 
@@ -92,17 +93,20 @@ def frozen_bytes(lora: LoraSettings, config: Config, policy: Policy) -> int:
 
 def fingerprint(path: str | Path) -> str:
     """SHA-256 of a base checkpoint's files: a .gguf or safetensors file; an HF directory's
-    config and weight files; a train.py run's latest checkpoint."""
+    config and weight files; a train.py run's latest checkpoint (its files, not the SHA-256 record
+    written after them)."""
     path = Path(path)
     if runs.is_run(path):
-        files = sorted(runs.latest(path).iterdir())
+        root = runs.latest(path)
+        files = checkpoint_files(root)
     elif path.is_dir():
+        root = path
         files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
     else:
-        files = [path]
+        root, files = path.parent, [path]
     digest = hashlib.sha256()
     for file in files:
-        digest.update(file.name.encode())
+        digest.update(str(file.relative_to(root)).encode())
         with file.open("rb") as f:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)

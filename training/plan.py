@@ -5,6 +5,7 @@ above zoo, beside the training step, while shard/ stays model-free.
 
     python -m training.plan --model llama3-8b --mesh fsdp=8
     python -m training.plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch 16 --seq 4096
+    python -m training.plan --model llama3-8b --mesh fsdp=8 --offload-opt-state
 
 Collective costs are the ring algorithm's bytes sent per device (Patarasuk & Yuan 2009):
 all-gather and reduce-scatter of a full array of S bytes over n devices send S (n-1)/n,
@@ -91,6 +92,9 @@ class Plan:
     context_attention: tuple[zmath.ContextAttentionCost, ...] = ()
     context_kernel: str | None = None
     kv_cache_per_head: int | None = None  # MLA: what per-head keys and values would take
+    # --offload-opt-state: the Adam state's bytes per device held in pinned host memory between
+    # steps instead (0 without it).
+    adam_state_on_host: int = 0
 
 
 def full_mesh(mesh_shape: dict[str, int]) -> dict[str, int]:
@@ -205,6 +209,7 @@ def plan(
     hardware: zmath.Hardware,
     context: int | None = None,
     microbatches: int = 1,
+    offload_opt_state: bool = False,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
     tokens per row, default `seq`) on a mesh of `mesh_shape`, with `policy`'s dtypes, kernel
@@ -336,7 +341,8 @@ def plan(
         expert_params=held.experts,
         grads=held.total,
         # Adam's two moments in the parameters' dtype and shardings, plus its int32 step count.
-        adam_state=2 * held.total + 4,
+        adam_state=0 if offload_opt_state else 2 * held.total + 4,
+        adam_state_on_host=2 * held.total + 4 if offload_opt_state else 0,
         activations=activations,
         kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
         collectives=tuple(collectives),
@@ -411,6 +417,12 @@ def format_plan(p: Plan) -> str:
         f"  gradients           {_gib(p.grads)}",
         f"  Adam state          {_gib(p.adam_state)}",
     ]
+    if p.adam_state_on_host:
+        lines += [
+            f"    in host memory    {_gib(p.adam_state_on_host)}  (--offload-opt-state: off the "
+            "device between steps, back on it during the update;",
+            f"                      {_gib(2 * p.adam_state_on_host)} host<->device per step)",
+        ]
     lines += [f"  activations ({k:4s})  {_gib(v)}" for k, v in p.activations.items()]
     lines += [f"  KV cache            {_gib(p.kv_cache)}"]
     if p.kv_cache_per_head is not None:
@@ -471,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--moe-dispatch", choices=["dropless", "capacity"], default="dropless", help="MoE models"
     )
+    parser.add_argument(
+        "--offload-opt-state", action="store_true", help="Adam state in pinned host memory"
+    )
     args = parser.parse_args(argv)
     try:
         _print_plan(args)
@@ -504,6 +519,7 @@ def _print_plan(args: argparse.Namespace) -> None:
         seq=args.seq,
         hardware=hardware,
         microbatches=microbatches,
+        offload_opt_state=args.offload_opt_state,
     )
     print(format_plan(p))
     if args.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:

@@ -1,9 +1,11 @@
 """A train.py run directory: its checkpoints, the tokenizer it recorded, and the model it trained.
 
-Layout: `<run>/checkpoints/step_00000100/` (a state directory, training/state.py: `state.eqx`
-holding (parameters, optimizer state, RNG key data) and `meta.json` with the step, the data
-position, the model config and the policy's parameter dtype); the last `keep` are kept.
-`<run>/tokenizer.tiktoken` or `<run>/tokenizer.source` names the tokenizer.
+Layout: `<run>/checkpoints/step_00000100/` (an orbax step directory, training/state.py: the items
+`params/`, `opt_state/` and `rng/`, `meta/` with the step, the data position, the model config and
+the policy's parameter dtype, and `sha256.json`); the last `keep` are kept. Steps are written in
+the background (`Checkpointer`) by every process of a run, and restored into any placement.
+`<run>/tokenizer.tiktoken` or `<run>/tokenizer.source` names the tokenizer. Run directories from
+before orbax (`state.eqx` checkpoints) are converted by `python -m training.convert_run RUN`.
 """
 
 import json
@@ -15,11 +17,19 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 
 from shard import Placement
 from shard.axes import is_float_array_like
-from training.state import CorruptState, read_meta, restore_state, save_state
+from training.state import (
+    LEGACY_STATE,
+    CorruptState,
+    MismatchedState,
+    Writer,
+    read_meta,
+    restore_state,
+)
 from zoo import Config, Policy, Transformer
 from zoo.adapter import split_trainable
 
@@ -59,6 +69,54 @@ def latest(run_dir: str | Path) -> Path:
     return found[-1]
 
 
+class Checkpointer:
+    """Writes a run's checkpoints (`checkpoints/step_XXXXXXXX`) in the background and keeps the
+    last `keep`; every process of a multi-process run makes one and saves every step alike.
+    `save` returns the seconds the caller was blocked; `close` waits for the last write."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        config: Config,
+        policy: Policy,
+        keep: int = 3,
+        asynchronous: bool = True,
+    ):
+        self._writer = Writer(Path(run_dir) / "checkpoints", keep=keep, asynchronous=asynchronous)
+        self._config, self._param_dtype = config.to_dict(), policy.param_dtype
+
+    def path(self, step: int) -> Path:
+        return self._writer.path(step)
+
+    def save(
+        self, *, params: Any, opt_state: Any, step: int, data_position: int, rng: jax.Array
+    ) -> float:
+        meta = {
+            "step": step,
+            "data_position": data_position,
+            "config": self._config,
+            "param_dtype": self._param_dtype,
+        }
+        trees = {"params": params, "opt_state": opt_state, "rng": _rng_item(rng)}
+        return self._writer.save(step, trees, meta)
+
+    def close(self) -> float:
+        return self._writer.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _rng_item(rng: jax.Array) -> dict[str, np.ndarray]:
+    # orbax saves pytrees, not a lone array, and raw key data, not a typed key; on the host,
+    # since the key lives on one device of one process, which orbax cannot save multi-process.
+    return {"key_data": np.asarray(jax.random.key_data(rng))}
+
+
 def save(
     run_dir: str | Path,
     *,
@@ -71,24 +129,21 @@ def save(
     policy: Policy,
     keep: int = 3,
 ) -> Path:
-    """Write checkpoint `step` and drop all but the last `keep`."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "step": step,
-        "data_position": data_position,
-        "config": config.to_dict(),
-        "param_dtype": policy.param_dtype,
-    }
-    path = save_state(
-        root / f"step_{step:08d}", (params, opt_state, jax.random.key_data(rng)), meta
-    )
-    for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
-    return path
+    """Write checkpoint `step` and drop all but the last `keep`; returns when it is on disk."""
+    with Checkpointer(run_dir, config=config, policy=policy, keep=keep) as checkpointer:
+        checkpointer.save(
+            params=params, opt_state=opt_state, step=step, data_position=data_position, rng=rng
+        )
+    return checkpointer.path(step)
 
 
 def _meta(path: Path, run_dir: str | Path) -> dict[str, Any]:
+    if (path / LEGACY_STATE).exists():
+        raise ValueError(
+            f"{str(run_dir)!r} holds checkpoints in the Equinox format written before orbax "
+            f"({path / LEGACY_STATE}); convert the run directory in place with "
+            f"`python -m training.convert_run {run_dir}`, then use it again"
+        )
     try:
         return read_meta(path)
     except CorruptState as error:
@@ -116,10 +171,12 @@ def restore(
     model: Transformer,
     optimizer: optax.GradientTransformation,
     placement: Placement | None = None,
+    opt_state_shardings: Any = None,
 ) -> Restored:
     """The latest checkpoint of `run_dir` for `model` (real or abstract: only its structure,
     config and policy are read), its parameters and `optimizer`'s state placed in their
-    shardings."""
+    shardings: the placement's, or `opt_state_shardings` for the state (e.g. in host memory,
+    training/offload.py: read straight there, never whole on a device)."""
     placement = placement or Placement()
     path = latest(run_dir)
     meta = _meta(path, run_dir)
@@ -129,24 +186,36 @@ def restore(
             f"config ({meta.get('config')}); resume with the same --model and overrides"
         )
     params = _shapes(split_trainable(model)[0])
-    opt_state = jax.eval_shape(optimizer.init, params)
-    key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    shardings = None
-    if placement.sharded:
-        shardings = (
-            placement.param_shardings(params),
-            placement.opt_state_shardings(optimizer, params),
-            placement.replicated(),
-        )
+    templates = {
+        "params": _placed(params, placement.param_shardings(params), placement),
+        "opt_state": _placed(
+            jax.eval_shape(optimizer.init, params),
+            opt_state_shardings or placement.opt_state_shardings(optimizer, params),
+            placement,
+            given=opt_state_shardings is not None,
+        ),
+        "rng": _placed(
+            {"key_data": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))},
+            None,
+            placement,
+            replicate=True,
+        ),
+    }
     try:
-        params, opt_state, key_data = restore_state(
-            path, (params, opt_state, key_data), placement=placement, shardings=shardings
-        )
+        state = restore_state(path, templates)
+    except MismatchedState as error:
+        raise ValueError(
+            f"--resume {str(run_dir)!r}: checkpoint {path} holds another state than this run "
+            f"makes ({error}); resume with the settings it was written with (--model, "
+            "--override, --clip, --lora-*)"
+        ) from error
     except CorruptState as error:
         raise ValueError(
-            f"--resume {str(run_dir)!r}: checkpoint {path} is corrupt ({error}); delete it to "
-            "resume from the one before, or start a new run"
+            f"--resume {str(run_dir)!r}: checkpoint {path} is corrupt or not this run's state "
+            f"({error}); delete it to resume from the one before, or start a new run"
         ) from error
+    params, opt_state = state["params"], state["opt_state"]
+    key_data = state["rng"]["key_data"]
     rng = jax.random.wrap_key_data(key_data)
     return Restored(params, opt_state, meta["step"], meta["data_position"], rng, path)
 
@@ -158,6 +227,27 @@ def _is_lora_run(run_dir: str | Path) -> bool:
 
 def _shapes(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _placed(
+    shapes: Any,
+    shardings: Any,
+    placement: Placement,
+    *,
+    replicate: bool = False,
+    given: bool = False,
+) -> Any:
+    """`shapes` (ShapeDtypeStruct leaves) carrying the shardings they are restored into:
+    `shardings` (always when `given`), the mesh's replicated sharding (`replicate`), or the
+    default device without a mesh."""
+    if not given and not placement.sharded:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, shapes)
+    elif not given and replicate:
+        shardings = jax.tree.map(lambda _: placement.replicated(), shapes)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
 
 
 def lora_model(run_dir: str | Path, policy: Policy, placement: Placement) -> Transformer:
@@ -202,12 +292,10 @@ def run_model(
     else:
         params, static = eqx.partition(abstract_model(config, stored), is_float_array_like)
     path = latest(run_dir)
+    template = _placed(params, placement.param_shardings(params), placement)
     try:
-        # The file holds (params, opt_state, rng) in order; reading the first subtree stops there.
-        (params,) = restore_state(
-            path, (params,), placement=placement, shardings=(placement.param_shardings(params),)
-        )
-    except CorruptState as error:
+        params = restore_state(path, {"params": template})["params"]  # not the optimizer state
+    except (CorruptState, MismatchedState) as error:
         raise ValueError(f"checkpoint {path} is corrupt ({error}); delete it") from error
     model = eqx.combine(params, static)
     return model if policy is None else model.with_policy(policy)

@@ -1,37 +1,64 @@
-"""Saving and restoring a pytree of arrays (a training state) in one directory, apart from any
-run-directory layout (training/run_dir.py names and keeps them).
+"""Saving and restoring a training state (named pytrees of arrays plus JSON metadata) with
+orbax-checkpoint, apart from any run-directory layout (training/run_dir.py names the steps).
 
-Format: Equinox serialisation (`eqx.tree_serialise_leaves`: one `state.eqx` file, every leaf's
-exact bytes, so a resume is bit for bit) plus `meta.json` (the caller's metadata and the file's
-SHA-256, so a damaged file is detected). Writing goes to a temporary sibling directory that is
-fsynced and renamed into place: a crash never leaves a half-written state under its real name,
-and a failed write (a full disk) removes its temporary directory and says what happened.
+Format: one directory per step, `<root>/step_00000100/`, written by orbax's `CheckpointManager`:
+one item per pytree (e.g. `params/`, `opt_state/`, `rng/`: tensorstore OCDBT, every process
+writing the shards it holds), `meta/` (the caller's JSON) and, once orbax has finalized the step,
+`sha256.json` (the SHA-256 of every file, written by process 0) so a damaged file is detected.
 
-Restoring reads into a template of the state's shapes and dtypes (`eqx.filter_eval_shape` /
-`jax.eval_shape` leaves: nothing is initialised to be overwritten) and places each array in the
-`Placement`'s shardings. One process writes the whole state (it gathers sharded arrays): a
-multi-host run needs per-process shards (orbax), not this module.
+- Asynchronous: `Writer.save` returns once the arrays are copied off the devices (the time the
+  caller is blocked, returned); the files are written in the background while training goes on.
+  The next save (or `close`) waits for the previous one to finish.
+- Atomic: orbax writes into `<name>.orbax-checkpoint-tmp` and renames it when every process has
+  finished (its finalization), so a crash never leaves a partial step under its real name; the
+  temporary directory is not a checkpoint (run_dir's listing ignores it) and orbax removes it the
+  next time a writer opens the directory.
+- Keep-K: orbax deletes all but the newest `keep` steps after each save.
+- Restoring reads into templates of `jax.ShapeDtypeStruct` leaves that carry their target
+  shardings: each process reads only the shards its devices hold, on any mesh and any number of
+  processes (nothing is gathered on one host).
 """
 
+import contextlib
 import errno
 import hashlib
 import json
-import os
-import shutil
+import threading
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
-import numpy as np
 from jaxtyping import PyTree
 
-from shard import Placement
+STEP_PREFIX, STEP_DIGITS = "step", 8
+META, SHA256 = "meta", "sha256.json"
+LEGACY_STATE = "state.eqx"  # the Equinox-format checkpoints written before orbax
 
-STATE, META = "state.eqx", "meta.json"
+
+class CorruptState(ValueError):
+    """A state directory that cannot be read back as it was written."""
 
 
-def sha256(path: Path) -> str:
+class MismatchedState(ValueError):
+    """A state directory intact, but holding other arrays than the template asks for."""
+
+
+def _ocp():
+    # Imported on first use: orbax brings in tensorstore and asyncio machinery that most
+    # commands (inference, the plan printer) never need.
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """A step directory's files (every level), not counting its SHA-256 record."""
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SHA256)
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -39,67 +66,207 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_state(directory: str | Path, tree: PyTree, meta: dict[str, Any]) -> Path:
-    """Write `tree` (arrays, possibly sharded) and `meta` (JSON-ready) to `directory`
-    atomically, replacing a state already there."""
-    final = Path(directory)
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        state = tmp / STATE
-        eqx.tree_serialise_leaves(state, jax.device_get(tree))
-        (tmp / META).write_text(json.dumps({**meta, "sha256": sha256(state)}, indent=1))
-        for f in (state, tmp / META):
-            with f.open("rb") as handle:
-                os.fsync(handle.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if error.errno == errno.ENOSPC:
+def _write_checksums(directory: Path) -> None:
+    sums = {str(p.relative_to(directory)): _sha256(p) for p in checkpoint_files(directory)}
+    tmp = directory / f".{SHA256}.tmp"
+    tmp.write_text(json.dumps(sums, indent=0))
+    tmp.rename(directory / SHA256)
+
+
+class Writer:
+    """Writes steps under `root` with orbax (asynchronously unless `asynchronous=False`) and
+    keeps the newest `keep` (0: all). Every process of a multi-process run makes one and calls
+    `save` with the same step."""
+
+    def __init__(self, root: str | Path, *, keep: int, asynchronous: bool = True):
+        ocp = _ocp()
+        self.root = Path(root)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep if keep > 0 else None,
+            step_name_format=ocp.step.standard_name_format(
+                step_prefix=STEP_PREFIX, step_format_fixed_length=STEP_DIGITS
+            ),
+            enable_async_checkpointing=asynchronous,
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.root, options=options)
+        self._checksum: threading.Thread | None = None
+        self._failed: Exception | None = None
+
+    def path(self, step: int) -> Path:
+        return self.root / f"{STEP_PREFIX}_{step:0{STEP_DIGITS}d}"
+
+    def save(self, step: int, trees: Mapping[str, PyTree], meta: dict[str, Any]) -> float:
+        """Start writing `trees` (item name -> pytree of arrays) and `meta` (JSON-ready) as
+        step `step`. Returns the seconds the caller was blocked: waiting for the previous save,
+        and copying the arrays off the devices (they may be donated or changed after this)."""
+        ocp = _ocp()
+        start = time.perf_counter()
+        self._finish_previous()
+        # orbax refuses a tree without arrays (an optimizer without state): nothing to write,
+        # and `restore_state` gives such a template back as it is.
+        items = {
+            name: ocp.args.StandardSave(tree)
+            for name, tree in trees.items()
+            if jax.tree.leaves(tree)
+        }
+        items[META] = ocp.args.JsonSave(meta)
+        with self._disk_errors():
+            self._manager.save(step, args=ocp.args.Composite(**items))
+        # The checksums need the finalized files: a thread waits for them and hashes them
+        # while the caller trains on (only process 0 writes; every process waits).
+        path = self.path(step)
+
+        def finalize():
+            try:
+                self._manager.wait_until_finished()
+                if jax.process_index() == 0:
+                    _write_checksums(path)
+            except Exception as error:  # raised to the caller by the next save or close
+                self._failed = error
+
+        self._checksum = threading.Thread(target=finalize, name=f"checksum-{step}")
+        self._checksum.start()
+        return time.perf_counter() - start
+
+    def _finish_previous(self) -> None:
+        if self._checksum is not None:
+            self._checksum.join()
+            self._checksum = None
+        failed, self._failed = self._failed, None
+        with self._disk_errors():
+            if failed is not None:
+                raise failed  # the background write's (or checksum's) error
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        """A full disk, wherever in orbax or tensorstore it shows, as an error that says what
+        to do (the step's temporary directory is removed when a writer next opens the run)."""
+        try:
+            yield
+        except Exception as error:
+            if getattr(error, "errno", None) != errno.ENOSPC and "No space left" not in str(error):
+                raise
             raise OSError(
                 errno.ENOSPC,
-                f"no space left on the disk holding {final.parent} while writing a checkpoint; "
+                f"no space left on the disk holding {self.root} while writing a checkpoint; "
                 "free some space (or lower --keep) and resume from the last complete checkpoint",
             ) from error
-        raise
-    return final
+
+    def close(self) -> float:
+        """Wait for the last save to be finalized; the seconds waited."""
+        start = time.perf_counter()
+        try:
+            self._finish_previous()
+        finally:
+            self._manager.close()
+        return time.perf_counter() - start
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class CorruptState(ValueError):
-    """A state directory that cannot be read back as it was written."""
+def check_complete(directory: str | Path) -> None:
+    """A CorruptState unless `directory` is a finalized orbax step whose files match the
+    SHA-256 recorded after it was written (a step finalized just before a crash may lack the
+    record: then orbax's own metadata is all that is checked)."""
+    directory = Path(directory)
+    if (directory / LEGACY_STATE).exists():
+        raise CorruptState(f"{directory}: an Equinox-format checkpoint ({LEGACY_STATE})")
+    if not (directory / "_CHECKPOINT_METADATA").is_file() or not (directory / META).is_dir():
+        raise CorruptState(
+            f"{directory}: not a finalized orbax checkpoint (no _CHECKPOINT_METADATA or {META}/)"
+        )
+    record = directory / SHA256
+    if not record.exists():
+        return
+    try:
+        expected = json.loads(record.read_text())
+    except (OSError, ValueError) as error:
+        raise CorruptState(f"{directory}: unreadable {SHA256}: {error}") from error
+    missing = [name for name in expected if not (directory / name).is_file()]
+    if missing:
+        raise CorruptState(
+            f"{directory}: {len(missing)} of its {len(expected)} files are missing "
+            f"(e.g. {missing[0]})"
+        )
+    for name, digest in expected.items():
+        if _sha256(directory / name) != digest:
+            raise CorruptState(f"{directory}: {name} does not match its SHA-256")
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
-    """`meta.json` of a state directory, after checking `state.eqx` against its SHA-256."""
-    directory = Path(directory)
+    """The metadata of a state directory, after `check_complete`."""
+    check_complete(directory)
+    ocp = _ocp()
     try:
-        meta = json.loads((directory / META).read_text())
-        expected = meta["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CorruptState(f"{directory}: unreadable {META}: {error}") from error
-    state = directory / STATE
-    if not state.is_file() or sha256(state) != expected:
-        raise CorruptState(f"{directory}: {STATE} is missing or does not match its SHA-256")
-    return meta
-
-
-def restore_state(
-    directory: str | Path,
-    template: PyTree,
-    *,
-    placement: Placement | None = None,
-    shardings: PyTree = None,
-) -> PyTree:
-    """The state saved in `directory`, read into `template`'s structure (abstract leaves are
-    fine) and put on the device(s) (in `shardings` under a sharded `placement`). Reads a prefix
-    when `template` covers only the first subtrees of what was saved."""
-    directory = Path(directory)
-    try:
-        host = eqx.tree_deserialise_leaves(directory / STATE, template)
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+            return reader.restore(Path(directory) / META)
     except Exception as error:
-        raise CorruptState(f"{directory}: cannot read {STATE}: {error}") from error
-    host = jax.tree.map(np.asarray, host)
-    return (placement or Placement()).put(host, shardings)
+        raise CorruptState(f"{directory}: unreadable {META}: {error}") from error
+
+
+def restore_state(directory: str | Path, templates: Mapping[str, PyTree]) -> dict[str, PyTree]:
+    """The items named in `templates` (a subset of those saved is fine) read from `directory`
+    into their templates' structure, each leaf a `jax.ShapeDtypeStruct` with the sharding it
+    is restored into. Shapes, dtypes and tree structure must match what was saved."""
+    ocp = _ocp()
+    directory = Path(directory)
+    restored = {}
+    for name, template in templates.items():
+        if not jax.tree.leaves(template):
+            restored[name] = template
+            continue
+        try:
+            _check_shapes(name, template, saved_arrays(directory, name))
+            with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
+                restored[name] = reader.restore(
+                    directory / name, args=ocp.args.StandardRestore(template)
+                )
+        except MismatchedState:
+            raise
+        except Exception as error:
+            raise CorruptState(f"{directory}: cannot read {name}/: {error}") from error
+    return restored
+
+
+def saved_arrays(directory: str | Path, name: str) -> dict[str, Any]:
+    """The arrays of item `name` as saved (orbax's metadata: `.shape`, `.dtype`), by path."""
+    ocp = _ocp()
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
+        return _by_name(reader.metadata(Path(directory) / name).item_metadata)
+
+
+def _check_shapes(name: str, template: PyTree, have: dict[str, Any]) -> None:
+    """Each saved array has its template's shape and dtype (orbax would read a shape mismatch
+    as padding or truncation): the first difference, named by its path."""
+    want = _by_name(template)
+    if len(want) != len(have):
+        raise MismatchedState(f"{name}/ holds {len(have)} arrays where {len(want)} are expected")
+    for path, leaf in want.items():
+        found = have.get(path)
+        if found is None:
+            raise MismatchedState(f"{name}/ has no array {path}")
+        if tuple(found.shape) != tuple(leaf.shape) or found.dtype != leaf.dtype:
+            raise MismatchedState(
+                f"{name}/{path} is {found.dtype}{list(found.shape)}, "
+                f"expected {leaf.dtype}{list(leaf.shape)}"
+            )
+
+
+def _by_name(tree: PyTree) -> dict[str, Any]:
+    """Leaves by their path as orbax names them (`0.mu.embed.weight`): a module's attributes
+    and a dict's keys alike, so a template and the saved metadata compare."""
+
+    def name(key) -> str:
+        for field in ("name", "key", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(name(k) for k in path): leaf for path, leaf in leaves}

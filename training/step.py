@@ -152,17 +152,22 @@ def compile_steps(
     placement: Placement | None = None,
     model: Transformer | None = None,
     aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS,
+    opt_state_memory: tuple[Any, Any] | None = None,
 ) -> tuple[Bound, Bound]:
     """The jitted (train_step(params, opt_state, batch), eval_step(params, batch)), with the
     frozen arrays of `static` bound as arguments (`Bound`). Parameters and optimizer state are
     donated: the step updates them in place instead of holding two copies. With a sharded
-    `placement`, `model` (real or abstract) gives the shardings."""
+    `placement`, `model` (real or abstract) gives the shardings. `opt_state_memory`, the
+    optimizer state's (device, host) shardings (training/offload.py), keeps the state in host
+    memory between steps: the step copies it in and back out."""
     placement = placement or Placement()
     frozen, skeleton = eqx.partition(static, is_array_like)
 
     def train(params, frozen, opt_state, batch):
+        if opt_state_memory is not None:
+            opt_state = jax.device_put(opt_state, opt_state_memory[0])
         with placement.context():
-            return train_step(
+            params, opt_state, metrics = train_step(
                 params,
                 opt_state,
                 batch,
@@ -171,6 +176,9 @@ def compile_steps(
                 accum=accum,
                 aux_weights=aux_weights,
             )
+        if opt_state_memory is not None:
+            opt_state = jax.device_put(opt_state, opt_state_memory[1])
+        return params, opt_state, metrics
 
     def evaluate(params, frozen, batch):
         with placement.context():
@@ -178,6 +186,14 @@ def compile_steps(
 
     if not placement.sharded:
         train_jit = jax.jit(train, donate_argnums=(0, 2))
+        if opt_state_memory is not None:  # None: as the argument is placed
+            host = opt_state_memory[1]
+            train_jit = jax.jit(
+                train,
+                in_shardings=(None, None, host, None),
+                out_shardings=(None, host, None),
+                donate_argnums=(0, 2),
+            )
         return Bound(train_jit, frozen), Bound(jax.jit(evaluate), frozen)
     if model is None:
         raise ValueError("compile_steps with a mesh needs the model to read its shardings from")
@@ -185,6 +201,8 @@ def compile_steps(
     params_s = placement.param_shardings(trainable)
     frozen_s = placement.param_shardings(eqx.filter(frozen_model, is_array_like))
     state_s = placement.opt_state_shardings(optimizer, trainable)
+    if opt_state_memory is not None:
+        state_s = opt_state_memory[1]
     batch_s = placement.batch_sharding()
     replicated = placement.replicated()
     train_jit = jax.jit(

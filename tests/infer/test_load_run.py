@@ -11,6 +11,7 @@ import zoo
 from data.tokenizers import from_ranks, save_ranks
 from training import run_dir
 from training.optimizer import adamw, learning_rate
+from training.state import checkpoint_files
 from training.step import split_model
 
 
@@ -43,6 +44,7 @@ def test_load_run_detects_a_damaged_checkpoint(tmp_path):
     params, _ = split_model(zoo.Transformer(config, key=jax.random.key(0)))
     path = run_dir.save(tmp_path, params=params, opt_state=(), step=1, data_position=0,
                            rng=jax.random.key(0), config=config, policy=zoo.Policy())  # fmt: skip
-    (path / "state.eqx").write_bytes(b"broken")
+    largest = max(checkpoint_files(path / "params"), key=lambda f: f.stat().st_size)
+    largest.write_bytes(b"broken")
     with pytest.raises(ValueError, match="corrupt"):
         run_dir.load_run(tmp_path)

@@ -20,7 +20,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(worker_args: list[str], devices: int) -> subprocess.Popen:
+def start(
+    worker_args: list[str], devices: int, worker: str = "tests/shard/multihost_worker.py"
+) -> subprocess.Popen:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -30,9 +32,8 @@ def start(worker_args: list[str], devices: int) -> subprocess.Popen:
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
         "--xla_backend_optimization_level=0",
     }
-    worker = ROOT / "tests" / "shard" / "multihost_worker.py"
     return subprocess.Popen(
-        [sys.executable, str(worker), *worker_args],
+        [sys.executable, str(ROOT / worker), *worker_args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import zoo
+from training.run_dir import checkpoints as run_dir_checkpoints
 
 
 def write_corpus(path: Path, n_docs: int = 24, chars: int = 1500) -> Path:
@@ -78,7 +79,7 @@ def stopped_copy(run_dir: Path, out: Path, step: int) -> Path:
     """`run_dir` as it was when its run stopped after the checkpoint of `step` (later
     checkpoints and metrics dropped): what a killed run leaves to --resume."""
     shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns(".lock"))
-    for checkpoint in (out / "checkpoints").iterdir():
+    for checkpoint in run_dir_checkpoints(out):  # finalized ones; orbax clears its temporaries
         if int(checkpoint.name.removeprefix("step_")) > step:
             shutil.rmtree(checkpoint)
     lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -1,4 +1,4 @@
-"""train.py --mesh: the sharded step agrees with the one-device run, resumes from gathered
+"""train.py --mesh: the sharded step agrees with the one-device run, resumes from its
 checkpoints, and a bad mesh is refused before anything loads or compiles (8 fake CPU devices)."""
 
 import json
@@ -31,7 +31,7 @@ def test_sharded_run_matches_one_device_and_resumes(tmp_path, tiny_argv, full_ru
     np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=1e-4)
     np.testing.assert_allclose(sharded.val_loss, plain.val_loss, rtol=1e-4)
 
-    # Resume the sharded run from its step-3 checkpoint (saved gathered, placed back sharded).
+    # Resume the sharded run from its step-3 checkpoint (each shard saved and restored in place).
     resumed = stopped_copy(tmp_path / "mesh", tmp_path / "resumed", step=3)
     train.main([*argv, "--mesh", "fsdp=4,tensor=2", "--resume", str(resumed)])
     again = _losses(resumed)

@@ -9,7 +9,7 @@ import pytest
 import shard
 import zoo
 from shard.axes import is_array_like
-from training.plan import main, plan
+from training.plan import format_plan, main, plan
 from zoo.math import HARDWARE
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
@@ -134,3 +134,15 @@ def test_pipeline_plan_splits_the_layers_and_predicts_the_bubble():
     with pytest.raises(ValueError, match="pipeline size 4 does not divide the 3 layers"):
         plan(CONFIG.replace(n_layers=3), NAIVE, rules, bad, batch=8, seq=16, hardware=h100,
              microbatches=4)  # fmt: skip
+
+
+def test_offloaded_adam_state_moves_to_the_host_line():
+    rules, h100 = shard.ShardingRules.preset("fsdp"), HARDWARE["h100"]
+    kept = plan(CONFIG, NAIVE, rules, MESHES["fsdp"], batch=8, seq=16, hardware=h100)
+    moved = plan(
+        CONFIG, NAIVE, rules, MESHES["fsdp"], batch=8, seq=16, hardware=h100,
+        offload_opt_state=True,
+    )  # fmt: skip
+    assert (moved.adam_state, moved.adam_state_on_host) == (0, kept.adam_state)
+    assert moved.params == kept.params and moved.grads == kept.grads
+    assert "in host memory" in format_plan(moved) and "in host memory" not in format_plan(kept)

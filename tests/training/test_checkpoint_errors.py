@@ -1,0 +1,79 @@
+"""A checkpoint that cannot be restored as asked gets an error naming what differs, and every
+file of it stays as it was: another model's checkpoint, another optimizer's state, an
+incomplete or damaged orbax directory, a mesh that cannot hold the state."""
+
+import shutil
+
+import jax
+import pytest
+
+import shard
+import zoo
+from training import run_dir
+from training.optimizer import adamw
+from training.state import checkpoint_files
+from training.step import split_model
+
+CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
+
+
+def snapshot(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*")
+            if p.is_file()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run directory holding one checkpoint (step 1) of CONFIG with AdamW (clipping on)."""
+    root = tmp_path_factory.mktemp("saved")
+    params, _ = split_model(zoo.Transformer(CONFIG, key=jax.random.key(0)))
+    opt_state = adamw(lambda _: 1e-3).init(params)
+    run_dir.save(root, params=params, opt_state=opt_state, step=1, data_position=4,
+                 rng=jax.random.key(0), config=CONFIG, policy=zoo.Policy())  # fmt: skip
+    return root
+
+
+def restore(run, config=CONFIG, clip=1.0, placement=None):
+    model = run_dir.abstract_model(config, zoo.Policy())
+    optimizer = adamw(lambda _: 1e-3, clip=clip)
+    return run_dir.restore(run, model=model, optimizer=optimizer, placement=placement)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("another model", r"written for a different model config .*'n_layers': 1"),
+        ("another optimizer", r"another state .*opt_state/ has no array 0\.0\.count.*--clip"),
+        ("tensor=8 mesh", r"does not divide by mesh axis"),
+        ("a file missing", r"1 of its \d+ files are missing"),
+        ("unfinalized", r"not a finalized orbax checkpoint \(no _CHECKPOINT_METADATA"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_restored_says_why_and_stays(saved, tmp_path, case, message):
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    step = run_dir.latest(run)
+    if case == "a file missing":
+        max(checkpoint_files(step / "params"), key=lambda f: f.stat().st_size).unlink()
+    if case == "unfinalized":
+        (step / "_CHECKPOINT_METADATA").unlink()
+    before = snapshot(run)
+    kwargs = {
+        "another model": {"config": CONFIG.replace(n_layers=2)},
+        "another optimizer": {"clip": 0.0},
+        "tensor=8 mesh": {
+            "placement": shard.Placement(shard.mesh(tensor=8), shard.ShardingRules.preset("tp"))
+        },
+    }.get(case, {})
+    with pytest.raises(ValueError, match=message):
+        restore(run, **kwargs)
+    assert snapshot(run) == before
+
+
+def test_an_unfinished_write_is_not_a_checkpoint(saved, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    partial = run / "checkpoints" / "step_00000002.orbax-checkpoint-tmp"
+    shutil.copytree(run_dir.latest(run), partial)
+    assert run_dir.latest(run).name == "step_00000001"
+    assert restore(run).step == 1
