@@ -71,7 +71,9 @@ def test_sharded_init_equals_unsharded_init(initialiser):
     sharded = eqx.combine(compiled(KEY), static)
     plain = one_device_init(KEY)
     assert plain.stacks[0].blocks[0].mlp.up.weight.sharding.num_devices == 1
-    assert sharded.stacks[0].blocks[0].mlp.up.weight.sharding.spec == jax.P(None, "fsdp", "tensor")
+    assert sharded.stacks[0].blocks[0].mlp.up.weight.sharding.spec == jax.P(
+        "pipeline", "fsdp", "tensor"
+    )
     for a, b in zip(
         jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
         jax.tree.leaves(eqx.filter(plain, eqx.is_array)),

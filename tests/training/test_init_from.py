@@ -88,7 +88,8 @@ def test_init_from_loads_straight_into_the_mesh(tmp_path, tiny_argv, pretrained)
                      init_from=pretrained)  # fmt: skip
     model = train.main(argv).model
     q_proj = model.stacks[0].blocks[0].attn.q_proj.weight
-    assert q_proj.sharding.spec == jax.P(None, "fsdp", "tensor", None)  # layers embed heads d
+    # layers embed heads d; the layer axis maps to `pipeline` (size 1 here: not split).
+    assert q_proj.sharding.spec == jax.P("pipeline", "fsdp", "tensor", None)
 
 
 def test_flags_that_contradict_the_checkpoint_are_refused(tmp_path, tiny_argv, pretrained):
