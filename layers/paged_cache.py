@@ -56,7 +56,6 @@ class PagedSlot(eqx.Module):
     lengths: Int[Array, " batch"]
     positions: Int[Array, "batch seq"]
     valid: Bool[Array, "batch seq"]
-    sliding_window: int | None = eqx.field(static=True)
     decode_kernel: PallasDecodeKernel | None = eqx.field(static=True)
 
     @property
@@ -97,7 +96,12 @@ class PagedSlot(eqx.Module):
         v: Float[Array, "batch seq kv_heads head_dim"],
         mask: AttentionMask,
         kernel,
+        *,
+        softcap: float | None = None,
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "PagedSlot"]:
+        """Write k, v into the pages, then attend: the decode kernel for one-token steps when
+        there is one, else `kernel` over the gathered pages. The window is the mask's (this
+        layer's, possibly traced)."""
         pages = LayerPages(self._write(self.pages.k, k), self._write(self.pages.v, v))
         view = eqx.tree_at(lambda s: s.pages, self, pages)
         if self.decode_kernel is not None and q.shape[1] == 1:
@@ -108,11 +112,12 @@ class PagedSlot(eqx.Module):
                 )
             out = paged_attention(
                 q, pages.k, pages.v, self.page_table, self.lengths,
-                q_positions=self.positions, sliding_window=self.sliding_window,
-                kernel=self.decode_kernel,
+                q_positions=self.positions, sliding_window=mask.sliding_window,
+                softcap=softcap, kernel=self.decode_kernel,
             )  # fmt: skip
             return out, view
-        return kernel(q, self._contiguous(pages.k), self._contiguous(pages.v), mask), view
+        k_all, v_all = self._contiguous(pages.k), self._contiguous(pages.v)
+        return kernel(q, k_all, v_all, mask, softcap=softcap), view
 
 
 class PagedKVCache(eqx.Module):
@@ -136,7 +141,7 @@ class PagedKVCache(eqx.Module):
         return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel)
 
     def append(
-        self, valid: Int[Array, "batch seq"], *, sliding_window: int | None = None
+        self, valid: Int[Array, "batch seq"], *, sliding_window: Int[Array, ""] | int | None = None
     ) -> Appended:
         """`seq` new tokens per row (`valid` marks real ones), at each row's next positions;
         the mask lets each attend causally to its row's tokens (slot j of a row's contiguous
@@ -158,8 +163,7 @@ class PagedKVCache(eqx.Module):
 
         def view(pages: LayerPages, layer) -> PagedSlot:
             return PagedSlot(
-                pages, layer, self.page_table, lengths, positions, valid > 0,
-                sliding_window, self.decode_kernel,
+                pages, layer, self.page_table, lengths, positions, valid > 0, self.decode_kernel
             )  # fmt: skip
 
         return Appended(cache, positions, mask, view)

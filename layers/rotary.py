@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoFormer, Su et al. 2021) with Llama-3 frequency scaling.
+"""Rotary position embeddings (RoFormer, Su et al. 2021) with Llama-3 or linear (position
+interpolation, Chen et al. 2023) frequency scaling.
 
 Uses the "rotate half" layout of HF Llama checkpoints: a head vector is split into two halves
 (x1, x2) and rotated pairwise as (x1 cos - x2 sin, x2 cos + x1 sin).
@@ -6,6 +7,7 @@ Uses the "rotate half" layout of HF Llama checkpoints: a head vector is split in
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +17,11 @@ from jaxtyping import Array, Float, Int
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """Llama-3.1's frequency scaling: long wavelengths are divided by `factor`, short ones kept,
-    and the band between is interpolated smoothly (the "llama3" rope_type in HF configs)."""
+    and the band between is interpolated smoothly (the "llama3" rope_type in HF configs).
+    `kind="linear"`: every frequency divided by `factor`, i.e. positions / factor (HF's "linear";
+    Gemma 3's global layers); the other fields are then unused."""
 
+    kind: Literal["llama3", "linear"] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -25,7 +30,9 @@ class RopeScaling:
     def __post_init__(self):
         if self.factor <= 0:
             raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.kind not in ("llama3", "linear"):
+            raise ValueError(f"RopeScaling.kind={self.kind!r} is unknown; choose llama3 or linear")
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 "RopeScaling.high_freq_factor must exceed low_freq_factor, got "
                 f"{self.high_freq_factor} <= {self.low_freq_factor}"
@@ -33,11 +40,13 @@ class RopeScaling:
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """The `head_dim / 2` angular frequencies theta^(-2i/head_dim), optionally Llama-3 scaled.
+    """The `head_dim / 2` angular frequencies theta^(-2i/head_dim), optionally scaled.
     Computed with NumPy in float64: they are constants of the traced program."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
     low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
