@@ -17,7 +17,8 @@ A layer's arrays may carry leading stacked dims (`[layers, ...]`), mirroring wei
 
 The forward pass sees a cache through one protocol, which the paged cache (layers/paged_cache.py)
 shares: `append(valid, sliding_window=) -> Appended` (the bookkeeping, positions, mask and a
-per-layer `view`), the view's `attend(q, k, v, mask, kernel, *, softcap) -> (out, view)`, `with_layers`.
+per-layer `view`), the view's `attend(q, k, v, mask, kernel, *, softcap) -> (out, view)`,
+`with_layers`.
 """
 
 from collections.abc import Callable

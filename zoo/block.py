@@ -25,9 +25,7 @@ Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
 def make_norm(config: Config, dtype: DTypeLike) -> LayerNorm | RMSNorm:
     if config.norm == "layernorm":
         return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.bias, dtype=dtype)
-    return RMSNorm(
-        config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype
-    )
+    return RMSNorm(config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype)
 
 
 class Block(eqx.Module):

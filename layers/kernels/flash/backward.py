@@ -30,11 +30,11 @@ from jax.experimental.pallas import triton as plgpu
 from layers.kernels.flash.config import Plan
 from layers.kernels.flash.forward import (
     LOG2E,
+    WINDOW_SPEC,
     compiler_params,
     dot_nn,
     dot_nt,
     dot_tn,
-    WINDOW_SPEC,
     heaviest_first,
     scores,
     softcap_slope,
