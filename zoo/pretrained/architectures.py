@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 from zoo.config import Config
-from zoo.pretrained import gpt2, llama, mixtral
+from zoo.pretrained import gemma, gpt2, llama, mixtral
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -62,6 +62,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPT2LMHeadModel": _from_module("GPT2LMHeadModel", "transformer.", gpt2),
     "LlamaForCausalLM": _from_module("LlamaForCausalLM", "model.", llama),
     "MixtralForCausalLM": _from_module("MixtralForCausalLM", "model.", mixtral),
+    "Gemma2ForCausalLM": _from_module("Gemma2ForCausalLM", "model.", gemma.GEMMA2),
+    "Gemma3ForCausalLM": _from_module("Gemma3ForCausalLM", "model.", gemma.GEMMA3),
 }
 
 
