@@ -256,8 +256,9 @@ def tensors(c: Config) -> list[TensorGroup]:
     groups = [
         same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
         same("final_norm.scale", "model.norm.weight", (d,)),
-        *(same(f"blocks.{ours}.scale", f"{layer}{theirs}.weight", (d,)) for ours, theirs in norms.items()),
-    ]  # fmt: skip
+    ]
+    for ours, theirs in norms.items():
+        groups.append(same(f"blocks.{ours}.scale", f"{layer}{theirs}.weight", (d,)))
     if c.qk_norm:
         for name in ("q_norm", "k_norm"):
             groups.append(same(f"blocks.attn.{name}.scale", f"{a}{name}.weight", (c.head_dim,)))
