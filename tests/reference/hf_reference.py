@@ -2,7 +2,8 @@
 Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does one job:
 
     python hf_reference.py tiny JOB.json     # tiny random models -> save_pretrained + logits,
-                                             # and logits of dirs written by zoo.save_pretrained
+                                             # and logits of dirs written by zoo.save_pretrained;
+                                             # parameter counts of JOB["meta"] configs
     python hf_reference.py smollm2 JOB.json  # the SmolLM2 GGUF: logits, greedy text, token ids
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
     python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
@@ -39,6 +40,21 @@ def randomize(model: torch.nn.Module) -> None:
 def tiny(job: dict) -> None:
     build(job)
     reload(job)
+    count(job)
+
+
+def count(job: dict) -> None:
+    """Each of job["meta"] ({name: config.json dict}) built on torch's meta device (no memory,
+    no init): its parameter count to out/meta.json."""
+    counts = {}
+    for name, hf in job.get("meta", {}).items():
+        hf = {k: v for k, v in hf.items() if k not in ("architectures", "dtype")}
+        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        counts[name] = sum(p.numel() for p in model.parameters())
+    with open(os.path.join(job["out"], "meta.json"), "w") as f:
+        json.dump(counts, f)
 
 
 def build(job: dict) -> None:

@@ -10,6 +10,8 @@ small enough to matter, Gemma 3's per-layer-type rope with linear scaling on the
 One reference job (one subprocess) serves the module; forwards are jitted once per config.
 """
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,9 @@ from layers.kernels import Naive
 from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
 from tests.zoo.random_model import VOCAB, random_model
-from zoo.pretrained.hf_config import config_from_hf
+from zoo.math import param_count
+from zoo.pretrained.architectures import architecture_for
+from zoo.pretrained.hf_config import config_from_hf, config_to_hf
 
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, (2, 12)).tolist()
 _BASE = {
@@ -117,6 +121,7 @@ ZOO_CONFIGS = {
         rope_scaling=RopeScaling(kind="linear", factor=4.0),
     ),
 }  # fmt: skip
+PRESETS = ["gemma2-2b", "gemma2-9b", "gemma3-1b", "gemma3-4b"]
 NAIVE = zoo.Policy(attention=Naive())
 forward = eqx.filter_jit(lambda model, tokens: model(tokens))
 
@@ -138,7 +143,13 @@ def reference(tmp_path_factory, zoo_models):
     out = tmp_path_factory.mktemp("gemma")
     for name, model in zoo_models.items():
         zoo.save_pretrained(model, out / name)
-    run_reference("tiny", {"models": MODELS, "dirs": list(ZOO_CONFIGS), "tokens": TOKENS}, out)
+    # The presets' config.json as save_pretrained would write it, for HF's meta-device count.
+    meta = {}
+    for name in PRESETS:
+        config = zoo.preset(name)
+        meta[name] = config_to_hf(architecture_for(config), config, "float32")
+    job = {"models": MODELS, "dirs": list(ZOO_CONFIGS), "tokens": TOKENS, "meta": meta}
+    run_reference("tiny", job, out)
     return out
 
 
@@ -214,6 +225,17 @@ def test_engine_equals_full_forward(loaded):
         assert request.done and request.tokens == row[len(prompt) - 1 : len(prompt) + 4].tolist()
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_parameter_counts_match_transformers(reference, name):
+    """zoo.math's exact count equals the HF model's, built on the meta device from the preset's
+    own config.json; and our model has that many parameters (shapes only, no memory)."""
+    counts = json.loads((reference / "meta.json").read_text())
+    config = zoo.preset(name)
+    skeleton = eqx.filter_eval_shape(zoo.Transformer, config, key=jax.random.key(0))
+    ours = sum(x.size for x in jax.tree.leaves(skeleton) if isinstance(x, jax.ShapeDtypeStruct))
+    assert param_count(config) == counts[name] == ours
+
+
 # --- configs in older spellings, and what is refused -------------------------------------------
 
 _GEMMA3_HF = {
@@ -285,3 +307,99 @@ def test_bad_pattern_configs_are_refused(changes, message):
 def test_layer_types_survive_json():
     config = ZOO_CONFIGS["zoo-gemma3"]
     assert zoo.Config.from_dict(config.to_dict()) == config
+
+
+# --- GGUF (llama.cpp's gemma2 / gemma3) --------------------------------------------------------
+
+# HF name -> GGUF name, as llama.cpp's convert_hf_to_gguf.py writes Gemma (gguf.constants'
+# MODEL_TENSORS for GEMMA2 / GEMMA3).
+_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# GGUF can say only what llama.cpp reads: score scale 1/sqrt(head_dim), global layers every 2nd
+# (Gemma 2) or 6th (Gemma 3), local rope theta 10000.
+GGUF_CONFIGS = {
+    "gemma2": ZOO_CONFIGS["zoo-gemma2"].replace(query_scale=None),
+    "gemma3": ZOO_CONFIGS["zoo-gemma3"].replace(
+        n_layers=7, sliding_window=4, layer_types=("sliding",) * 5 + ("full", "sliding"),
+        local_rope_theta=10_000.0, rope_theta=1e6,
+    ),
+}  # fmt: skip
+
+
+def write_gemma_gguf(model: zoo.Transformer, arch: str, directory) -> str:
+    """The model as convert_hf_to_gguf.py would write its HF checkpoint: GGUF names, 1 added to
+    every norm weight, the metadata llama.cpp reads."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    c = model.config
+    zoo.save_pretrained(model, directory / "hf")
+    path = str(directory / f"{arch}.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.max_seq_len)
+    writer.add_embedding_length(c.d_model)
+    writer.add_feed_forward_length(c.d_ff)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_softcap)
+        writer.add_final_logit_softcapping(c.final_softcap)
+    else:
+        writer.add_rope_freq_base(c.rope_theta)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_scaling.factor)
+    for name, w in load_file(directory / "hf" / "model.safetensors").items():
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{layer}.{_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]  # fmt: skip
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", list(GGUF_CONFIGS))
+def test_gguf_loads_like_the_model_it_was_written_from(tmp_path, arch):
+    model = random_model(GGUF_CONFIGS[arch], 7).with_policy(NAIVE)
+    loaded = zoo.load_pretrained(write_gemma_gguf(model, arch, tmp_path), policy=NAIVE)
+    # GGUF stores the norm epsilon as a float32.
+    assert loaded.config.norm_eps == pytest.approx(model.config.norm_eps, rel=1e-7)
+    assert loaded.config == model.config.replace(norm_eps=loaded.config.norm_eps)
+    want = forward(model, jnp.asarray(TOKENS))
+    # The norms' +1 and -1 round in float32 (offsets ~0.1 + 1 lose ~2^-24 relative).
+    assert relative_error(forward(loaded, jnp.asarray(TOKENS)), np.asarray(want)) < 1e-5
+
+
+def test_scan_loop_and_unrolled_layers_agree(loaded):
+    """Per-layer windows and rope tables reach each layer alike whether the stack is scanned,
+    looped over stacked weights, or stored one block per layer."""
+    model, tokens = loaded["gemma3-gqa-linear-rope"], jnp.asarray(TOKENS)
+    want = forward(model, tokens)
+    for variant in (model.with_policy(scan_layers=False), model.unstacked()):
+        np.testing.assert_allclose(forward(variant, tokens), want, rtol=1e-6, atol=1e-6)
