@@ -177,7 +177,7 @@ _PRESETS: dict[str, Config] = {
         window=512,
         max_seq_len=32768,
         rope_scaling=None,
-    ),  # fmt: skip
+    ),
     # The text part of Gemma 3 4B (its vision tower is not in the zoo).
     "gemma3-4b": _gemma3(
         vocab_size=262208,
@@ -189,7 +189,7 @@ _PRESETS: dict[str, Config] = {
         window=1024,
         max_seq_len=131072,
         rope_scaling=RopeScaling(kind="linear", factor=8.0),
-    ),  # fmt: skip
+    ),
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),
     "tiny-gpt2": _gpt2(2, 64, 4).replace(vocab_size=256, max_seq_len=128),

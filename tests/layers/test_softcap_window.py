@@ -55,9 +55,12 @@ def test_traced_window_still_skips_tiles():
     """The tile bounds come from plain XLA on the positions: a traced window gives the same
     visibility as a static one, so tiles outside it are skipped (most of them here)."""
     pos = jnp.broadcast_to(jnp.arange(128), (1, 128))
-    tiles = lambda w: tile_visibility(
-        pos, pos, None, None, causal=True, window=w, block_q=16, block_k=16
-    )  # noqa: E731,E501
+
+    def tiles(window):
+        return tile_visibility(
+            pos, pos, None, None, causal=True, window=window, block_q=16, block_k=16
+        )
+
     traced = jax.jit(tiles)(jnp.int32(20))
     static = tiles(20)
     for a, b in zip(traced, static, strict=True):
@@ -102,5 +105,5 @@ def test_paged_softcap_and_traced_window_match_naive(kernel):
 def test_xla_refuses_soft_capping():
     q = jnp.zeros((1, 4, 2, 16))
     mask = causal_mask(jnp.arange(4)[None])
-    with pytest.raises(ValueError, match="attention='xla' cannot soft-cap.*use attention='flash'"):
+    with pytest.raises(ValueError, match=r"attention='xla' cannot soft-cap.*use attention='flash'"):
         xla_attention(q, q, q, mask, softcap=CAP)
