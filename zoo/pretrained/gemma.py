@@ -37,6 +37,7 @@ _COMMON_READS = (
     "tie_word_embeddings",
     "query_pre_attn_scalar",
     "sliding_window",
+    "sliding_window_size",
     "layer_types",
     "sliding_window_pattern",
     "_sliding_window_pattern",
@@ -87,6 +88,12 @@ def _check_common(hf: dict, arch: str) -> None:
     if act != "gelu_pytorch_tanh":
         raise ValueError(
             f"{arch} hidden_activation={act!r} is not supported; only 'gelu_pytorch_tanh' (GeGLU)"
+        )
+    size = hf.get("sliding_window_size")
+    if size is not None and size != hf.get("sliding_window"):
+        raise ValueError(
+            f"{arch} sliding_window_size={size} differs from sliding_window="
+            f"{hf.get('sliding_window')}; the older field must repeat the window"
         )
     if hf.get("use_bidirectional_attention"):
         raise ValueError(
