@@ -103,7 +103,8 @@ class Stack(eqx.Module):
         remat = policy.remat != "none" and cache is None
 
         def runner(static):
-            """(x, weights, cache, layer index) -> (x, cache, stats) for blocks `static`."""
+            """(x, weights, cache, layer index, pattern row or None) -> (x, cache, stats) for
+            blocks `static`."""
 
             def run(x, weights, kv, index, row):
                 new_kv, stats = [], []

@@ -40,14 +40,15 @@ def randomize(model: torch.nn.Module) -> None:
 def tiny(job: dict) -> None:
     build(job)
     reload(job)
-    count(job)
+    if job.get("meta"):
+        count(job)
 
 
 def count(job: dict) -> None:
     """Each of job["meta"] ({name: config.json dict}) built on torch's meta device (no memory,
     no init): its parameter count to out/meta.json."""
     counts = {}
-    for name, hf in job.get("meta", {}).items():
+    for name, hf in job["meta"].items():
         hf = {k: v for k, v in hf.items() if k not in ("architectures", "dtype")}
         config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
         with torch.device("meta"):
