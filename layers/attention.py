@@ -1,7 +1,8 @@
 """Multi-head attention (Vaswani et al. 2017) with grouped K/V heads (GQA, Ainslie et al. 2023;
 MQA when n_kv_heads == 1), optional QK-norm, rotary positions, a pluggable kernel and an optional
-KV cache."""
+KV cache; Gemma's score scale (query_pre_attn_scalar) and score soft-capping (Gemma 2)."""
 
+import math
 from typing import Protocol, runtime_checkable
 
 import equinox as eqx
@@ -20,7 +21,9 @@ from layers.rotary import apply_rotary
 class CacheView(Protocol):
     """One layer's view of a KV cache: writes this step's keys and values, then attends."""
 
-    def attend(self, q, k, v, mask: AttentionMask, kernel: AttentionKernel) -> tuple: ...
+    def attend(
+        self, q, k, v, mask: AttentionMask, kernel: AttentionKernel, *, softcap=None
+    ) -> tuple: ...
 
 
 class Attention(eqx.Module):
@@ -28,6 +31,11 @@ class Attention(eqx.Module):
 
     The kernel is an argument of each call (`layers.kernels.Xla()`, `Flash(...)`, ...), not a
     weight: the same module runs under any kernel.
+
+    `query_scale`: scores are scaled by query_scale^-1/2 instead of head_dim^-1/2 (Gemma's
+    query_pre_attn_scalar), done by scaling q by sqrt(head_dim / query_scale) so that kernels
+    keep their one scale. `softcap`: the kernel caps the scaled scores at softcap * tanh(s /
+    softcap) (Gemma 2); a kernel that cannot raises.
     """
 
     q_proj: Linear
@@ -39,6 +47,8 @@ class Attention(eqx.Module):
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+    query_scale: float | None = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -49,8 +59,11 @@ class Attention(eqx.Module):
         head_dim: int,
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
+        norm_plus_one: bool = False,
         use_bias: bool = False,
         qkv_bias: bool = False,
+        query_scale: float | None = None,
+        softcap: float | None = None,
         out_init_std: float | None = None,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
@@ -93,10 +106,13 @@ class Attention(eqx.Module):
             dtype=dtype,
             key=o_key,
         )
-        norm = lambda: RMSNorm(head_dim, eps=norm_eps, axis_name="head_dim", dtype=dtype)  # noqa: E731
+        norm = lambda: RMSNorm(  # noqa: E731
+            head_dim, eps=norm_eps, axis_name="head_dim", plus_one=norm_plus_one, dtype=dtype
+        )
         self.q_norm = norm() if qk_norm else None
         self.k_norm = norm() if qk_norm else None
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.query_scale, self.softcap = query_scale, softcap
 
     def project(
         self,
@@ -107,12 +123,15 @@ class Attention(eqx.Module):
         Float[Array, "batch seq kv_heads head_dim"],
         Float[Array, "batch seq kv_heads head_dim"],
     ]:
-        """q, k, v for these tokens: projected, QK-normed (if on) and rotated (if rope)."""
+        """q, k, v for these tokens: projected, QK-normed (if on) and rotated (if rope); q scaled
+        for `query_scale`."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.query_scale is not None:
+            q = q * jnp.asarray(math.sqrt(self.head_dim / self.query_scale), q.dtype)
         return q, k, v
 
     def __call__(
@@ -130,6 +149,6 @@ class Attention(eqx.Module):
         empty slots)."""
         q, k, v = self.project(x, rope)
         if cache is None:
-            return self.o_proj(kernel(q, k, v, mask)), None
-        out, cache = cache.attend(q, k, v, mask, kernel)
+            return self.o_proj(kernel(q, k, v, mask, softcap=self.softcap)), None
+        out, cache = cache.attend(q, k, v, mask, kernel, softcap=self.softcap)
         return self.o_proj(out), cache

@@ -21,7 +21,8 @@ A layer's arrays may carry leading stacked dims (`[layers, ...]`), mirroring wei
 
 The forward pass sees a cache through one protocol, which the paged cache (layers/paged_cache.py)
 shares: `append(valid, sliding_window=) -> Appended` (the bookkeeping, positions, mask and a
-per-layer `view`), the view's `attend(q, k, v, mask, kernel) -> (out, view)`, `with_layers`.
+per-layer `view`), the view's `attend(q, k, v, mask, kernel, *, softcap) -> (out, view)`,
+`with_layers`.
 """
 
 from collections.abc import Callable
@@ -90,6 +91,8 @@ class KVSlot(eqx.Module):
         v: Float[Array, "batch seq kv_heads head_dim"],
         mask: AttentionMask,
         kernel: Callable,
+        *,
+        softcap: float | None = None,
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "KVSlot"]:
         """Store this step's k, v at `slot`, then `kernel` over every slot of the layer (in the
         kernels' `[batch, kv_seq, kv_heads, head_dim]` view)."""
@@ -105,7 +108,9 @@ class KVSlot(eqx.Module):
             new_v = jax.lax.dynamic_update_slice(self.kv.v, v[None], (i, 0, 0, 0, self.slot))
             layer_k = jax.lax.dynamic_index_in_dim(new_k, i, keepdims=False)
             layer_v = jax.lax.dynamic_index_in_dim(new_v, i, keepdims=False)
-        out = kernel(q, layer_k.transpose(0, 2, 1, 3), layer_v.transpose(0, 3, 1, 2), mask)
+        out = kernel(
+            q, layer_k.transpose(0, 2, 1, 3), layer_v.transpose(0, 3, 1, 2), mask, softcap=softcap
+        )
         return out, KVSlot(LayerKV(new_k, new_v), self.layer, self.slot)
 
     def attend_latent(
@@ -187,7 +192,7 @@ class KVCache(eqx.Module):
         return KVCache(layers, self.positions, self.segment_ids, self.lengths, self.slot)
 
     def append(
-        self, valid: Int[Array, "batch seq"], *, sliding_window: int | None = None
+        self, valid: Int[Array, "batch seq"], *, sliding_window: Int[Array, ""] | int | None = None
     ) -> Appended:
         """Claim slots `[slot, slot + seq)` for `seq` new tokens per row, `valid` marking real
         ones (0 = padding): each real token continues its row from the row's own length, and

@@ -46,11 +46,16 @@ class LayerNorm(eqx.Module):
 
 
 class RMSNorm(eqx.Module):
-    """x / sqrt(mean(x^2) + eps) * scale over the last axis, in float32 (Llama's norm)."""
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis, in float32 (Llama's norm).
+
+    `plus_one`: scale by (1 + scale) instead, in float32 (Gemma's norm: its checkpoints store the
+    offset from 1, and adding 1 in float32 keeps the offset's precision in bfloat16 weights);
+    the scale then starts at 0."""
 
     scale: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+    plus_one: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -58,16 +63,19 @@ class RMSNorm(eqx.Module):
         *,
         eps: float = 1e-5,
         axis_name: str = "embed",
+        plus_one: bool = False,
         dtype: DTypeLike = jnp.float32,
     ):
-        self.scale = jnp.ones((dim,), dtype)
+        self.scale = (jnp.zeros if plus_one else jnp.ones)((dim,), dtype)
         self.eps = eps
         self.axis_name = axis_name
+        self.plus_one = plus_one
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-        return (y * self.scale.astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale.astype(jnp.float32)
+        return (y * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
 
     def logical_axes(self) -> dict[str, tuple[str, ...]]:
         return {"scale": (self.axis_name,)}

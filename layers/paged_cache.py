@@ -74,7 +74,6 @@ class PagedSlot(eqx.Module):
     lengths: Int[Array, " batch"]
     positions: Int[Array, "batch seq"]
     valid: Bool[Array, "batch seq"]
-    sliding_window: int | None = eqx.field(static=True)
     decode_kernel: PallasDecodeKernel | None = eqx.field(static=True)
 
     @property
@@ -115,10 +114,13 @@ class PagedSlot(eqx.Module):
         v: Float[Array, "batch seq kv_heads head_dim"],
         mask: AttentionMask,
         kernel,
+        *,
+        softcap: float | None = None,
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "PagedSlot"]:
+        """Write k, v into the pages, then attend (`_attend_pools`)."""
         pages = LayerPages(self._write(self.pages.k, k), self._write(self.pages.v, v))
         view = eqx.tree_at(lambda s: s.pages, self, pages)
-        return self._attend_pools(q, pages.k, pages.v, mask, kernel), view
+        return self._attend_pools(q, pages.k, pages.v, mask, kernel, softcap), view
 
     def attend_latent(
         self,
@@ -138,9 +140,9 @@ class PagedSlot(eqx.Module):
         view = eqx.tree_at(lambda s: s.pages, self, LatentPages(pool))
         return self._attend_pools(q, pool, pool, mask, kernel), view
 
-    def _attend_pools(self, q, k_pool, v_pool, mask: AttentionMask, kernel):
+    def _attend_pools(self, q, k_pool, v_pool, mask: AttentionMask, kernel, softcap=None):
         """The paged decode kernel over the pools for one query per row, else `kernel` over the
-        rows' gathered pages."""
+        rows' gathered pages. The window is the mask's (this layer's, possibly traced)."""
         if self.decode_kernel is not None and q.shape[1] == 1:
             if self.layer is not None:
                 raise ValueError(
@@ -149,10 +151,11 @@ class PagedSlot(eqx.Module):
                 )
             return paged_attention(
                 q, k_pool, v_pool, self.page_table, self.lengths,
-                q_positions=self.positions, sliding_window=self.sliding_window,
-                kernel=self.decode_kernel,
+                q_positions=self.positions, sliding_window=mask.sliding_window,
+                softcap=softcap, kernel=self.decode_kernel,
             )  # fmt: skip
-        return kernel(q, self._contiguous(k_pool), self._contiguous(v_pool), mask)
+        k_all, v_all = self._contiguous(k_pool), self._contiguous(v_pool)
+        return kernel(q, k_all, v_all, mask, softcap=softcap)
 
 
 class PagedKVCache(eqx.Module):
@@ -176,7 +179,7 @@ class PagedKVCache(eqx.Module):
         return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel)
 
     def append(
-        self, valid: Int[Array, "batch seq"], *, sliding_window: int | None = None
+        self, valid: Int[Array, "batch seq"], *, sliding_window: Int[Array, ""] | int | None = None
     ) -> Appended:
         """`seq` new tokens per row (`valid` marks real ones), at each row's next positions;
         the mask lets each attend causally to its row's tokens (slot j of a row's contiguous
@@ -198,8 +201,7 @@ class PagedKVCache(eqx.Module):
 
         def view(pages: LayerPages | LatentPages, layer) -> PagedSlot:
             return PagedSlot(
-                pages, layer, self.page_table, lengths, positions, valid > 0,
-                sliding_window, self.decode_kernel,
+                pages, layer, self.page_table, lengths, positions, valid > 0, self.decode_kernel
             )  # fmt: skip
 
         return Appended(cache, positions, mask, view)

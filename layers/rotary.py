@@ -1,5 +1,6 @@
-"""Rotary position embeddings (RoFormer, Su et al. 2021) with Llama-3 or YaRN (Peng et al. 2023,
-arXiv 2309.00071; DeepSeek-V2/V3) frequency scaling.
+"""Rotary position embeddings (RoFormer, Su et al. 2021) with Llama-3, linear (position
+interpolation, Chen et al. 2023; Gemma 3) or YaRN (Peng et al. 2023, arXiv 2309.00071;
+DeepSeek-V2/V3) frequency scaling.
 
 Uses the "rotate half" layout of HF Llama checkpoints: a head vector is split into two halves
 (x1, x2) and rotated pairwise as (x1 cos - x2 sin, x2 cos + x1 sin).
@@ -20,14 +21,18 @@ class RopeScaling:
 
     - `kind="llama3"` (Llama-3.1): long wavelengths are divided by `factor`, short ones kept, and
       the band between is interpolated smoothly (`low_freq_factor`, `high_freq_factor`).
+    - `kind="linear"`: every frequency divided by `factor`, i.e. positions / factor (HF's
+      "linear"; Gemma 3's global layers).
     - `kind="yarn"` (YaRN, Peng et al. 2023, as transformers' `_compute_yarn_parameters`
       computes it with truncation): frequencies that make fewer than `beta_slow` turns over
       `original_max_seq_len` are divided by `factor`, those making more than `beta_fast` kept,
       with a linear ramp between; cos and sin are multiplied by `attention_factor` (the ratio of
       `mscale` terms). DeepSeek's MLA also multiplies its softmax scale by `softmax_mscale()`^2.
+
+    Fields another kind does not use are ignored.
     """
 
-    kind: Literal["llama3", "yarn"] = "llama3"
+    kind: Literal["llama3", "linear", "yarn"] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -38,8 +43,10 @@ class RopeScaling:
     mscale_all_dim: float = 0.0
 
     def __post_init__(self):
-        if self.kind not in ("llama3", "yarn"):
-            raise ValueError(f"RopeScaling.kind={self.kind!r} is unknown; choose llama3 or yarn")
+        if self.kind not in ("llama3", "linear", "yarn"):
+            raise ValueError(
+                f"RopeScaling.kind={self.kind!r} is unknown; choose llama3, linear or yarn"
+            )
         if self.factor <= 0:
             raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
         if self.kind == "yarn" and self.beta_fast <= self.beta_slow:
@@ -97,11 +104,13 @@ def _yarn(inv_freq: np.ndarray, head_dim: int, theta: float, s: RopeScaling) -> 
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """The `head_dim / 2` angular frequencies theta^(-2i/head_dim), optionally Llama-3 or YaRN
-    scaled. Computed with NumPy in float64: they are constants of the traced program."""
+    """The `head_dim / 2` angular frequencies theta^(-2i/head_dim), optionally scaled
+    (`RopeScaling`). Computed with NumPy in float64: they are constants of the traced program."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
     if scaling.kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling)
     low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor

@@ -1,6 +1,7 @@
 """One transformer layer: the pre-norm residual block of GPT-2 (Radford et al. 2019) and Llama
 (Touvron et al. 2023), with a dense MLP or a mixture of experts (Mixtral, Jiang et al. 2024;
-DeepSeek-MoE, Dai et al. 2024)."""
+DeepSeek-MoE, Dai et al. 2024), and optionally Gemma 2/3's sandwich norms (a norm on each
+sublayer's output too, Gemma Team 2024)."""
 
 import math
 
@@ -25,7 +26,7 @@ Rope = tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]]
 def make_norm(config: Config, dtype: DTypeLike) -> LayerNorm | RMSNorm:
     if config.norm == "layernorm":
         return LayerNorm(config.d_model, eps=config.norm_eps, use_bias=config.bias, dtype=dtype)
-    return RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
+    return RMSNorm(config.d_model, eps=config.norm_eps, plus_one=config.norm_plus_one, dtype=dtype)
 
 
 def make_mla(config: Config, out_std: float, dtype: DTypeLike, key: PRNGKeyArray) -> MLA:
@@ -52,12 +53,15 @@ def make_mla(config: Config, out_std: float, dtype: DTypeLike, key: PRNGKeyArray
 class Block(eqx.Module):
     """x + attn(norm(x)), then x + mlp(norm(x)); with `moe=True` the MLP is a mixture of
     experts, whose router statistics the block returns (None otherwise). Attention is
-    multi-head latent attention (layers/mla.py) when `config.mla`."""
+    multi-head latent attention (layers/mla.py) when `config.mla`. With `config.sandwich_norm`:
+    x + post_attn_norm(attn(norm(x))), x + post_mlp_norm(mlp(norm(x)))."""
 
     attn_norm: LayerNorm | RMSNorm
     attn: Attention | MLA
     mlp_norm: LayerNorm | RMSNorm
     mlp: MLP | SwiGLU | MoE
+    post_attn_norm: LayerNorm | RMSNorm | None
+    post_mlp_norm: LayerNorm | RMSNorm | None
 
     def __init__(
         self,
@@ -81,14 +85,20 @@ class Block(eqx.Module):
                 head_dim=config.head_dim,
                 qk_norm=config.qk_norm,
                 norm_eps=config.norm_eps,
+                norm_plus_one=config.norm_plus_one,
                 use_bias=config.bias,
                 qkv_bias=config.qkv_bias,
+                query_scale=config.query_scale,
+                softcap=config.attn_softcap,
                 out_init_std=out_std,
                 dtype=dtype,
                 key=attn_key,
             )
         )
         self.mlp_norm = make_norm(config, dtype)
+        sandwich = config.sandwich_norm
+        self.post_attn_norm = make_norm(config, dtype) if sandwich else None
+        self.post_mlp_norm = make_norm(config, dtype) if sandwich else None
         if moe:
             self.mlp = MoE(
                 config.d_model,
@@ -108,12 +118,22 @@ class Block(eqx.Module):
                 key=mlp_key,
             )
             return
-        mlp_cls = SwiGLU if config.mlp == "swiglu" else MLP
-        self.mlp = mlp_cls(
+        if config.mlp == "gelu":
+            self.mlp = MLP(
+                config.d_model,
+                config.d_ff,
+                use_bias=config.bias,
+                out_init_std=out_std,
+                dtype=dtype,
+                key=mlp_key,
+            )
+            return
+        self.mlp = SwiGLU(
             config.d_model,
             config.d_ff,
             use_bias=config.bias,
             out_init_std=out_std,
+            activation="silu" if config.mlp == "swiglu" else "gelu_tanh",
             dtype=dtype,
             key=mlp_key,
         )
@@ -132,6 +152,8 @@ class Block(eqx.Module):
             y, cache = self.attn(
                 self.attn_norm(x), mask, rope, kernel=policy.attention, cache=cache
             )
+            if self.post_attn_norm is not None:
+                y = self.post_attn_norm(y)
             x = x + y
         stats = None
         with jax.named_scope("mlp"):
@@ -139,5 +161,7 @@ class Block(eqx.Module):
                 y, stats = self.mlp(self.mlp_norm(x), dispatch=policy.moe_dispatch)
             else:
                 y = self.mlp(self.mlp_norm(x))
+            if self.post_mlp_norm is not None:
+                y = self.post_mlp_norm(y)
             x = x + y
         return constrain(x, "batch seq embed"), stats, cache

@@ -13,7 +13,8 @@ from layers.rotary import RopeScaling
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
-MlpKind = Literal["gelu", "swiglu"]
+MlpKind = Literal["gelu", "swiglu", "geglu"]
+LayerType = Literal["full", "sliding"]
 RouterScoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["top2", "max"]
 
@@ -55,6 +56,16 @@ class Config:
     `max_seq_len` bounds every sequence and KV cache (`check_length`), for learned and rotary
     positions alike: a longer context is asked for by raising it (with `rope_scaling` where the
     family has one).
+
+    Attention pattern (Gemma 2/3): `layer_types` gives each layer "full" (sees every earlier
+    token) or "sliding" (the last `sliding_window` tokens); None means every layer uses
+    `sliding_window` (None: no window). `local_rope_theta` is the rotary theta of the sliding
+    layers (without `rope_scaling`), where the family gives them their own. `attn_softcap` and
+    `final_softcap` squash attention scores and logits to cap * tanh(x / cap) (Gemma 2);
+    `query_scale` replaces head_dim in the 1/sqrt(head_dim) score scale (Gemma's
+    query_pre_attn_scalar). `sandwich_norm` adds a norm on the attention and MLP outputs before
+    each residual add; `embed_scale` multiplies the embeddings by sqrt(d_model); `norm_plus_one`
+    makes every RMSNorm scale by (1 + scale), the checkpoints storing the offset from 1 (Gemma).
     """
 
     vocab_size: int
@@ -94,6 +105,14 @@ class Config:
     mla_rope_dim: int = 64
     mla_v_head_dim: int | None = None
     mla_rope_interleave: bool = True
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    norm_plus_one: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_scale: float | None = None
+    layer_types: tuple[LayerType, ...] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -137,6 +156,36 @@ class Config:
                 f"Config.sliding_window must be >= 1 or None, got {self.sliding_window}"
             )
         self._check_moe()
+        self._check_pattern()
+
+    def _check_pattern(self):
+        for name in ["attn_softcap", "final_softcap", "query_scale", "local_rope_theta"]:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"Config.{name} must be > 0 or None, got {value}")
+        if self.norm_plus_one and self.norm != "rmsnorm":
+            raise ValueError(
+                f"Config.norm_plus_one applies to RMSNorm only, but norm={self.norm!r}"
+            )
+        if self.layer_types is None:
+            if self.local_rope_theta is not None:
+                raise ValueError(
+                    "Config.local_rope_theta is the theta of the sliding layers: set layer_types "
+                    "too, or drop it"
+                )
+            return
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(
+                f"Config.layer_types has {len(self.layer_types)} entries but n_layers="
+                f"{self.n_layers}: give one 'full' or 'sliding' per layer"
+            )
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise ValueError(
+                "Config.layer_types has 'sliding' layers but sliding_window is None: set the "
+                "window those layers use"
+            )
+        if self.local_rope_theta is not None and self.position != "rope":
+            raise ValueError("Config.local_rope_theta needs position='rope'")
 
     def _check_mla(self):
         why = "multi-head latent attention (mla_kv_rank set)"
@@ -163,6 +212,15 @@ class Config:
             raise ValueError(
                 f"Config.position={self.position!r}, qk_norm={self.qk_norm}, bias={self.bias}: "
                 f"{why} needs position='rope', qk_norm=False and bias=False"
+            )
+        gemma = [
+            n for n in ("norm_plus_one", "attn_softcap", "query_scale", "local_rope_theta")
+            if getattr(self, n) not in (None, False)
+        ]  # fmt: skip
+        if gemma:
+            raise ValueError(
+                f"Config.{', '.join(gemma)} with {why}: MLA has its own norms, scale and one "
+                "rotary table; unset them"
             )
 
     def _check_moe(self):
@@ -254,6 +312,26 @@ class Config:
         start = self.first_dense_layers + self.moe_every - 1
         return tuple(range(start, self.n_layers, self.moe_every))
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer sees every earlier token)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.n_layers
+        return tuple(self.sliding_window if t == "sliding" else None for t in self.layer_types)
+
+    @property
+    def has_layer_pattern(self) -> bool:
+        """Whether layers differ in window or rotary theta (so each layer gets its own as data
+        under `lax.scan`: zoo/pattern.py)."""
+        return len(set(self.layer_windows)) > 1 or self.local_rope_theta is not None
+
+    @property
+    def gemma_features(self) -> tuple[str, ...]:
+        """The Gemma-only fields this config sets (an HF layout without them cannot hold it)."""
+        names = ["sandwich_norm", "embed_scale", "norm_plus_one", "attn_softcap", "final_softcap"]
+        names += ["query_scale", "layer_types", "local_rope_theta"]
+        return tuple(n for n in names if getattr(self, n) not in (None, False))
+
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (and re-checked). A `head_dim` or `n_kv_heads` that was
         derived (d_model // n_heads, or plain MHA) is derived again from the new sizes."""
@@ -294,6 +372,8 @@ class Config:
                 f"{source}: unknown Config fields {unknown}; known: {list(_FIELD_TYPES)}"
             )
         fields = dict(fields)
+        if isinstance(fields.get("layer_types"), list):
+            fields["layer_types"] = tuple(fields["layer_types"])
         if isinstance(fields.get("rope_scaling"), dict):
             try:
                 fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
@@ -319,6 +399,12 @@ def _check_type(name: str, value: Any, kind: Any) -> None:
             return
         (kind,) = [a for a in args if a is not type(None)]
         origin, args = typing.get_origin(kind), get_args(kind)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            raise ValueError(f"Config.{name} must be a tuple, got {value!r}")
+        for item in value:
+            _check_type(name, item, args[0])
+        return
     if origin is Literal:
         if value not in args:
             raise ValueError(f"Config.{name}={value!r} is unknown; choose one of {args}")

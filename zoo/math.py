@@ -4,7 +4,9 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
 - a matmul with an [m, k] x [k, n] shape costs 2mkn FLOPs; backward costs twice the forward, so
   training costs 3x forward = 6 x (matmul parameters) per token, plus attention's score and
   value products, 4 x layers x seq x q_dim per token forward (half of that when causal
-  masking skips the upper triangle);
+  masking skips the upper triangle; a sliding window of w < seq keys attends to w - w^2 / 2seq
+  keys per token on average), plus 3 FLOPs per score for soft-capping (divide, tanh,
+  multiply: Gemma 2);
 - embedding lookups cost no FLOPs, the LM head is a matmul (tied or not);
 - multi-head latent attention (DeepSeek-V2/V3) counts its low-rank projections, its latent norms
   and, in FLOPs, the expanded form (per-head keys of head_dim, values of mla_v_head_dim); its KV
@@ -47,6 +49,11 @@ def _mla_projection_params(config: Config) -> int:
     return q + kv + c.n_heads * c.mla_v_head_dim * d
 
 
+def _block_norms(config: Config) -> int:
+    """Norms per block: before attention and MLP, and after each with sandwich norms."""
+    return 4 if config.sandwich_norm else 2
+
+
 def _attention_params(config: Config) -> int:
     c = config
     if c.mla:  # projections and the latent RMSNorm scales
@@ -64,11 +71,11 @@ def _attention_params(config: Config) -> int:
 def layer_params(config: Config) -> int:
     """Parameters of one dense transformer block."""
     c = config
-    n_mats = 3 if c.mlp == "swiglu" else 2
+    n_mats = 3 if c.mlp != "gelu" else 2
     mlp = n_mats * c.d_model * c.d_ff
     if c.bias:
         mlp += (n_mats - 1) * c.d_ff + c.d_model
-    return _attention_params(c) + mlp + 2 * _norm_params(c)
+    return _attention_params(c) + mlp + _block_norms(c) * _norm_params(c)
 
 
 def _moe_mlp_params(config: Config, n_routed: int) -> int:
@@ -83,14 +90,16 @@ def _moe_mlp_params(config: Config, n_routed: int) -> int:
 def moe_layer_params(config: Config) -> int:
     """Parameters of one MoE block: attention, norms, router, every expert."""
     c = config
-    return _attention_params(c) + _moe_mlp_params(c, c.n_experts) + 2 * _norm_params(c)
+    return (
+        _attention_params(c) + _moe_mlp_params(c, c.n_experts) + _block_norms(c) * _norm_params(c)
+    )
 
 
 def moe_layer_active_params(config: Config) -> int:
     """Parameters of one MoE block that one token uses: only k of the routed experts."""
     c = config
     mlp = _moe_mlp_params(c, c.n_experts_per_token)
-    return _attention_params(c) + mlp + 2 * _norm_params(c)
+    return _attention_params(c) + mlp + _block_norms(c) * _norm_params(c)
 
 
 def embedding_params(config: Config) -> int:
@@ -143,7 +152,7 @@ def lora_param_count(config: Config, targets: str | list[str] | tuple[str, ...],
         "attn.k_proj": (c.d_model, c.kv_dim),
         "attn.v_proj": (c.d_model, c.kv_dim),
         "attn.o_proj": (c.q_dim, c.d_model),
-        "mlp.gate": (c.d_model, c.d_ff) if c.mlp == "swiglu" else (0, 0),
+        "mlp.gate": (c.d_model, c.d_ff) if c.mlp != "gelu" else (0, 0),
         "mlp.up": (c.d_model, c.d_ff),
         "mlp.down": (c.d_ff, c.d_model),
     }
@@ -165,20 +174,31 @@ def matmul_params(config: Config) -> int:
         else c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model
     )
     n_moe = len(c.moe_layers)
-    dense_mlp = (3 if c.mlp == "swiglu" else 2) * c.d_model * c.d_ff
+    dense_mlp = (3 if c.mlp != "gelu" else 2) * c.d_model * c.d_ff
     mlps = (c.n_layers - n_moe) * dense_mlp
     if n_moe:
         mlps += n_moe * _moe_mlp_params(c, c.n_experts_per_token)
     return c.n_layers * attn + mlps + c.d_model * c.vocab_size
 
 
+def _attended_keys(seq_len: int, window: int | None, causal: bool) -> float:
+    """Keys a query sees on average: seq/2 causal (the convention above), w - w^2 / 2seq under a
+    causal window w < seq (min(i + 1, w) averaged, continuous form), seq otherwise."""
+    if not causal:
+        return float(seq_len)
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
 def attention_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
-    """Forward FLOPs per token of QK^T and PV (attending to `seq_len` keys on average x2); MLA's
-    values are `mla_v_head_dim` wide."""
+    """Forward FLOPs per token of QK^T and PV (2 x (q_dim + v_dim) per attended key; MLA's values
+    are `mla_v_head_dim` wide), each layer with its own window, plus soft-capping's 3 FLOPs per
+    score (per head and key)."""
     c = config
     v_dim = c.n_heads * c.mla_v_head_dim if c.mla else c.q_dim
-    flops = 2.0 * c.n_layers * seq_len * (c.q_dim + v_dim)
-    return flops / 2 if causal else flops
+    per_key = 2.0 * (c.q_dim + v_dim) + (3.0 * c.n_heads if c.attn_softcap is not None else 0.0)
+    return sum(per_key * _attended_keys(seq_len, w, causal) for w in c.layer_windows)
 
 
 def forward_flops_per_token(config: Config, seq_len: int, *, causal: bool = True) -> float | int:
@@ -238,7 +258,7 @@ def _projections(config: Config) -> list[tuple[tuple[int, ...], int]]:
             q = [((c.d_model,), c.mla_q_rank), ((c.mla_q_rank,), c.q_dim)]
         attention = [*q, ((c.d_model,), rank + c.mla_rope_dim), ((rank,), c.n_heads * (nope + v))]
         attention.append(((c.n_heads, v), c.d_model))
-    up = [((c.d_model,), c.d_ff)] * (2 if c.mlp == "swiglu" else 1)
+    up = [((c.d_model,), c.d_ff)] * (2 if c.mlp != "gelu" else 1)
     mlp = [*up, ((c.d_ff,), c.d_model)]
     n_dense = c.n_layers - len(c.moe_layers)
     return attention * c.n_layers + mlp * n_dense
@@ -322,11 +342,11 @@ def activation_bytes_per_token(
     if remat == "full":
         per_layer = e * c.d_model
     elif remat == "dots":
-        up = 2 * ff if c.mlp == "swiglu" else ff
+        up = 2 * ff if c.mlp != "gelu" else ff
         saved = 3 * c.d_model + c.q_dim + 2 * c.kv_dim + up + (c.q_dim if flash else 0)
         per_layer = e * saved + lse
     else:
-        hidden = 4 * ff if c.mlp == "swiglu" else 2 * ff
+        hidden = 4 * ff if c.mlp != "gelu" else 2 * ff
         scores = 0 if flash else 8 * c.n_heads * seq_len
         per_layer = e * (4 * c.d_model + 2 * c.q_dim + 2 * c.kv_dim + hidden) + scores + lse
     return c.n_layers * per_layer

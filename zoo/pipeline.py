@@ -17,6 +17,7 @@ from layers.kernels import AttentionMask
 from layers.moe import MoE, MoEStats
 from shard.pipeline import check_pipeline, gpipe, pipeline_stages
 from zoo.block import Rope
+from zoo.pattern import LayerPattern
 from zoo.policy import Policy
 from zoo.stack import Stack
 
@@ -30,13 +31,25 @@ def run_stack(
     policy: Policy,
     cache: tuple[PyTree, ...] | None = None,
     view=None,
+    pattern: LayerPattern | None = None,
+    local_rope: Rope | None = None,
 ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, tuple[PyTree, ...] | None]:
     """`stack(x, mask, rope, ...)` (same contract as `Stack.__call__`), pipelined over the
     active mesh's `pipeline` axis when it is larger than 1. A pipelined stack trains and
-    evaluates; it takes no KV cache and no MoE layers (both refused with an error)."""
+    evaluates; it takes no KV cache, no MoE layers and no per-layer attention pattern (each
+    refused with an error)."""
     stages = pipeline_stages()
     if stages == 1:
-        return stack(x, mask, rope, policy=policy, cache=cache, view=view)
+        return stack(
+            x, mask, rope, policy=policy, cache=cache, view=view, pattern=pattern,
+            local_rope=local_rope,
+        )  # fmt: skip
+    if pattern is not None:
+        raise ValueError(
+            f"a pipeline of {stages} stages over layers with their own windows or rotary theta "
+            "(Config.layer_types, local_rope_theta: Gemma 2/3) is not supported; train such "
+            "models without a pipeline axis (e.g. --mesh fsdp=N)"
+        )
     if cache is not None:
         raise ValueError(
             f"a KV cache with a pipeline of {stages} stages: pipelined inference is not "

@@ -83,6 +83,62 @@ def _deepseek_yarn(mscale: float) -> RopeScaling:
     )
 
 
+def _gemma2(*, d_model: int, n_layers: int, n_heads: int, d_ff: int) -> Config:
+    """Gemma 2 (Gemma Team 2024): local (4096-token window) and global layers alternate, scores
+    and logits soft-capped at 50 and 30, GeGLU, sandwich norms, head_dim 256."""
+    return Config(
+        vocab_size=256000,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads // 2,
+        head_dim=256,
+        d_ff=d_ff,
+        max_seq_len=8192,
+        norm_eps=1e-6,
+        norm_plus_one=True,
+        mlp="geglu",
+        tie_embeddings=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        sliding_window=4096,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers)),
+    )
+
+
+def _gemma3(
+    *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int,
+    window: int, max_seq_len: int, rope_scaling: RopeScaling | None,
+) -> Config:  # fmt: skip
+    """Gemma 3 text (Gemma Team 2025): five local layers then one global (the pattern runs on
+    past the last global layer), QK-norm instead of soft-capping, local rope theta 10k and
+    global 1M, head_dim 256."""
+    return Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=256,
+        d_ff=d_ff,
+        max_seq_len=max_seq_len,
+        norm_eps=1e-6,
+        norm_plus_one=True,
+        rope_theta=1_000_000.0,
+        rope_scaling=rope_scaling,
+        mlp="geglu",
+        tie_embeddings=True,
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        sliding_window=window,
+        layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(n_layers)),
+        local_rope_theta=10_000.0,
+    )
+
+
 _TINY_LLAMA = Config(
     vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128
 )
@@ -279,6 +335,31 @@ _PRESETS: dict[str, Config] = {
         mla_q_rank=1536,
         mla_rope_dim=64,
         mla_v_head_dim=128,
+    ),
+    "gemma2-2b": _gemma2(d_model=2304, n_layers=26, n_heads=8, d_ff=9216),
+    "gemma2-9b": _gemma2(d_model=3584, n_layers=42, n_heads=16, d_ff=14336),
+    "gemma3-1b": _gemma3(
+        vocab_size=262144,
+        d_model=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        d_ff=6912,
+        window=512,
+        max_seq_len=32768,
+        rope_scaling=None,
+    ),
+    # The text part of Gemma 3 4B (its vision tower is not in the zoo).
+    "gemma3-4b": _gemma3(
+        vocab_size=262208,
+        d_model=2560,
+        n_layers=34,
+        n_heads=8,
+        n_kv_heads=4,
+        d_ff=10240,
+        window=1024,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling(kind="linear", factor=8.0),
     ),
     # The default model of `python train.py`: trains in minutes on 2 CPU cores.
     "gpt-mini": _gpt2(4, 128, 4).replace(vocab_size=2048, max_seq_len=256),

@@ -26,6 +26,7 @@ from layers.kernels.flash.attention import RESIDUAL_NAMES as FLASH_RESIDUALS
 from layers.moe import MoEStats
 from zoo.block import Block, Rope
 from zoo.config import Config
+from zoo.pattern import LayerPattern
 from zoo.policy import Policy
 
 REMAT_POLICIES = {
@@ -89,23 +90,31 @@ class Stack(eqx.Module):
         policy: Policy,
         cache: tuple[PyTree, ...] | None = None,
         view: Callable | None = None,
+        pattern: LayerPattern | None = None,
+        local_rope: Rope | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, tuple[PyTree, ...] | None]:
         """Every layer in order. Returns the output, the MoE layers' router statistics stacked on
         a leading axis in layer order (None without MoE layers) and the cache's layer arrays
         (`cache`, shaped by `cache_like`) with this call's keys and values written through
         `view(layer_arrays, layer_index)` (None without a cache). Remat applies when there is
-        no cache (training); a cached call is inference."""
+        no cache (training); a cached call is inference. `pattern` (`[repeats, period]`, this
+        stack's layers of `LayerPattern`) gives each layer its window and rotary table (the
+        global `rope` or `local_rope`) as data: scanned like the weights."""
         remat = policy.remat != "none" and cache is None
 
         def runner(static):
-            """(x, weights, cache, layer index) -> (x, cache, stats) for blocks `static`."""
+            """(x, weights, cache, layer index, pattern row or None) -> (x, cache, stats) for
+            blocks `static`."""
 
-            def run(x, weights, kv, index):
+            def run(x, weights, kv, index, row):
                 new_kv, stats = [], []
                 for j, block in enumerate(eqx.combine(weights, static)):
                     layer_view = None if kv is None else view(kv[j], index)
+                    layer_mask, layer_rope = mask, rope
+                    if row is not None:
+                        layer_mask, layer_rope = row.at(j).apply(mask, rope, local_rope)
                     x, layer_stats, layer_view = block(
-                        x, mask, rope, policy=policy, cache=layer_view
+                        x, layer_mask, layer_rope, policy=policy, cache=layer_view
                     )
                     new_kv.append(None if layer_view is None else layer_view.kv)
                     stats += [] if layer_stats is None else [layer_stats]
@@ -118,7 +127,10 @@ class Stack(eqx.Module):
             for i, block in enumerate(self.blocks):
                 weights, static = eqx.partition((block,), eqx.is_array)
                 kv = None if cache is None else (cache[i],)
-                x, kv, layer_stats = runner(static)(x, weights, kv, None)
+                r, j = divmod(i, self.period)
+                # One block per call: its pattern entry as a period of one.
+                row = None if pattern is None else pattern.at(r, slice(j, j + 1))
+                x, kv, layer_stats = runner(static)(x, weights, kv, None, row)
                 cache = cache if kv is None else (*cache[:i], kv[0], *cache[i + 1 :])
                 stats += layer_stats
             return x, _stack_stats(stats), cache
@@ -128,18 +140,18 @@ class Stack(eqx.Module):
 
         def repeat(carry, xs):
             x, kv = carry
-            weights, index = xs
-            x, kv, stats = run(x, weights, kv, index)
+            weights, index, row = xs
+            x, kv, stats = run(x, weights, kv, index, row)
             return (x, kv), tuple(stats)
 
         indices = jnp.arange(self.repeats)
         if policy.scan_layers:
-            (x, cache), stats = jax.lax.scan(repeat, (x, cache), (dynamic, indices))
+            (x, cache), stats = jax.lax.scan(repeat, (x, cache), (dynamic, indices, pattern))
         else:
             outs = []
             for r in range(self.repeats):
-                sliced = jax.tree.map(lambda w, r=r: w[r], dynamic)
-                (x, cache), repeat_stats = repeat((x, cache), (sliced, indices[r]))
+                weights, row = jax.tree.map(lambda w, r=r: w[r], (dynamic, pattern))
+                (x, cache), repeat_stats = repeat((x, cache), (weights, indices[r], row))
                 outs.append(repeat_stats)
             stats = jax.tree.map(lambda *s: jnp.stack(s), *outs)
         if not stats:

@@ -1,11 +1,12 @@
 """The decoder-only transformer: embeddings, the layer stacks, a final norm and the LM head.
-GPT-2 (Radford et al. 2019), Llama (Touvron et al. 2023), Mixtral (Jiang et al. 2024) and
-DeepSeek-MoE (Dai et al. 2024) are all configs of it.
+GPT-2 (Radford et al. 2019), Llama (Touvron et al. 2023), Mixtral (Jiang et al. 2024),
+DeepSeek-MoE (Dai et al. 2024) and Gemma 2/3 (Gemma Team 2024, 2025) are all configs of it.
 
 One forward serves training, prefill and decode: `forward(tokens, ..., cache=None)` takes an
 optional KV cache (`init_cache`) and returns it with this call's keys and values written."""
 
 import functools
+import math
 
 import equinox as eqx
 import jax
@@ -15,6 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from layers import Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm
 from layers.kernels import causal_mask
 from layers.kernels.context import CONTEXT_KERNELS
+from layers.kernels.naive import soft_cap
 from layers.kv_cache import KVCache, LayerKV, LayerLatent
 from layers.moe import MoEStats
 from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
@@ -24,6 +26,7 @@ from shard.sequence import from_zigzag, sequence_axis, to_zigzag
 from zoo.block import Block, Rope, make_norm
 from zoo.config import Config
 from zoo.output import ModelOutput
+from zoo.pattern import LayerPattern
 from zoo.pipeline import run_stack
 from zoo.policy import Policy
 from zoo.stack import Stack, make_stacks
@@ -120,13 +123,21 @@ class Transformer(eqx.Module):
     # --- the forward pass ------------------------------------------------------------------
 
     def rope(self, positions: Int[Array, "batch seq"]) -> Rope | None:
-        """cos/sin for these positions, shared by every layer (None for learned positions)."""
+        """cos/sin for these positions, shared by every (global) layer (None for learned
+        positions)."""
         c = self.config
         if c.position != "rope":
             return None
         return rotary_frequencies(
             positions, head_dim=c.rotary_dim, theta=c.rope_theta, scaling=c.rope_scaling
         )
+
+    def local_rope(self, positions: Int[Array, "batch seq"]) -> Rope | None:
+        """cos/sin of the sliding layers' own theta (`local_rope_theta`, unscaled), or None."""
+        c = self.config
+        if c.local_rope_theta is None:
+            return None
+        return rotary_frequencies(positions, head_dim=c.head_dim, theta=c.local_rope_theta)
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` tokens, shaped like the layer
@@ -163,11 +174,22 @@ class Transformer(eqx.Module):
         return tuple(stack.cache_like(make) for stack in self.stacks)
 
     def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
-        """Final norm and LM head (the tied embedding matrix when `tie_embeddings`)."""
+        """Final norm and LM head (the tied embedding matrix when `tie_embeddings`), soft-capped
+        (in float32) when `final_softcap` is set."""
         x = self.final_norm(x)
-        if self.lm_head is None:
-            return self.embed.unembed(x)
-        return self.lm_head(x)
+        logits = self.embed.unembed(x) if self.lm_head is None else self.lm_head(x)
+        if self.config.final_softcap is None:
+            return logits
+        return soft_cap(logits.astype(jnp.float32), self.config.final_softcap).astype(logits.dtype)
+
+    def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
+        """Token embeddings in the compute dtype, times sqrt(d_model) with `embed_scale` (the
+        factor rounded to the weights' dtype first, as HF Gemma does)."""
+        x = self.embed(tokens, dtype=self.policy.compute)
+        if not self.config.embed_scale:
+            return x
+        scale = jnp.asarray(math.sqrt(self.config.d_model), self.policy.params)
+        return x * scale.astype(self.policy.compute)
 
     def __call__(
         self,
@@ -207,6 +229,9 @@ class Transformer(eqx.Module):
                 "sequences; use Policy(attention=Ring()) or AllGatherKV() "
                 "(layers/kernels/context.py)"
             )
+        pattern = LayerPattern.of(c)
+        # With a per-layer pattern each layer sets its own window on the shared mask.
+        window = None if pattern is not None else c.sliding_window
         if cache is None:
             c.check_length(tokens.shape[1], "the sequence")
             if positions is None:
@@ -218,7 +243,7 @@ class Transformer(eqx.Module):
             if split > 1:  # context parallelism: the zig-zag order (shard/sequence.py)
                 tokens, positions = to_zigzag(tokens, split), to_zigzag(positions, split)
                 segment_ids = None if segment_ids is None else to_zigzag(segment_ids, split)
-            mask = causal_mask(positions, segment_ids, sliding_window=c.sliding_window)
+            mask = causal_mask(positions, segment_ids, sliding_window=window)
         else:
             if split > 1:
                 raise ValueError(
@@ -232,19 +257,22 @@ class Transformer(eqx.Module):
                     "its cached length); do not pass positions"
                 )
             valid = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-            step = cache.append(valid, sliding_window=c.sliding_window)
+            step = cache.append(valid, sliding_window=window)
             cache, positions, mask = step.cache, step.positions, step.mask
-        x = self.embed(tokens, dtype=self.policy.compute)
+        x = self.embed_tokens(tokens)
         if self.positions is not None:
             x = x + self.positions(positions, dtype=self.policy.compute)
         x = constrain(x, "batch seq embed")
-        rope = self.rope(positions)
-        stats, layer_caches = [], []
+        rope, local_rope = self.rope(positions), self.local_rope(positions)
+        stats, layer_caches, start = [], [], 0
         for s, stack in enumerate(self.stacks):
             kv, view = (None, None) if cache is None else (cache.layers[s], step.view)
+            rows = None if pattern is None else pattern.layers(start, stack.repeats, stack.period)
+            start += stack.n_layers
             x, stack_stats, kv = run_stack(
-                stack, x, mask, rope, policy=self.policy, cache=kv, view=view
-            )
+                stack, x, mask, rope, policy=self.policy, cache=kv, view=view,
+                pattern=rows, local_rope=local_rope,
+            )  # fmt: skip
             stats += [] if stack_stats is None else [stack_stats]
             layer_caches.append(kv)
         if cache is not None:

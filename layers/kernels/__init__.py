@@ -1,14 +1,15 @@
-"""Attention kernels behind one interface: `kernel(q, k, v, mask) -> out`.
+"""Attention kernels behind one interface: `kernel(q, k, v, mask, *, softcap=None) -> out`.
 
 q: [batch, seq, heads, head_dim]; k, v: [batch, kv_seq, kv_heads, head_dim]; mask: AttentionMask.
 The functions are `naive_attention` (the specification), `xla_attention`
 (jax.nn.dot_product_attention) and `flash_attention` (Pallas); the objects `Naive()`, `Xla()` and
 `Flash(block_sizes=...)` are what a model's policy holds (kernel.py); `Ring()` and `AllGatherKV()`
-(context.py) attend over a sequence split across devices (context parallelism).
+(context.py) attend over a sequence split across devices (context parallelism). The mask's sliding
+window may be a traced per-layer value; `softcap` (Gemma 2's score capping) is refused by xla.
 
 `paged/` is attention over a paged KV pool (a decode step or a prefill chunk against pages):
 its own interface, `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
-sliding_window, kernel)`, with `GatherKernel()` (XLA) or `PallasDecodeKernel(...)`.
+sliding_window, softcap, kernel)`, with `GatherKernel()` (XLA) or `PallasDecodeKernel(...)`.
 """
 
 from layers.kernels.context import AllGatherKV, Ring

@@ -46,6 +46,12 @@ def _check(name: str, q, k, mask: AttentionMask, softcap: float | None) -> None:
             f"the {name!r} context-parallel kernel does not implement logit softcapping "
             f"(softcap={softcap}); use a model without attention softcapping or an unsplit mesh"
         )
+    if isinstance(mask.sliding_window, jax.Array):
+        raise ValueError(
+            f"the {name!r} context-parallel kernel takes a fixed sliding window, but this mask's "
+            "differs per layer (Config.layer_types: Gemma 2/3); train such models on a mesh "
+            "without a context axis"
+        )
     if k.shape[1] != q.shape[1] or mask.kv_positions.shape[1] != mask.q_positions.shape[1]:
         raise ValueError(
             f"the {name!r} context-parallel kernel is self-attention over the split sequence, "

@@ -18,8 +18,9 @@ from layers.kernels.xla import xla_attention
 
 @runtime_checkable
 class AttentionKernel(Protocol):
-    """`kernel(q [batch, seq, heads, head_dim], k, v [batch, kv_seq, kv_heads, head_dim], mask)
-    -> [batch, seq, heads, head_dim]`; hashable (a frozen dataclass), `name` for logs and CLIs."""
+    """`kernel(q [batch, seq, heads, head_dim], k, v [batch, kv_seq, kv_heads, head_dim], mask,
+    *, softcap=None) -> [batch, seq, heads, head_dim]`; hashable (a frozen dataclass), `name` for
+    logs and CLIs. A kernel that cannot soft-cap raises on a `softcap`."""
 
     name: str
 
@@ -29,6 +30,8 @@ class AttentionKernel(Protocol):
         k: Float[Array, "batch kv_seq kv_heads head_dim"],
         v: Float[Array, "batch kv_seq kv_heads head_dim"],
         mask: AttentionMask,
+        *,
+        softcap: float | None = None,
     ) -> Float[Array, "batch seq heads head_dim"]: ...
 
 
@@ -38,8 +41,8 @@ class Naive:
 
     name: ClassVar[str] = "naive"
 
-    def __call__(self, q, k, v, mask: AttentionMask):
-        return naive_attention(q, k, v, mask)
+    def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
+        return naive_attention(q, k, v, mask, softcap=softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +51,8 @@ class Xla:
 
     name: ClassVar[str] = "xla"
 
-    def __call__(self, q, k, v, mask: AttentionMask):
-        return xla_attention(q, k, v, mask)
+    def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
+        return xla_attention(q, k, v, mask, softcap=softcap)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,9 +64,9 @@ class Flash:
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES
     interpret: bool | None = None
 
-    def __call__(self, q, k, v, mask: AttentionMask):
+    def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
         return flash_attention(
-            q, k, v, mask, block_sizes=self.block_sizes, interpret=self.interpret
+            q, k, v, mask, softcap=softcap, block_sizes=self.block_sizes, interpret=self.interpret
         )
 
 

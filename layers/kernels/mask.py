@@ -12,6 +12,10 @@ class AttentionMask(eqx.Module):
 
     Segment ids separate packed documents; a key slot with a segment id no query has (e.g. 0 for
     an unwritten KV-cache slot or left padding) is invisible.
+
+    `sliding_window` is data, not a static setting: a Python int, or a traced int scalar (a
+    per-layer window carried through `lax.scan`, zoo/pattern.py); None (static) means no window
+    at all, so models without windows build no window test.
     """
 
     q_positions: Int[Array, "batch seq"]
@@ -19,15 +23,23 @@ class AttentionMask(eqx.Module):
     q_segment_ids: Int[Array, "batch seq"] | None = None
     kv_segment_ids: Int[Array, "batch kv_seq"] | None = None
     causal: bool = eqx.field(static=True, default=True)
-    sliding_window: int | None = eqx.field(static=True, default=None)
+    sliding_window: Int[Array, ""] | int | None = None
 
     def __check_init__(self):
         if (self.q_segment_ids is None) != (self.kv_segment_ids is None):
             raise ValueError(
                 "AttentionMask needs both q_segment_ids and kv_segment_ids, or neither"
             )
-        if self.sliding_window is not None and self.sliding_window < 1:
+        window = self.sliding_window
+        if isinstance(window, int) and not isinstance(window, bool) and window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def with_window(self, window: Int[Array, ""] | int | None) -> "AttentionMask":
+        """The same mask with another sliding window (e.g. one layer's, under `lax.scan`)."""
+        return AttentionMask(
+            self.q_positions, self.kv_positions, self.q_segment_ids, self.kv_segment_ids,
+            self.causal, window,
+        )  # fmt: skip
 
     def dense(self) -> Bool[Array, "batch seq kv_seq"]:
         """The full boolean mask (what naive and xla consume; flash never builds it)."""

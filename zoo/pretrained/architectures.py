@@ -10,6 +10,7 @@ from zoo.config import Config
 from zoo.pretrained import (
     deepseek,
     deepseek_v2,
+    gemma,
     gpt2,
     llama,
     mistral,
@@ -80,6 +81,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": _from_module("Phi3ForCausalLM", "model.", phi3),
     "DeepseekV3ForCausalLM": _from_module("DeepseekV3ForCausalLM", "model.", deepseek),
     "DeepseekV2ForCausalLM": _from_module("DeepseekV2ForCausalLM", "model.", deepseek_v2),
+    "Gemma2ForCausalLM": _from_module("Gemma2ForCausalLM", "model.", gemma.GEMMA2),
+    "Gemma3ForCausalLM": _from_module("Gemma3ForCausalLM", "model.", gemma.GEMMA3),
 }
 
 

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp) seen as HF checkpoints: the config comes from the GGUF metadata, tensor
 names are mapped to the HF architecture's, quantized tensors are dequantized
 (`gguf.quants.dequantize`, to float32) one at a time, and llama.cpp's permutation of the Q/K rows
-is undone where its converter applies one. SmolLM2's GGUF is a llama one.
+is undone where its converter applies one, and so is the 1 Gemma's converter adds to every norm
+weight (HF stores the offset from 1). SmolLM2's GGUF is a llama one.
 
 One row of `ARCHITECTURES` per llama.cpp architecture: its HF class, the GGUF tensor names that
 differ from llama's, whether Q/K rows are permuted, and the config.json fields it adds. llama.cpp's
@@ -41,12 +42,16 @@ _PER_LAYER = {
 class GGUFArchitecture:
     """A llama.cpp architecture as an HF one: `hf_class`, per-layer tensor names beyond (or
     instead of) llama's (`tensors`: GGUF name -> HF module), whether the converter permuted the
-    Q/K rows, and `fields(reader, tensor_names)`: config.json fields beyond the shared ones."""
+    Q/K rows, what it added to every norm weight (`norm_offset`), and `fields(reader,
+    tensor_names)`: config.json fields beyond the shared ones, or `config(reader, arch)`: the
+    whole config.json where the shared reading does not apply."""
 
     hf_class: str
     tensors: dict[str, str] = dataclasses.field(default_factory=dict)
     permuted_qk: bool = False
+    norm_offset: float = 0.0
     fields: Callable[[gguf.GGUFReader, set[str]], dict] = lambda reader, names: {}
+    config: Callable[[gguf.GGUFReader, str], dict] | None = None
 
 
 def _llama_fields(reader: gguf.GGUFReader, names: set[str]) -> dict:
@@ -62,6 +67,74 @@ def _phi3_fields(reader: gguf.GGUFReader, names: set[str]) -> dict:
     return {"sliding_window": window or None}
 
 
+# llama.cpp's Gemma models: the layer count names the size, and the 27B ones scale scores by
+# (hidden / heads)^-1/2 instead of head_dim^-1/2 (GGUF has no query_pre_attn_scalar; llama.cpp's
+# llama-model.cpp applies this rule after Google's gemma_pytorch configs).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Global layers: every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp hard-codes them; Gemma 3's
+# sliding layers use rope theta 10000 (likewise fixed there).
+_GEMMA_PERIOD = {"gemma2": 2, "gemma3": 6}
+
+
+def _gemma_config(reader: gguf.GGUFReader, arch: str) -> dict:
+    """Gemma2ForCausalLM / Gemma3ForCausalLM config.json fields from a gemma2 / gemma3 GGUF."""
+    names = {t.name for t in reader.tensors}
+    heads = int(metadata(reader, f"{arch}.attention.head_count"))
+    d_model = int(metadata(reader, f"{arch}.embedding_length"))
+    n_layers = int(metadata(reader, f"{arch}.block_count"))
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", d_model // heads))
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    period = _GEMMA_PERIOD[arch]
+    theta = float(metadata(reader, f"{arch}.rope.freq_base", 10_000.0))
+    rope = {"rope_type": "default", "rope_theta": theta}
+    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        rope = rope | {
+            "rope_type": "linear",
+            "factor": float(metadata(reader, f"{arch}.rope.scaling.factor")),
+        }
+    elif scaling != "none":
+        raise ValueError(f"GGUF {arch} rope scaling {scaling!r} is not supported (only linear)")
+    hf = {
+        "architectures": ["Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM"],
+        "vocab_size": int(metadata(reader, f"{arch}.vocab_size", int(embed.shape[1]))),
+        "hidden_size": d_model,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(metadata(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "intermediate_size": int(metadata(reader, f"{arch}.feed_forward_length")),
+        "max_position_embeddings": int(metadata(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "query_pre_attn_scalar": (
+            d_model // heads if n_layers == _GEMMA_27B_LAYERS[arch] else head_dim
+        ),
+        "sliding_window": int(metadata(reader, f"{arch}.attention.sliding_window", 4096)),
+        "layer_types": [
+            "full_attention" if (i + 1) % period == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ],
+    }
+    if arch == "gemma2":
+        softcaps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+        for field, default in softcaps.items():
+            hf[field] = float(metadata(reader, f"{arch}.{field}", default))
+        return hf | {"rope_parameters": rope}
+    local = {"rope_type": "default", "rope_theta": 10_000.0}
+    return hf | {"rope_parameters": {"full_attention": rope, "sliding_attention": local}}
+
+
+# Gemma's sandwich norms and Gemma 3's q/k norms; its ffn_norm is the pre-MLP norm.
+_GEMMA_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True, fields=_llama_fields),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM"),
@@ -73,6 +146,13 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
         "Phi3ForCausalLM",
         tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
         fields=_phi3_fields,
+    ),
+    # Gemma runs llama.cpp's NeoX (rotate-half) rotary kernel: its Q/K rows are HF's as they are.
+    "gemma2": GGUFArchitecture(
+        "Gemma2ForCausalLM", tensors=_GEMMA_TENSORS, norm_offset=1.0, config=_gemma_config
+    ),
+    "gemma3": GGUFArchitecture(
+        "Gemma3ForCausalLM", tensors=_GEMMA_TENSORS, norm_offset=1.0, config=_gemma_config
     ),
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -145,6 +225,8 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
                 "(Llama-3 scaling or Phi-3 LongRoPE), which the zoo does not read yet; load the "
                 "HF safetensors checkpoint instead"
             )
+    if ARCHITECTURES[arch].config is not None:
+        return ARCHITECTURES[arch].config(reader, arch)
 
     def key(name: str, default=None):
         return metadata(reader, f"{arch}.{name}", default)
@@ -182,6 +264,7 @@ class GGUFSource:
     def __init__(self, reader: gguf.GGUFReader, hf: dict):
         arch = metadata(reader, "general.architecture")
         self._tensors = {hf_name(t.name, arch): t for t in reader.tensors}
+        self._norm_offset = ARCHITECTURES[arch].norm_offset
         self._heads = (
             {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
             if ARCHITECTURES[arch].permuted_qk
@@ -203,4 +286,6 @@ class GGUFSource:
         projection = name.split(".")[-2]
         if projection in self._heads:
             w = unpermute(w, self._heads[projection])
+        if self._norm_offset and projection.endswith("norm"):
+            w = w - self._norm_offset  # llama.cpp stores offset + w; HF (and plus_one RMSNorm) w
         return w

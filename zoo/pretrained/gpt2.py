@@ -85,6 +85,7 @@ def exports(config: Config) -> bool:
         and config.bias
         and not config.qk_norm
         and config.sliding_window is None
+        and not config.gemma_features
     )
 
 

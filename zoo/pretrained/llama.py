@@ -121,7 +121,9 @@ def exports(config: Config) -> bool:
         and not config.qkv_bias
         and not config.mla
         and config.sliding_window is None
+        and (config.rope_scaling is None or config.rope_scaling.kind == "llama3")
         and config.n_experts == 0
+        and not config.gemma_features
     )
 
 

@@ -79,6 +79,7 @@ def exports(config: Config) -> bool:
         and config.moe_every == 1
         and config.router_scoring == "softmax"
         and config.router_normalize
+        and not config.gemma_features
     )
 
 

@@ -28,6 +28,7 @@ from layers.kernels.flash.config import (
 from layers.kernels.flash.forward import flash_forward
 from layers.kernels.flash.tiles import tile_ranges, tile_visibility
 from layers.kernels.mask import AttentionMask
+from layers.kernels.naive import naive_attention
 from layers.kernels.xla import xla_attention
 from shard.manual import active_specs, per_shard
 from shard.rules import mesh_axes_of
@@ -60,8 +61,10 @@ _attention.defvjp(_attention_forward, _attention_backward)
 
 
 def _ranges(mask: AttentionMask, rows, block_q: int, block_k: int):
+    # The window may be traced (a per-layer value): these bounds are plain XLA, so whole tiles
+    # outside it are still skipped.
     visible, full = tile_visibility(
-        *rows, causal=mask.causal, window=mask.sliding_window, block_q=block_q, block_k=block_k
+        *rows[:4], causal=mask.causal, window=mask.sliding_window, block_q=block_q, block_k=block_k
     )
     return tile_ranges(visible, full)
 
@@ -95,14 +98,18 @@ def flash_attention(
     v: Float[Array, "batch kv_seq kv_heads head_dim"],
     mask: AttentionMask,
     *,
+    softcap: float | None = None,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """softmax(q k^T / sqrt(d) + mask) v without materialising the score matrix (Dao et al.
-    2022; FlashAttention-2, Dao 2023), same contract as `naive_attention`.
+    """softmax(softcap(q k^T / sqrt(d)) + mask) v without materialising the score matrix (Dao et
+    al. 2022; FlashAttention-2, Dao 2023), same contract as `naive_attention`. The mask's sliding
+    window may be a traced value (one per layer): tile skipping and the element mask both use it.
 
     `interpret=None` runs the Pallas interpreter when the default backend is the CPU and compiles
-    through Triton otherwise. seq == 1 (decode) uses `xla_attention` (see the module docstring).
+    through Triton otherwise. seq == 1 (decode) uses `xla_attention` (see the module docstring),
+    or, with a `softcap` (which jax.nn.dot_product_attention lacks), `naive_attention`'s einsums:
+    the same XLA products over one query row.
     Sequence lengths must be multiples of the (clipped) blocks, head_dim a power of two in
     [16, 256] and the dtype float32, bfloat16 or float16; anything else is a ValueError.
     A query that sees no key at all (impossible in causal self-attention) gets an arbitrary but
@@ -115,23 +122,34 @@ def flash_attention(
     """
     check_inputs(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
     if q.shape[1] == 1:
+        if softcap is not None:
+            return naive_attention(q, k, v, mask, softcap=softcap)
         return xla_attention(q, k, v, mask)
     specs = active_specs(Q_AXES, KV_AXES)
     if specs is not None:
         _check_specs(*specs)
-    local = functools.partial(_flash_local, block_sizes=block_sizes, interpret=interpret)
+    # The window (one scalar, every shard's) is closed over, not split like the mask's rows.
+    window = mask.sliding_window
+
+    def local(q, k, v, rows_mask):
+        return _flash_local(
+            q, k, v, rows_mask.with_window(window),
+            softcap=softcap, block_sizes=block_sizes, interpret=interpret,
+        )  # fmt: skip
+
     return per_shard(local, in_axes=(Q_AXES, KV_AXES, KV_AXES, "batch"), out_axes=Q_AXES)(
-        q, k, v, mask
+        q, k, v, mask.with_window(None)
     )
 
 
-def _flash_local(q, k, v, mask: AttentionMask, *, block_sizes: BlockSizes, interpret):
+def _flash_local(q, k, v, mask: AttentionMask, *, softcap, block_sizes: BlockSizes, interpret):
     """The kernel on the arrays one device holds (all of them when nothing is sharded)."""
     seq, kv_seq, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    blocks = block_sizes
+    blocks, window = block_sizes, mask.sliding_window
     plan = Plan(
         causal=mask.causal,
-        window=mask.sliding_window,
+        windowed=mask.sliding_window is not None,
+        softcap=softcap,
         scale=1.0 / math.sqrt(head_dim),
         group=q.shape[2] // k.shape[2],
         block_q=fit_block(blocks.block_q, seq, name="query", field="block_q"),
@@ -152,6 +170,7 @@ def _flash_local(q, k, v, mask: AttentionMask, *, block_sizes: BlockSizes, inter
         mask.kv_positions.astype(jnp.int32),
         None if mask.q_segment_ids is None else mask.q_segment_ids.astype(jnp.int32),
         None if mask.kv_segment_ids is None else mask.kv_segment_ids.astype(jnp.int32),
+        None if window is None else jnp.asarray(window, jnp.int32).reshape(1),
     )
     layout = {
         "rows": rows,

@@ -30,19 +30,21 @@ from jax.experimental.pallas import triton as plgpu
 from layers.kernels.flash.config import Plan
 from layers.kernels.flash.forward import (
     LOG2E,
+    WINDOW_SPEC,
     compiler_params,
     dot_nn,
     dot_nt,
     dot_tn,
     heaviest_first,
     scores,
+    softcap_slope,
 )
 from layers.kernels.flash.tiles import walk_tiles
 
 
 def _dkv_kernel(
     lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, *out_refs, plan: Plan,
+    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, window_ref, *out_refs, plan: Plan,
 ):  # fmt: skip
     # "atomic": the dQ buffer comes in aliased (its input ref, unused) and goes out as the third
     # output, the one the atomic adds target.
@@ -50,6 +52,7 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]  # [block_k, head_dim]
     kv_pos = kv_pos_ref[...]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    window = None if window_ref is None else window_ref[...]
     bq, c = plan.backward_block_q, plan.scale * LOG2E
 
     def head(hh, carry):
@@ -58,10 +61,13 @@ def _dkv_kernel(
             rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
             q, do = q_ref[rows, hh, :], do_ref[rows, hh, :]
             q_seg = None if q_seg_ref is None else q_seg_ref[rows]
-            s_t = scores(k, q, q_pos_ref[rows], kv_pos, q_seg, kv_seg, plan, masked, True)
+            s_t = scores(k, q, q_pos_ref[rows], kv_pos, q_seg, kv_seg, window, plan, masked, True)
             p_t = jnp.exp2(s_t * c - lse_ref[hh, rows][None, :])  # [block_k, block_q]
             dv = dv + dot_nn(p_t.astype(do.dtype), do)
-            ds_t = (p_t * (dot_nt(v, do) - delta_ref[hh, rows][None, :])).astype(q.dtype)
+            ds_t = p_t * (dot_nt(v, do) - delta_ref[hh, rows][None, :])
+            if plan.softcap is not None:
+                ds_t = ds_t * softcap_slope(s_t, plan)
+            ds_t = ds_t.astype(q.dtype)
             dk = dk + dot_nn(ds_t, q)
             if dq_ref:
                 plgpu.atomic_add(dq_ref[0], (rows, hh, slice(None)), dot_tn(ds_t, k))
@@ -77,9 +83,10 @@ def _dkv_kernel(
 
 def _dq_kernel(
     lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, dq_ref, *, plan: Plan,
+    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, window_ref, dq_ref, *, plan: Plan,
 ):  # fmt: skip
     q, do = q_ref[...], do_ref[...]  # [block_q, head_dim]
+    window = None if window_ref is None else window_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     q_pos = q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
@@ -89,9 +96,11 @@ def _dq_kernel(
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[keys, :], v_ref[keys, :]
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
-        s = scores(q, k, q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
+        s = scores(q, k, q_pos, kv_pos_ref[keys], q_seg, kv_seg, window, plan, masked)
         p = jnp.exp2(s * c - lse[:, None])
         ds = p * (dot_nt(do, v) - delta[:, None])
+        if plan.softcap is not None:
+            ds = ds * softcap_slope(s, plan)
         return dq + dot_nn(ds.astype(k.dtype), k)
 
     dq = walk_tiles(
@@ -100,7 +109,9 @@ def _dq_kernel(
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
-def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
+def flash_backward(
+    q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, window, ranges, plan: Plan
+):
     """(dq, dk, dv) for `flash_forward`'s output `out` and its base-2 log-sum-exp `lse`."""
     b, t, h, d = q.shape
     s_len, n_kv = k.shape[1], k.shape[2]
@@ -109,7 +120,8 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
     atomic = plan.backward_dq == "atomic"
     # delta = rowsum(dO * O): a product and a row sum, which XLA fuses into one pass.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    args = (q, k, v, d_out, lse, delta.transpose(0, 2, 1), q_pos, kv_pos, q_seg, kv_seg)
+    args = (q, k, v, d_out, lse, delta.transpose(0, 2, 1), q_pos, kv_pos, q_seg, kv_seg, window)
+    window_spec = None if window is None else WINDOW_SPEC
 
     # dK/dV(/dQ): grid over (key tile, batch, K/V head); the query heads hh of K/V head kh are
     # kh*g .. kh*g+g-1, taken as one block of g heads. Under a causal mask the first key tile is
@@ -132,6 +144,7 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
         kv_rows,
         q_rows if has_seg else None,
         kv_rows if has_seg else None,
+        window_spec,
     ]
     out_specs = [kv_tile, kv_tile]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
@@ -182,6 +195,7 @@ def flash_backward(q, k, v, out, lse, d_out, q_pos, kv_pos, q_seg, kv_seg, range
             kv_rows,
             q_rows if has_seg else None,
             kv_rows if has_seg else None,
+            window_spec,
         ],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -122,7 +122,8 @@ class Plan:
     """Everything static about one call: the mask rule, the fitted tiles and how to launch."""
 
     causal: bool
-    window: int | None
+    windowed: bool  # the window itself is data: an input of the kernels (a per-layer value)
+    softcap: float | None  # scores -> softcap * tanh(scale * s / softcap) (Gemma 2)
     scale: float
     group: int  # query heads per K/V head
     block_q: int

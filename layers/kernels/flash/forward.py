@@ -53,17 +53,35 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def scores(
-    a, b, q_pos, kv_pos, q_seg, kv_seg, plan: Plan, masked: bool, transposed: bool = False
+    a, b, q_pos, kv_pos, q_seg, kv_seg, window, plan: Plan, masked: bool, transposed: bool = False
 ) -> jax.Array:
-    """Raw scores a b^T of one tile, masked (to MASKED) if `masked`: a = q, b = k gives S
-    [block_q, block_k]; a = k, b = q with `transposed` gives S^T [block_k, block_q]."""
+    """Raw scores a b^T of one tile, soft-capped if the plan says so, masked (to MASKED) if
+    `masked`: a = q, b = k gives S [block_q, block_k]; a = k, b = q with `transposed` gives S^T
+    [block_k, block_q]. `window`: the sliding window (a [1] array) or None.
+
+    Soft-capping keeps the scores in raw units (before the 1/sqrt(d) scale), so the rest of the
+    kernel is unchanged: s -> (cap / scale) tanh(s scale / cap), whose scaled value is
+    cap tanh(s scale / cap). Its derivative is 1 - tanh^2 (`softcap_slope`)."""
     s = dot_nt(a, b)
+    if plan.softcap is not None:
+        s = (plan.softcap / plan.scale) * jnp.tanh(s * (plan.scale / plan.softcap))
     if not masked:
         return s
     allowed = element_mask(
-        q_pos, kv_pos, q_seg, kv_seg, causal=plan.causal, window=plan.window, transposed=transposed
+        q_pos, kv_pos, q_seg, kv_seg, causal=plan.causal, window=window, transposed=transposed
     )
     return s if allowed is None else jnp.where(allowed, s, MASKED)
+
+
+def softcap_slope(s: jax.Array, plan: Plan) -> jax.Array:
+    """d(capped s) / d(raw s) = 1 - tanh^2 from the capped scores `scores` returns; 0 where
+    they are MASKED (their probabilities are 0 anyway: this keeps 0 * inf out)."""
+    t = s * (plan.scale / plan.softcap)
+    return 1.0 - jnp.minimum(t * t, 1.0)
+
+
+# The sliding window: one int32 in a [1] array, the same block for every program.
+WINDOW_SPEC = pl.BlockSpec((1,), lambda *_: (0,))
 
 
 def heaviest_first(n_tiles: int):
@@ -73,9 +91,10 @@ def heaviest_first(n_tiles: int):
 
 def _forward_kernel(
     lo_ref, full_lo_ref, full_hi_ref, hi_ref, q_ref, k_ref, v_ref,
-    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, plan: Plan,
+    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, window_ref, o_ref, lse_ref, *, plan: Plan,
 ):  # fmt: skip
     q = q_ref[...]  # [block_q, head_dim]
+    window = None if window_ref is None else window_ref[...]
     q_pos = q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
     block_q, head_dim = q.shape
@@ -85,7 +104,7 @@ def _forward_kernel(
         o, m, denom = carry  # m: running max of the raw scores
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         kv_seg = None if kv_seg_ref is None else kv_seg_ref[keys]
-        s = scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, plan, masked)
+        s = scores(q, k_ref[keys, :], q_pos, kv_pos_ref[keys], q_seg, kv_seg, window, plan, masked)
         m_new = jnp.maximum(m, s.max(axis=-1))
         rescale = jnp.exp2((m - m_new) * c)
         p = jnp.exp2(s * c - (m_new * c)[:, None])
@@ -114,7 +133,7 @@ def compiler_params(plan: Plan) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
+def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, ranges, plan: Plan):
     """out [batch, seq, heads, head_dim] and base-2 log-sum-exp [batch, heads, seq] (float32)."""
     b, t, h, d = q.shape
     s_len = k.shape[1]
@@ -140,6 +159,7 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
             kv_rows,
             q_rows if has_seg else None,
             kv_rows if has_seg else None,
+            None if window is None else WINDOW_SPEC,
         ],
         out_specs=[q_tile, lse_tile],
         out_shape=[
@@ -149,4 +169,4 @@ def flash_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, plan: Plan):
         compiler_params=compiler_params(plan),
         interpret=plan.interpret,
         name="flash_forward",
-    )(*ranges["kv"], q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    )(*ranges["kv"], q, k, v, q_pos, kv_pos, q_seg, kv_seg, window)

@@ -34,7 +34,7 @@ def tile_visibility(
     kv_seg: Int[Array, "batch kv_seq"] | None,
     *,
     causal: bool,
-    window: int | None,
+    window: jax.Array | int | None,
     block_q: int,
     block_k: int,
 ) -> tuple[jax.Array, jax.Array]:
@@ -97,7 +97,7 @@ def element_mask(
     kv_seg: jax.Array | None,
     *,
     causal: bool,
-    window: int | None,
+    window: jax.Array | int | None,
     transposed: bool = False,
 ) -> jax.Array | None:
     """[block_q, block_k] bool, the rule of `AttentionMask` for one tile, or [block_k, block_q]

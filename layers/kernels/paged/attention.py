@@ -91,7 +91,7 @@ def _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding
                 f"paged attention: {name} must be integers of shape {want} for q {q.shape}, got "
                 f"{x.dtype} {x.shape}"
             )
-    if sliding_window is not None and sliding_window < 1:
+    if isinstance(sliding_window, int) and sliding_window < 1:
         raise ValueError(f"paged attention: sliding_window must be >= 1, got {sliding_window}")
 
 
@@ -127,11 +127,14 @@ def paged_attention(
     lengths: Int[Array, " batch"],
     *,
     q_positions: Int[Array, "batch seq"],
-    sliding_window: int | None = None,
+    sliding_window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
     kernel: PagedKernel,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """softmax(q k^T / sqrt(d) + mask) v over each row's keys in the page pool (layout in
-    `pages.py`), with K/V heads shared by groups of query heads (GQA/MQA).
+    """softmax(softcap(q k^T / sqrt(d)) + mask) v over each row's keys in the page pool (layout
+    in `pages.py`), with K/V heads shared by groups of query heads (GQA/MQA). `sliding_window`
+    may be traced (one layer's window under `lax.scan`); `softcap` caps the scaled scores at
+    softcap * tanh(s / softcap) (Gemma 2).
 
     The key at position j is visible to the query at position `q_positions[b, i]` iff
     j <= that position, j < lengths[b] and (no window or position - j < sliding_window): a decode
@@ -149,7 +152,7 @@ def paged_attention(
         check_page_table(page_table, lengths, page_size=page_size, n_pages=n_pages)
     if isinstance(kernel, GatherKernel):
         return gather_attention(
-            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window
+            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap
         )
     if not isinstance(kernel, PallasDecodeKernel):
         raise TypeError(
@@ -160,7 +163,8 @@ def paged_attention(
     ppb = max(1, kernel.keys_per_block // page_size)
     blocks = -(-page_table.shape[1] // ppb)
     plan = DecodePlan(
-        window=sliding_window,
+        windowed=sliding_window is not None,
+        softcap=softcap,
         scale=1.0 / math.sqrt(d),
         pages_per_block=ppb,
         splits=kernel.splits or default_splits(q.shape[0], n_kv, blocks),
@@ -168,4 +172,9 @@ def paged_attention(
         num_stages=kernel.num_stages,
         interpret=jax.default_backend() == "cpu" if kernel.interpret is None else kernel.interpret,
     )
-    return paged_decode(q, k_pages, v_pages, page_table, lengths, q_positions, plan)
+    window = (
+        None
+        if sliding_window is None
+        else jnp.broadcast_to(jnp.asarray(sliding_window, jnp.int32), lengths.shape)
+    )
+    return paged_decode(q, k_pages, v_pages, page_table, lengths, q_positions, window, plan)

@@ -33,7 +33,8 @@ from layers.kernels.paged.pages import visible
 class DecodePlan:
     """Everything static about one call of the kernel."""
 
-    window: int | None
+    windowed: bool  # the window itself is data: a per-row input of the kernel
+    softcap: float | None  # scaled scores -> softcap * tanh(s / softcap) (Gemma 2)
     scale: float
     pages_per_block: int
     splits: int
@@ -43,17 +44,18 @@ class DecodePlan:
 
 
 def _decode_kernel(
-    lengths_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+    lengths_ref, q_pos_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     plan: DecodePlan,
 ):  # fmt: skip
     # q_ref [group_pad, head_dim]; k_ref, v_ref [pages, page_size, head_dim] (this K/V head's
     # pool); table_ref [row_pages] (this row's table, padded to whole blocks).
     length, q_pos = lengths_ref[...], q_pos_ref[...]
+    window = None if window_ref is None else window_ref[...]
     group_pad, head_dim = q_ref.shape
     ppb = plan.pages_per_block
     block = ppb * k_ref.shape[1]
     # Visible keys are the positions [first, end): one contiguous run.
-    first = 0 if plan.window is None else jnp.maximum(q_pos - plan.window + 1, 0)
+    first = 0 if window is None else jnp.maximum(q_pos - window + 1, 0)
     end = jnp.minimum(q_pos + 1, length)
     lo = first // block
     hi = jnp.where(end > first, (end + block - 1) // block, lo)
@@ -69,9 +71,12 @@ def _decode_kernel(
         pages = table_ref[pl.ds(pl.multiple_of(i * ppb, ppb), ppb)]
         k = k_ref[pages].reshape(block, head_dim)
         v = v_ref[pages].reshape(block, head_dim)
-        s = dot_nt(q, k) * (plan.scale * LOG2E)
+        if plan.softcap is None:
+            s = dot_nt(q, k) * (plan.scale * LOG2E)
+        else:
+            s = plan.softcap * jnp.tanh(dot_nt(q, k) * (plan.scale / plan.softcap)) * LOG2E
         key_pos = i * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-        s = jnp.where(visible(q_pos, key_pos, length, plan.window), s, MASKED)
+        s = jnp.where(visible(q_pos, key_pos, length, window), s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         rescale = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -105,6 +110,7 @@ def paged_decode(
     page_table: Int[Array, "batch row_pages"],
     lengths: Int[Array, " batch"],
     q_positions: Int[Array, "batch 1"],
+    window: Int[Array, " batch"] | None,
     plan: DecodePlan,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """One decode step of paged attention (inputs already checked by `paged_attention`)."""
@@ -131,6 +137,7 @@ def paged_decode(
         in_specs=[
             per_row,
             per_row,
+            None if window is None else per_row,
             pl.BlockSpec((None, table.shape[1]), lambda bi, h, s: (bi, 0)),
             group_block,
             pool,
@@ -149,7 +156,7 @@ def paged_decode(
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         interpret=plan.interpret,
         name="paged_decode",
-    )(lengths, q_positions[:, 0].astype(jnp.int32), table, qg, k_pages, v_pages)
+    )(lengths, q_positions[:, 0].astype(jnp.int32), window, table, qg, k_pages, v_pages)
     out = _merge(o, m, denom)[:, :, :group]  # [batch, kv_heads, group, head_dim]
     return out.reshape(b, 1, n_heads, d).astype(q.dtype)
 

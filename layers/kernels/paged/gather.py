@@ -11,6 +11,7 @@ import math
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from layers.kernels.naive import soft_cap
 from layers.kernels.paged.pages import visible
 
 
@@ -21,9 +22,10 @@ def gather_attention(
     page_table: Int[Array, "batch row_pages"],
     lengths: Int[Array, " batch"],
     q_positions: Int[Array, "batch seq"],
-    sliding_window: int | None,
+    sliding_window: Int[Array, ""] | int | None,
+    softcap: float | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """softmax(q k^T / sqrt(d) + mask) v over each row's pages; a query that sees no key
+    """softmax(softcap(q k^T / sqrt(d)) + mask) v over each row's pages; a query that sees no key
     outputs 0."""
     b, t, n_heads, d = q.shape
     n_kv, _, page_size, _ = k_pages.shape
@@ -34,6 +36,7 @@ def gather_attention(
 
     qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).astype(jnp.float32)
     scores = jnp.einsum("btkgd,kbsd->bkgts", qg, contiguous(k_pages)) / math.sqrt(d)
+    scores = soft_cap(scores, softcap)
     allowed = visible(
         q_positions[:, :, None], jnp.arange(kv_seq)[None, None, :], lengths[:, None, None],
         sliding_window,

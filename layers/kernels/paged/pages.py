@@ -23,7 +23,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 def visible(
     q_pos: Int[Array, "..."], key_pos: Int[Array, "..."], length: Int[Array, "..."],
-    window: int | None,
+    window: Int[Array, "..."] | int | None,
 ) -> Bool[Array, "..."]:  # fmt: skip
     """The paged attention rule, broadcast elementwise: the key at position j is visible to the
     query at position i iff j <= i, j < length and (no window or i - j < window)."""
