@@ -4,13 +4,19 @@ import pathlib
 import re
 
 import zoo
+from zoo.policy import Policy
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_readme_lists_every_preset_with_its_parameter_count():
-    row = re.compile(r"^\| `([\w.-]+)` \|.*\| ([\d,]+) \|$", re.MULTILINE)
-    rows = dict(row.findall(README.read_text()))
+def test_readme_lists_every_preset_with_its_parameter_count_and_kv_bytes():
+    row = re.compile(
+        r"^\| `([\w.-]+)` \|.*\| ([\d,]+)[^|]* \| [\d,]+ \| ([\d,]+) \|$", re.MULTILINE
+    )
+    rows = {name: (kv, count) for name, kv, count in row.findall(README.read_text())}
     assert set(rows) == set(zoo.presets())
-    for name, count in rows.items():
-        assert int(count.replace(",", "")) == zoo.math.param_count(zoo.preset(name)), name
+    bf16 = Policy.of_dtype("bfloat16")
+    for name, (kv, count) in rows.items():
+        config = zoo.preset(name)
+        assert int(count.replace(",", "")) == zoo.math.param_count(config), name
+        assert int(kv.replace(",", "")) == zoo.math.kv_cache_bytes_per_token(config, bf16), name

@@ -24,6 +24,8 @@ def config_to_hf(config: Config) -> dict:
 def exports(config: Config) -> bool:
     """Whether Mistral's layout holds this config exactly: Llama's, window or not (a config
     without one is written as a Llama unless Mistral is asked for by name)."""
+    if config.layer_types is not None:  # per-layer windows: Gemma's layout
+        return False
     return llama.exports(config.replace(sliding_window=None)) and not config.bias
 
 

@@ -62,6 +62,8 @@ def config_to_hf(config: Config) -> dict:
 def exports(config: Config) -> bool:
     """Whether Phi-3's layout holds this config exactly: Llama's without biases, window or not
     (written as a Llama or Mistral unless Phi-3 is asked for by name)."""
+    if config.layer_types is not None:  # per-layer windows: Gemma's layout
+        return False
     return llama.exports(config.replace(sliding_window=None)) and not config.bias
 
 

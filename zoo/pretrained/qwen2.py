@@ -72,6 +72,8 @@ def config_to_hf(config: Config) -> dict:
 def exports(config: Config) -> bool:
     """Whether Qwen2's layout holds this config exactly: a Llama with q/k/v biases (and
     optionally one window on every layer)."""
+    if config.layer_types is not None:  # per-layer windows: Gemma's layout
+        return False
     llama_like = llama.exports(config.replace(qkv_bias=False, sliding_window=None))
     return llama_like and config.qkv_bias and not config.bias
 

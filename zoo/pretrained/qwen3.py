@@ -26,6 +26,8 @@ def config_to_hf(config: Config) -> dict:
 def exports(config: Config) -> bool:
     """Whether Qwen3's layout holds this config exactly: a Llama with q/k norms and no biases
     (optionally one window on every layer)."""
+    if config.layer_types is not None:  # per-layer windows: Gemma's layout
+        return False
     llama_like = llama.exports(config.replace(qk_norm=False, sliding_window=None))
     return llama_like and config.qk_norm and not config.bias
 
