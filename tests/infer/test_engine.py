@@ -33,15 +33,17 @@ def prompts(lengths, seed=0):
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
+# Each model family once, and both layer storages (the paged pools shaped like each); the MoE
+# model (a leading dense stack, then MoE layers) in both.
 @pytest.mark.parametrize(
-    "name, changes",
+    "name, changes, unstacked",
     [
-        ("tiny-llama", {}),
-        ("tiny-gpt2", {}),
-        ("tiny-moe", {"first_dense_layers": 1, "moe_every": 1}),
+        ("tiny-llama", {}, True),
+        ("tiny-gpt2", {}, False),
+        ("tiny-moe", {"first_dense_layers": 1, "moe_every": 1}, False),
+        ("tiny-moe", {"first_dense_layers": 1, "moe_every": 1}, True),
     ],
 )
-@pytest.mark.parametrize("unstacked", [False, True])
 def test_engine_equals_each_request_alone(name, changes, unstacked):
     config = zoo.preset(name, n_layers=3, **changes)
     model = zoo.Transformer(config, key=jax.random.key(1))

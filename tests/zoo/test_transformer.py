@@ -52,8 +52,14 @@ STACKINGS = [
 ]
 
 
-@pytest.mark.parametrize("name, changes", STACKINGS)
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+# Every stacking without remat; the remat policies on the model with two stacks (leading dense
+# layers, then MoE), whose scan carries router statistics through the checkpointed blocks.
+REMATS = [(*stacking, "none") for stacking in STACKINGS] + [
+    ("tiny-deepseek-moe", {}, remat) for remat in ("full", "dots")
+]
+
+
+@pytest.mark.parametrize("name, changes, remat", REMATS)
 def test_scan_equals_loop_equals_unrolled_storage(name, changes, remat):
     config = zoo.preset(name, **{"n_layers": 3, **changes})
     policy = zoo.Policy(remat=remat)
@@ -107,6 +113,37 @@ def test_cached_prefill_and_decode_equal_the_full_forward(name, changes):
             np.testing.assert_allclose(step.logits[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
             cache = step.cache
         assert int(cache.slot) == 9 and cache.lengths.tolist() == [9, 9]
+
+
+# Family features not covered by the cached-decode tests of tests/zoo/test_families.py (Qwen3-MoE,
+# Phi-3), test_gemma.py (Gemma 3, Gemma 2 through the engine) and test_deepseek.py (MLA): q/k/v
+# biases, q/k norms with their own head_dim, and Gemma 2's soft-capped, sandwich-normed layers
+# with a window (4) shorter than the decoded sequence on every other layer.
+FAMILY_FEATURES = {
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True, "head_dim": 24},
+    "gemma2": {
+        "norm_plus_one": True, "mlp": "geglu", "sandwich_norm": True, "embed_scale": True,
+        "attn_softcap": 5.0, "final_softcap": 3.0, "query_scale": 8.0, "sliding_window": 4,
+        "layer_types": ("sliding", "full", "sliding"),
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILY_FEATURES)
+def test_family_features_decode_like_the_full_forward(family):
+    config = zoo.preset("tiny-llama", n_layers=3, **FAMILY_FEATURES[family])
+    policy = zoo.Policy(attention="naive")  # xla cannot soft-cap
+    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)
+    full = model(tokens)
+    out = model.forward(tokens[:, :5], cache=model.init_cache(2, 12))
+    np.testing.assert_allclose(out.logits, full[:, :5], rtol=1e-5, atol=1e-5)
+    cache = out.cache
+    for t in range(5, 9):
+        step = model.forward(tokens[:, t : t + 1], cache=cache)
+        np.testing.assert_allclose(step.logits[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+        cache = step.cache
 
 
 def test_logits_at_picks_positions():
