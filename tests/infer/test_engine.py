@@ -34,14 +34,13 @@ def prompts(lengths, seed=0):
 
 
 # Each model family once, and both layer storages (the paged pools shaped like each); the MoE
-# model (a leading dense stack, then MoE layers) in both.
+# model has two stacks (a leading dense layer, then MoE layers).
 @pytest.mark.parametrize(
     "name, changes, unstacked",
     [
         ("tiny-llama", {}, True),
         ("tiny-gpt2", {}, False),
         ("tiny-moe", {"first_dense_layers": 1, "moe_every": 1}, False),
-        ("tiny-moe", {"first_dense_layers": 1, "moe_every": 1}, True),
     ],
 )
 def test_engine_equals_each_request_alone(name, changes, unstacked):
