@@ -16,8 +16,8 @@ embed]` and `mlp.experts.down_proj`, transformers' in-memory layout); written pe
 
 import numpy as np
 
-from layers.rotary import RopeScaling
 from zoo.config import Config
+from zoo.pretrained.rope import rope_from_hf, rope_to_hf
 from zoo.pretrained.tensor_map import TensorGroup, linear, same
 
 READS = (
@@ -69,49 +69,6 @@ ONLY = {
     "scoring_func": "sigmoid",
     "topk_method": "noaux_tc",
 }
-_YARN_KEYS = {
-    "rope_type",
-    "type",
-    "rope_theta",
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-    "truncate",
-}
-
-
-def _rope(hf: dict, arch: str) -> tuple[float, RopeScaling | None]:
-    """rope theta and scaling from `rope_parameters` (transformers >= 5) or the older top-level
-    `rope_theta` + `rope_scaling`; only 'default' and 'yarn' (DeepSeek's) are implemented."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "yarn":
-        raise ValueError(
-            f"{arch} rope_type={kind!r} is not supported; the zoo has 'default' and 'yarn'"
-        )
-    unknown = sorted(set(params) - _YARN_KEYS)
-    if unknown or not params.get("truncate", True) or params.get("factor") is None:
-        raise ValueError(
-            f"{arch} yarn rope parameters {params} are not supported: the zoo implements "
-            f"factor (required), original_max_position_embeddings, beta_fast, beta_slow, mscale, "
-            f"mscale_all_dim and truncate=True (not {unknown})"
-        )
-    return theta, RopeScaling(
-        kind="yarn",
-        factor=float(params["factor"]),
-        original_max_seq_len=int(params["original_max_position_embeddings"]),
-        # transformers reads a 0 or missing beta as its default (`or 32`, `or 1`).
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0.0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-    )
 
 
 def mla_config(hf: dict, arch: str) -> Config:
@@ -133,7 +90,7 @@ def mla_config(hf: dict, arch: str) -> Config:
             )
     if hf.get("n_shared_experts", 1) < 1:
         raise ValueError(f"{arch} n_shared_experts must be >= 1 (every MoE layer has one)")
-    theta, scaling = _rope(hf, arch)
+    theta, scaling = rope_from_hf(hf, arch, ("yarn",))
     return Config(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
@@ -188,18 +145,7 @@ def config_from_hf(hf: dict) -> Config:
 
 def config_to_hf(config: Config) -> dict:
     c = config
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling is not None:
-        s = c.rope_scaling
-        rope |= {
-            "rope_type": "yarn",
-            "factor": s.factor,
-            "original_max_position_embeddings": s.original_max_seq_len,
-            "beta_fast": s.beta_fast,
-            "beta_slow": s.beta_slow,
-            "mscale": s.mscale,
-            "mscale_all_dim": s.mscale_all_dim,
-        }
+    rope = rope_to_hf(c.rope_theta, c.rope_scaling)
     moe = c.n_experts > 0
     return {
         "model_type": "deepseek_v3",

@@ -15,8 +15,8 @@ Weights map one to one (norm weights stay offsets from 1: our RMSNorm has `plus_
 
 import types
 
-from layers.rotary import RopeScaling
 from zoo.config import Config
+from zoo.pretrained.rope import rope_from_hf, rope_to_hf, scaling_from_hf
 from zoo.pretrained.tensor_map import TensorGroup, linear, same
 
 _COMMON_READS = (
@@ -69,18 +69,6 @@ def _layer_types(hf: dict, arch: str, default_period: int) -> tuple[str, ...]:
         hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default_period
     )
     return tuple("full" if (i + 1) % period == 0 else "sliding" for i in range(n))
-
-
-def _scaling(params: dict, arch: str, where: str) -> RopeScaling | None:
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(params["factor"]))
-    raise ValueError(
-        f"{arch} rope_type={kind!r} ({where}) is not supported; the zoo reads 'default' and "
-        "'linear' for Gemma"
-    )
 
 
 def _check_common(hf: dict, arch: str) -> None:
@@ -136,11 +124,9 @@ def _config(hf: dict, arch: str, layer_types: tuple[str, ...], **fields) -> Conf
 def gemma2_config_from_hf(hf: dict) -> Config:
     arch = "Gemma2ForCausalLM"
     _check_common(hf, arch)
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    theta, scaling = rope_from_hf(hf, arch, ("linear",))
     return _config(
-        hf, arch, _layer_types(hf, arch, 2),
-        rope_theta=theta, rope_scaling=_scaling(params, arch, "rope_parameters"),
+        hf, arch, _layer_types(hf, arch, 2), rope_theta=theta, rope_scaling=scaling
     )  # fmt: skip
 
 
@@ -158,22 +144,15 @@ def gemma3_config_from_hf(hf: dict) -> Config:
         )
     full = dict(params.get("full_attention") or hf.get("rope_scaling") or {})
     local = dict(params.get("sliding_attention") or {})
-    if _scaling(local, arch, "sliding_attention") is not None:
+    if scaling_from_hf(local, arch, ("linear",)) is not None:
         raise ValueError(f"{arch}: rope scaling on the sliding layers is not implemented")
     return _config(
         hf, arch, _layer_types(hf, arch, 6),
         qk_norm=True,
         rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
-        rope_scaling=_scaling(full, arch, "full_attention"),
+        rope_scaling=scaling_from_hf(full, arch, ("linear",)),
         local_rope_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))),
     )  # fmt: skip
-
-
-def _rope_params(theta: float, scaling: RopeScaling | None) -> dict:
-    params = {"rope_type": "default", "rope_theta": theta}
-    if scaling is not None:
-        params |= {"rope_type": "linear", "factor": scaling.factor}
-    return params
 
 
 def _common_to_hf(c: Config) -> dict:
@@ -201,14 +180,14 @@ def _common_to_hf(c: Config) -> dict:
 
 
 def gemma2_config_to_hf(c: Config) -> dict:
-    rope = _rope_params(c.rope_theta, c.rope_scaling)
+    rope = rope_to_hf(c.rope_theta, c.rope_scaling)
     return _common_to_hf(c) | {"model_type": "gemma2", "rope_parameters": rope}
 
 
 def gemma3_config_to_hf(c: Config) -> dict:
     rope = {
-        "full_attention": _rope_params(c.rope_theta, c.rope_scaling),
-        "sliding_attention": _rope_params(c.local_rope_theta, None),
+        "full_attention": rope_to_hf(c.rope_theta, c.rope_scaling),
+        "sliding_attention": rope_to_hf(c.local_rope_theta, None),
     }
     return _common_to_hf(c) | {
         "model_type": "gemma3_text",

@@ -2,8 +2,8 @@
 layout: nn.Linear weights stored `[out, in]`, GQA, RMSNorm, SwiGLU, rotary positions with an
 optional Llama-3 frequency scaling, tied or untied head. SmolLM2 is a Llama."""
 
-from layers.rotary import RopeScaling
 from zoo.config import Config
+from zoo.pretrained.rope import rope_from_hf, rope_to_hf
 from zoo.pretrained.tensor_map import TensorGroup, bias, linear, same
 
 READS = (
@@ -27,26 +27,6 @@ READS = (
 ONLY = {"pretraining_tp": 1}
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
-    """rope theta and scaling from either layout: transformers >= 5 nests both in
-    `rope_parameters`; older configs have `rope_theta` and `rope_scaling` at the top."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise ValueError(
-            f"Llama rope_type={kind!r} is not supported; the zoo has 'default' and 'llama3'"
-        )
-    return theta, RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_seq_len=int(params["original_max_position_embeddings"]),
-    )
-
-
 def config_from_hf(hf: dict) -> Config:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Llama hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
@@ -56,7 +36,7 @@ def config_from_hf(hf: dict) -> Config:
             f"Llama attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported: "
             "the zoo's Config.bias puts biases on both or neither"
         )
-    theta, scaling = _rope(hf)
+    theta, scaling = rope_from_hf(hf, "Llama", ("llama3",))
     heads = hf["num_attention_heads"]
     return Config(
         vocab_size=hf["vocab_size"],
@@ -79,16 +59,7 @@ def config_from_hf(hf: dict) -> Config:
 
 
 def config_to_hf(config: Config) -> dict:
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        rope |= {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_seq_len,
-        }
+    rope = rope_to_hf(config.rope_theta, config.rope_scaling)
     return {
         "model_type": "llama",
         "vocab_size": config.vocab_size,

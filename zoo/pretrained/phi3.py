@@ -15,6 +15,7 @@ import numpy as np
 
 from zoo.config import Config
 from zoo.pretrained import llama
+from zoo.pretrained.rope import hf_rope_parameters
 from zoo.pretrained.tensor_map import TensorGroup
 
 READS = (
@@ -28,7 +29,7 @@ ONLY = llama.ONLY | {"partial_rotary_factor": 1.0, "attention_bias": False}
 
 
 def config_from_hf(hf: dict) -> Config:
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope = hf_rope_parameters(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise ValueError(
