@@ -80,7 +80,7 @@ class Writer:
 
     def __init__(self, root: str | Path, *, keep: int, asynchronous: bool = True):
         ocp = _ocp()
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # orbax refuses relative paths
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None,
             step_name_format=ocp.step.standard_name_format(
@@ -205,7 +205,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     ocp = _ocp()
     try:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-            return reader.restore(Path(directory) / META)
+            return reader.restore(Path(directory).absolute() / META)
     except Exception as error:
         raise CorruptState(f"{directory}: unreadable {META}: {error}") from error
 
@@ -215,7 +215,7 @@ def restore_state(directory: str | Path, templates: Mapping[str, PyTree]) -> dic
     into their templates' structure, each leaf a `jax.ShapeDtypeStruct` with the sharding it
     is restored into. Shapes, dtypes and tree structure must match what was saved."""
     ocp = _ocp()
-    directory = Path(directory)
+    directory = Path(directory).absolute()
     restored = {}
     for name, template in templates.items():
         if not jax.tree.leaves(template):
@@ -238,7 +238,7 @@ def saved_arrays(directory: str | Path, name: str) -> dict[str, Any]:
     """The arrays of item `name` as saved (orbax's metadata: `.shape`, `.dtype`), by path."""
     ocp = _ocp()
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
-        return _by_name(reader.metadata(Path(directory) / name).item_metadata)
+        return _by_name(reader.metadata(Path(directory).absolute() / name).item_metadata)
 
 
 def _check_shapes(name: str, template: PyTree, have: dict[str, Any]) -> None:

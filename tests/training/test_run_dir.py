@@ -111,3 +111,12 @@ def test_a_full_disk_is_reported_and_leaves_no_checkpoint(tmp_path, monkeypatch)
     ):
         writer.save(1, {"params": {"w": jnp.ones(3)}}, {"step": 1})
     assert runs.checkpoints(tmp_path) == []  # at most orbax's temporary directory is left
+
+
+def test_a_relative_out_directory_checkpoints_and_resumes(tmp_path, monkeypatch, tiny_argv):
+    # `make run` writes to the relative runs/default; orbax itself takes absolute paths only.
+    monkeypatch.chdir(tmp_path)
+    train.main(tiny_argv("run", "--steps", "2", "--checkpoint-every", "2"))
+    assert [p.name for p in runs.checkpoints("run")] == ["step_00000002"]
+    train.main(["--resume", "run", "--steps", "3", "--no-progress"])
+    assert [p.name for p in runs.checkpoints("run")][-1] == "step_00000003"
