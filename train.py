@@ -67,8 +67,8 @@ DEFINING = ("model", "override", "init_from", "data", "text_column", "data_forma
             "streaming", "tokenizer",
             "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
             "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
-            "moe_balance_weight", "moe_z_weight", "lora_rank", "lora_alpha", "lora_targets",
-            "base_dtype")  # fmt: skip
+            "moe_balance_weight", "moe_z_weight", "router_bias_rate", "lora_rank", "lora_alpha",
+            "lora_targets", "base_dtype")  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -10,7 +10,9 @@ one run:
   against the request run alone;
 - KV-cache bytes the engine's pages held at most, beside a contiguous `8 x max_len` cache;
 - prefix reuse: 8 requests sharing a 128-token system prompt, prompt tokens computed with and
-  without sharing.
+  without sharing;
+- sliding layers' rings vs full-length pages on a Gemma-3-shaped model (random weights): KV
+  bytes held and decode tokens/s.
 
     python -m bench engine
 """
@@ -162,6 +164,61 @@ def prefix_reuse(model, table: Table) -> None:
     })  # fmt: skip
 
 
+# Gemma 3's shape, scaled down (random weights): a period of 5 sliding layers and 1 global.
+GEMMA_LIKE = dict(
+    vocab_size=4096, d_model=256, n_layers=12, n_heads=4, n_kv_heads=1, head_dim=64, d_ff=768,
+    max_seq_len=2048, position="rope", norm="rmsnorm", mlp="geglu", bias=False,
+    sliding_window=128, layer_types=(("sliding",) * 5 + ("full",)) * 2, local_rope_theta=1e4,
+)  # fmt: skip
+WINDOW_ROWS, WINDOW_PROMPT, WINDOW_NEW = 4, 1024, 32
+
+
+def window_rings(table: Table, ceilings: Ceilings) -> None:
+    """Sliding layers' rings (layers/window_cache.py) vs full-length pages for every layer, side
+    by side: KV bytes held and decode tokens/s, each beside zoo.math's bytes and roofline."""
+    config = zoo.Config(**GEMMA_LIKE)
+    model = zoo.Transformer(config, key=jax.random.key(0)).unstacked()
+    rng = np.random.default_rng(200)
+    cases = [rng.integers(0, config.vocab_size, WINDOW_PROMPT).tolist() for _ in range(WINDOW_ROWS)]
+    context = WINDOW_PROMPT + WINDOW_NEW // 2
+    full_row = context * zmath.kv_cache_bytes_per_token(config)
+    predicted = {True: zmath.kv_cache_bytes(config, context), False: full_row}
+    results = {}
+    for rings in (True, False):
+        engine = Engine(model, max_batch=WINDOW_ROWS, max_len=WINDOW_PROMPT + WINDOW_NEW,
+                        prefill_rows=WINDOW_ROWS, window_cache=rings)  # fmt: skip
+        requests = [engine.submit(p, max_new_tokens=WINDOW_NEW) for p in cases]
+        engine.run()
+        decode_s = max(r.decode_s for r in requests)
+        step_bytes = zmath.weight_bytes(config) + WINDOW_ROWS * predicted[rings]
+        results[rings] = (
+            engine.peak_kv_bytes(), WINDOW_ROWS * (WINDOW_NEW - 1) / decode_s,
+            WINDOW_ROWS * ceilings.bandwidth() / step_bytes, [r.tokens for r in requests],
+        )  # fmt: skip
+    (ring_kv, ring_tps, ring_pred, a), (full_kv, full_tps, full_pred, b) = (
+        results[True],
+        results[False],
+    )
+    shape = f"{WINDOW_ROWS} rows, {WINDOW_PROMPT}-token prompts, window {config.sliding_window}"
+    table.add({
+        "what": f"KV held, Gemma-3-shaped 12 layers (10 sliding), {shape}",
+        "predicted": f"{WINDOW_ROWS * predicted[True] / 2**20:.1f} vs "
+        f"{WINDOW_ROWS * predicted[False] / 2**20:.1f} MiB",
+        "ours": f"{ring_kv / 2**20:.1f} MiB (rings)",
+        "peer": f"{full_kv / 2**20:.1f} MiB (full-length pages)",
+        "ratio": f"{full_kv / ring_kv:.2f}x",
+        "note": "",
+    })  # fmt: skip
+    table.add({
+        "what": f"decode, same model, {shape}",
+        "predicted": f"{ring_pred:.0f} vs {full_pred:.0f} tok/s",
+        "ours": f"{ring_tps:.0f} tok/s (rings)",
+        "peer": f"{full_tps:.0f} tok/s (full-length pages)",
+        "ratio": f"{ring_tps / full_tps:.2f}x",
+        "note": f"same greedy tokens: {a == b}",
+    })  # fmt: skip
+
+
 def run(ceilings: Ceilings) -> Table:
     gguf = smollm2_gguf()
     # Unrolled layers: the one-time conversion a CPU caller makes for decode (bench/decode.py).
@@ -175,4 +232,5 @@ def run(ceilings: Ceilings) -> Table:
     latency(model, table, hf_latency(gguf), ceilings)
     throughput(model, table, ceilings)
     prefix_reuse(model, table)
+    window_rings(table, ceilings)
     return table

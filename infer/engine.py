@@ -33,9 +33,11 @@ from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.step import check_prompts, check_tokens
 from layers.kernels.paged import PallasDecodeKernel
-from layers.paged_cache import PagedKVCache
+from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
+from layers.window_cache import LayerWindow
 from shard import Placement
 from shard.rules import check_divisible
+from zoo.math import kv_cache_bytes_per_token
 from zoo.transformer import Transformer
 
 OnTokens = Callable[[list[int]], None]
@@ -45,8 +47,10 @@ OnTokens = Callable[[list[int]], None]
 TRACES = collections.Counter()
 
 
-def _forward(model, pages, tokens, valid, table, lengths, logits_at, decode_kernel, placement):
-    cache = PagedKVCache(pages, table, lengths, decode_kernel)
+def _forward(
+    model, pages, tokens, valid, table, lengths, rows, logits_at, decode_kernel, placement
+):
+    cache = PagedKVCache(pages, table, lengths, decode_kernel, rows)
     with placement.context():
         out = model.forward(tokens, segment_ids=valid, cache=cache, logits_at=logits_at)
     return out.logits[:, 0], out.cache.layers
@@ -54,15 +58,15 @@ def _forward(model, pages, tokens, valid, table, lengths, logits_at, decode_kern
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("decode_kernel", "placement"))
 def _prefill_program(
-    model, pages, tokens, n_valid, table, lengths, params, key, *, decode_kernel, placement
+    model, pages, tokens, n_valid, table, lengths, rows, params, key, *, decode_kernel, placement
 ):
-    """Rows `[prefill_rows, chunk]`: row r writes its first `n_valid[r]` tokens (none when 0)
-    and samples from the logits of its last one."""
+    """Rows `[prefill_rows, chunk]`: row r (the engine's row `rows[r]`) writes its first
+    `n_valid[r]` tokens (none when 0) and samples from the logits of its last one."""
     TRACES["prefill"] += 1
     valid = (jnp.arange(tokens.shape[1])[None, :] < n_valid[:, None]).astype(jnp.int32)
     last = jnp.maximum(n_valid - 1, 0)[:, None]
     logits, pages = _forward(
-        model, pages, tokens, valid, table, lengths, last, decode_kernel, placement
+        model, pages, tokens, valid, table, lengths, rows, last, decode_kernel, placement
     )
     return pages, sample(logits, params, key)
 
@@ -76,7 +80,7 @@ def _decode_program(
     valid = active[:, None].astype(jnp.int32)
     at = jnp.zeros((tokens.shape[0], 1), jnp.int32)
     logits, pages = _forward(
-        model, pages, tokens[:, None], valid, table, lengths, at, decode_kernel, placement
+        model, pages, tokens[:, None], valid, table, lengths, None, at, decode_kernel, placement
     )
     return pages, sample(logits, params, key)
 
@@ -116,8 +120,12 @@ class Engine:
     prefill step (a multiple of 16: flash tiles); `prefill_rows` requests prefilled per step;
     `decode_kernel` a paged attention kernel for decode steps (`PallasDecodeKernel()` on a GPU;
     default: gather each row's pages and run the model's own kernel); `placement` where the
-    model lives (pools and batches follow it); `prefix_sharing` reuses full pages of prompts
-    that start alike (a shared system prompt is prefilled once); `warm_up` compiles both
+    model lives (pools and batches follow it); `window_cache` gives each sliding layer whose
+    window is shorter than `max_len` a ring of its window per row instead of pages
+    (layers/window_cache.py: Gemma's local layers, Mistral's window); `prefix_sharing` reuses
+    full pages of prompts that start alike (a shared system prompt is prefilled once), default
+    on unless a layer keeps a ring (a ring holds one row's own tokens, so a shared prefix could
+    not fill it: choose `window_cache=False` to share prefixes); `warm_up` compiles both
     programs now (an engine of the same configuration compiled before shares them).
 
     Use a model with unrolled layers (`model.unstacked()`) where per-layer arrays decode faster
@@ -136,7 +144,8 @@ class Engine:
         prefill_rows: int = 1,
         decode_kernel: PallasDecodeKernel | None = None,
         placement: Placement | None = None,
-        prefix_sharing: bool = True,
+        window_cache: bool = True,
+        prefix_sharing: bool | None = None,
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
     ):
@@ -167,12 +176,28 @@ class Engine:
         self.pool = PagePool(n_pages, page_size)
         self.decode_kernel = decode_kernel
         self.placement = placement or Placement()
-        self.prefix_sharing = prefix_sharing
         self.key = jax.random.key(0) if key is None else key
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
-        self.peak_pages = 0
-        self.pages = self.placement.place_arrays(model.init_pages(n_pages, page_size))
+        self.pages = self.placement.place_arrays(
+            model.init_pages(
+                n_pages, page_size, rows=max_batch if window_cache else 0, span=max_len
+            )
+        )
+        is_layer = lambda x: isinstance(x, (LayerPages, LatentPages, LayerWindow))  # noqa: E731
+        rings, pools = [], []
+        for layer in jax.tree.leaves(self.pages, is_leaf=is_layer):
+            (rings if isinstance(layer, LayerWindow) else pools).append(layer)
+        nbytes = lambda layers: sum(x.nbytes for x in jax.tree.leaves(layers))  # noqa: E731
+        self.page_bytes, self.ring_bytes = nbytes(pools) // n_pages, nbytes(rings) // max_batch
+        if prefix_sharing and self.ring_bytes:
+            raise ValueError(
+                "Engine prefix_sharing=True, but the model's sliding layers keep rings of their "
+                "window per row (window_cache=True), which a shared prefix cannot fill; pass "
+                "window_cache=False (full-length pages for every layer) to share prefixes"
+            )
+        self.prefix_sharing = not self.ring_bytes if prefix_sharing is None else prefix_sharing
+        self.peak_bytes = 0
         if self.placement.sharded:
             for rows, what in ((max_batch, "max_batch"), (prefill_rows, "prefill_rows")):
                 spec = self.placement.batch_sharding("batch").spec
@@ -197,7 +222,8 @@ class Engine:
         idle = Greedy().params().broadcast(rows)
         self.pages, _ = self._prefill(
             self.model, self.pages, np.zeros((rows, self.chunk), np.int32),
-            np.zeros(rows, np.int32), self.table[:rows], self.lengths[:rows], idle, self.key,
+            np.zeros(rows, np.int32), self.table[:rows], self.lengths[:rows],
+            np.zeros(rows, np.int32), idle, self.key,
         )  # fmt: skip
         b = self.max_batch
         self.pages, _ = self._decode(
@@ -271,7 +297,7 @@ class Engine:
         if decoding:
             self._decode_rows(decoding)
         self.steps += 1
-        self.peak_pages = max(self.peak_pages, self.pool.in_use)
+        self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
 
     def _admit(self) -> None:
         """Waiting requests, oldest first, into free rows while the pool can hold them."""
@@ -323,16 +349,16 @@ class Engine:
         tokens = np.zeros((rows, self.chunk), np.int32)
         n_valid = np.zeros(rows, np.int32)
         table = np.zeros((rows, self.row_pages), np.int32)
-        lengths = np.zeros(rows, np.int32)
+        lengths, owners = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         for i, r in enumerate(requests):
             n = min(self.chunk, len(r.prompt) - r.cached)
             self._cover(r, r.cached + n)
             tokens[i, :n] = r.prompt[r.cached : r.cached + n]
-            n_valid[i], table[i], lengths[i] = n, self.table[r.row], r.cached
+            n_valid[i], table[i], lengths[i], owners[i] = n, self.table[r.row], r.cached, r.row
         padded = requests + [None] * (rows - len(requests))
         self.pages, first = self._prefill(
-            self.model, self.pages, tokens, n_valid, table, lengths, self._params(padded),
-            self._next_key(),
+            self.model, self.pages, tokens, n_valid, table, lengths, owners,
+            self._params(padded), self._next_key(),
         )  # fmt: skip
         first = np.asarray(first)
         for i, r in enumerate(requests):
@@ -396,16 +422,16 @@ class Engine:
     # --- what it holds ----------------------------------------------------------------------
 
     def kv_bytes_in_use(self) -> int:
-        """Bytes of the pages that running requests hold (shared pages once)."""
-        return self.pool.in_use * self._page_bytes()
+        """Bytes of the pages that running requests hold (shared pages once), plus the rings
+        of the rows they occupy."""
+        rows = sum(r is not None for r in self.rows)
+        return self.pool.in_use * self.page_bytes + rows * self.ring_bytes
 
     def peak_kv_bytes(self) -> int:
-        """The most bytes of pages that running requests held at once."""
-        return self.peak_pages * self._page_bytes()
+        """The most bytes of KV cache that running requests held at once."""
+        return self.peak_bytes
 
     def contiguous_kv_bytes(self) -> int:
-        """What a contiguous cache of `max_batch x max_len` would hold."""
-        return self.max_batch * self.max_len * self._page_bytes() // self.page_size
-
-    def _page_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self.pages)) // self.pool.n_pages
+        """What a contiguous cache of `max_batch x max_len` with full-length layers would hold."""
+        per_token = kv_cache_bytes_per_token(self.model.config, self.model.policy)
+        return self.max_batch * self.max_len * per_token

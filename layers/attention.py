@@ -144,7 +144,8 @@ class Attention(eqx.Module):
         cache: CacheView | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], CacheView | None]:
         """(output, updated cache view or None). With a `cache` (a layer's view of a KV cache:
-        `layers.kv_cache.KVSlot` or `layers.paged_cache.PagedSlot`), this step's keys and values
+        `layers.kv_cache.KVSlot`, `layers.paged_cache.PagedSlot` or, for a sliding layer's ring,
+        `layers.window_cache.WindowSlot`), this step's keys and values
         are written into it and attention runs over everything it holds (the mask hides the
         empty slots)."""
         q, k, v = self.project(x, rope)

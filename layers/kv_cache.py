@@ -16,6 +16,9 @@ Multi-head latent attention layers (layers/mla.py) cache one array instead: `Lay
 latent `[batch, kv_seq, latent]` (kv_rank + rope_dim numbers per token), read as the keys and
 the values of one K/V head (`KVSlot.attend_latent`).
 
+A sliding layer whose window is shorter than the cache holds a `LayerWindow` instead: a ring of
+its last keys and values per row (layers/window_cache.py), which `append`'s view attends through.
+
 A layer's arrays may carry leading stacked dims (`[layers, ...]`), mirroring weights stacked for
 `lax.scan`; `KVSlot` then names which layer a block writes.
 
@@ -35,6 +38,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PyTree
 
 from layers.kernels.mask import AttentionMask
+from layers.window_cache import LayerWindow, WindowSlot
 
 K_AXES = ("batch", "kv_heads", "kv_seq", "head_dim")
 V_AXES = ("batch", "kv_heads", "head_dim", "kv_seq")
@@ -151,12 +155,13 @@ class Appended(NamedTuple):
 
 
 class KVCache(eqx.Module):
-    """Every layer's `LayerKV` (`layers`, a pytree shaped like the model's layer storage) and
+    """Every layer's `LayerKV` (`layers`, a pytree shaped like the model's layer storage; a
+    `LayerWindow` ring for a sliding layer whose window is shorter than the cache) and
     what each slot holds: `positions`/`segment_ids` `[batch, kv_seq]` for the attention mask,
     `lengths` `[batch]` the tokens each row holds (its next position), `slot` the next slot
     every row writes to."""
 
-    layers: PyTree[LayerKV | LayerLatent]
+    layers: PyTree[LayerKV | LayerLatent | LayerWindow]
     positions: Int[Array, "batch kv_seq"]
     segment_ids: Int[Array, "batch kv_seq"]
     lengths: Int[Array, " batch"]
@@ -179,7 +184,9 @@ class KVCache(eqx.Module):
         }
 
     @staticmethod
-    def empty(layers: PyTree[LayerKV | LayerLatent], batch: int, max_len: int) -> "KVCache":
+    def empty(
+        layers: PyTree[LayerKV | LayerLatent | LayerWindow], batch: int, max_len: int
+    ) -> "KVCache":
         return KVCache(
             layers=layers,
             positions=jnp.zeros((batch, max_len), jnp.int32),
@@ -188,7 +195,7 @@ class KVCache(eqx.Module):
             slot=jnp.zeros((), jnp.int32),
         )
 
-    def with_layers(self, layers: PyTree[LayerKV | LayerLatent]) -> "KVCache":
+    def with_layers(self, layers: PyTree[LayerKV | LayerLatent | LayerWindow]) -> "KVCache":
         return KVCache(layers, self.positions, self.segment_ids, self.lengths, self.slot)
 
     def append(
@@ -216,4 +223,11 @@ class KVCache(eqx.Module):
             causal=True,
             sliding_window=sliding_window,
         )
-        return Appended(cache, positions, mask, lambda kv, layer: KVSlot(kv, layer, start))
+        lengths = self.lengths
+
+        def view(kv: LayerKV | LayerLatent | LayerWindow, layer) -> KVSlot | WindowSlot:
+            if isinstance(kv, LayerWindow):
+                return WindowSlot(kv, layer, None, lengths, positions, valid > 0)
+            return KVSlot(kv, layer, start)
+
+        return Appended(cache, positions, mask, view)

@@ -27,6 +27,7 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 from layers.kernels import AttentionMask
 from layers.kernels.paged import PallasDecodeKernel, paged_attention
 from layers.kv_cache import Appended
+from layers.window_cache import LayerWindow, WindowSlot
 
 POOL_AXES = ("kv_heads", "pages", "page_size", "head_dim")
 
@@ -160,23 +161,30 @@ class PagedSlot(eqx.Module):
 
 class PagedKVCache(eqx.Module):
     """`layers`: every layer's `LayerPages` (shaped like the model's layer storage:
-    `Transformer.cache_layers`); `page_table` `[batch, row_pages]` and `lengths` `[batch]` say
-    where each row's tokens are and how many it holds."""
+    `Transformer.cache_layers`), or a `LayerWindow` of per-row rings for a sliding layer whose
+    window is shorter than a row's span; `page_table` `[batch, row_pages]` and `lengths`
+    `[batch]` say where each row's tokens are and how many it holds; `rows` `[batch]` which
+    ring row each batch row owns (None: row i owns ring row i)."""
 
-    layers: PyTree[LayerPages | LatentPages]
+    layers: PyTree[LayerPages | LatentPages | LayerWindow]
     page_table: Int[Array, "batch row_pages"]
     lengths: Int[Array, " batch"]
     decode_kernel: PallasDecodeKernel | None = eqx.field(static=True, default=None)
+    rows: Int[Array, " batch"] | None = None
 
     def logical_axes(self) -> dict[str, tuple[str, ...]]:
         return {"page_table": ("batch", "pages"), "lengths": ("batch",)}
 
     @property
     def page_size(self) -> int:
-        return jax.tree.leaves(self.layers)[0].shape[-2]
+        """Tokens per page (1 when every layer keeps a ring: no layer reads the pages)."""
+        is_layer = lambda x: isinstance(x, (LayerPages, LatentPages, LayerWindow))  # noqa: E731
+        layers = jax.tree.leaves(self.layers, is_leaf=is_layer)
+        pools = [layer for layer in layers if not isinstance(layer, LayerWindow)]
+        return jax.tree.leaves(pools[0])[0].shape[-2] if pools else 1
 
-    def with_layers(self, layers: PyTree[LayerPages | LatentPages]) -> "PagedKVCache":
-        return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel)
+    def with_layers(self, layers: PyTree[LayerPages | LatentPages | LayerWindow]) -> "PagedKVCache":
+        return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel, self.rows)
 
     def append(
         self, valid: Int[Array, "batch seq"], *, sliding_window: Int[Array, ""] | int | None = None
@@ -187,7 +195,7 @@ class PagedKVCache(eqx.Module):
         valid = valid.astype(jnp.int32)
         positions = jnp.where(valid > 0, self.lengths[:, None] + jnp.cumsum(valid, 1) - 1, 0)
         lengths = self.lengths + valid.sum(axis=1)
-        cache = PagedKVCache(self.layers, self.page_table, lengths, self.decode_kernel)
+        cache = PagedKVCache(self.layers, self.page_table, lengths, self.decode_kernel, self.rows)
         kv_seq = self.page_table.shape[1] * self.page_size
         kv_positions = jnp.broadcast_to(jnp.arange(kv_seq), (valid.shape[0], kv_seq))
         mask = AttentionMask(
@@ -199,7 +207,9 @@ class PagedKVCache(eqx.Module):
             sliding_window=sliding_window,
         )
 
-        def view(pages: LayerPages | LatentPages, layer) -> PagedSlot:
+        def view(pages: LayerPages | LatentPages | LayerWindow, layer) -> PagedSlot | WindowSlot:
+            if isinstance(pages, LayerWindow):
+                return WindowSlot(pages, layer, self.rows, self.lengths, positions, valid > 0)
             return PagedSlot(
                 pages, layer, self.page_table, lengths, positions, valid > 0, self.decode_kernel
             )  # fmt: skip

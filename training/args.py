@@ -198,6 +198,12 @@ class Args:
     moe_z_weight: float = _help(
         "weight of the MoE router z-loss (ST-MoE)", default=0.001, bounds=NON_NEGATIVE
     )
+    router_bias_rate: float = _help(
+        "step of the aux-loss-free balancing bias after each optimizer step (DeepSeek-V3, "
+        "models with router_bias; 0: the bias stays)",
+        default=0.001,
+        bounds=NON_NEGATIVE,
+    )
     lora_rank: int = _help(
         "train LoRA adapters of this rank on a frozen base instead of every weight (0: full "
         "training)",

@@ -23,15 +23,19 @@ from zoo import Transformer
 
 @dataclasses.dataclass(frozen=True)
 class AuxWeights:
-    """Weights of the MoE router's auxiliary losses in the training loss: Switch load balancing
-    (Fedus et al. 2021) and the ST-MoE z-loss (Zoph et al. 2022). Training settings, not
-    architecture: a checkpoint's model is the same whatever they are."""
+    """How the MoE routers are balanced: the weights of the auxiliary losses in the training loss,
+    Switch load balancing (Fedus et al. 2021) and the ST-MoE z-loss (Zoph et al. 2022), and
+    `bias_rate`, the step of DeepSeek-V3's aux-loss-free balancing bias after each optimizer step
+    (`zoo.update_router_bias`; models with `Config.router_bias` whose bias trains, i.e. not a
+    LoRA run's frozen base). Training settings, not architecture: a checkpoint's model is the
+    same whatever they are."""
 
     load_balancing: float = 0.01
     z_loss: float = 0.001
+    bias_rate: float = 0.001
 
     def __post_init__(self):
-        for name in ("load_balancing", "z_loss"):
+        for name in ("load_balancing", "z_loss", "bias_rate"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
                 raise ValueError(f"AuxWeights.{name} must be finite and >= 0, got {value}")

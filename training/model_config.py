@@ -71,7 +71,11 @@ def with_context_kernel(model: Transformer, args: Args, placement: Placement) ->
 
 
 def aux_weights(args: Args) -> AuxWeights:
-    return AuxWeights(load_balancing=args.moe_balance_weight, z_loss=args.moe_z_weight)
+    return AuxWeights(
+        load_balancing=args.moe_balance_weight,
+        z_loss=args.moe_z_weight,
+        bias_rate=args.router_bias_rate,
+    )
 
 
 def preset_config(args: Args, n_vocab: int) -> Config:

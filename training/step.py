@@ -36,11 +36,11 @@ import optax
 from jaxtyping import Array, Float
 
 from data.packing import Batch
-from layers.moe import MoEStats
+from layers.moe import MoE, MoEStats
 from shard import Placement
 from shard.axes import is_array_like
 from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, loss_terms
-from zoo import Transformer
+from zoo import Transformer, update_router_bias
 from zoo.adapter import split_trainable
 
 
@@ -107,13 +107,27 @@ def train_step(
     grads, terms = jax.lax.scan(add_micro, zeros, micro)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    moe = jax.tree.map(lambda x: jnp.mean(x, axis=0), terms.moe)
+    if aux_weights.bias_rate and _router_bias_trains(params):
+        params = update_router_bias(params, moe.expert_load, aux_weights.bias_rate)
     metrics = StepMetrics(
         loss=jnp.sum(terms.nll_sum) / total,
         grad_norm=optax.tree.norm(grads),
         aux_loss=jnp.mean(terms.aux_loss),
-        moe=jax.tree.map(lambda x: jnp.mean(x, axis=0), terms.moe),
+        moe=moe,
     )
     return params, opt_state, metrics
+
+
+def _router_bias_trains(params) -> bool:
+    """Whether the trainable arrays hold DeepSeek-V3 router biases (a LoRA run's are frozen)."""
+    if not params.config.router_bias:
+        return False
+    return any(
+        isinstance(block.mlp, MoE) and block.mlp.router.bias is not None
+        for stack in params.stacks
+        for block in stack.blocks
+    )
 
 
 def eval_step(params, batch: Batch, *, static):

@@ -12,6 +12,7 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
   and, in FLOPs, the expanded form (per-head keys of head_dim, values of mla_v_head_dim); its KV
   cache holds the latent (mla_kv_rank + mla_rope_dim numbers per token and layer), which
   `per_head_kv_cache_bytes_per_token` compares with per-head keys and values of the same heads;
+- a sliding-window layer's KV cache holds its window, not the context (`kv_cache_bytes`);
 - an MoE layer (Shazeer et al. 2017) holds all its experts' parameters but each token only
   multiplies by the router, its k routed experts and the shared ones: `param_count` counts all,
   `active_param_count` and the FLOPs count what one token uses. Capacity dispatch spends more
@@ -291,6 +292,14 @@ def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) ->
     return c.n_layers * width * bytes_per_element(policy.compute_dtype)
 
 
+def kv_cache_bytes(config: Config, context: int, policy: Policy = DEFAULT_POLICY) -> int:
+    """One row's KV cache at `context` tokens: a layer whose sliding window is shorter keeps
+    only its window (layers/window_cache.py), every other layer all `context` tokens. What a
+    decode step reads per row."""
+    held = sum(context if w is None else min(w, context) for w in config.layer_windows)
+    return held * kv_cache_bytes_per_token(config, policy) // config.n_layers
+
+
 def per_head_kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
     """What per-head keys and values of the same heads would take per token (MHA with MLA's
     head widths: keys of head_dim, values of mla_v_head_dim); `kv_cache_bytes_per_token` for
@@ -305,8 +314,9 @@ def per_head_kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_P
 def decode_step_bytes(
     config: Config, batch: int, context: int, policy: Policy = DEFAULT_POLICY
 ) -> int:
-    """Fewest bytes one decode step must read: all weights once plus each row's KV cache."""
-    return weight_bytes(config, policy) + batch * context * kv_cache_bytes_per_token(config, policy)
+    """Fewest bytes one decode step must read: all weights once plus each row's KV cache
+    (`kv_cache_bytes`: sliding layers only their window)."""
+    return weight_bytes(config, policy) + batch * kv_cache_bytes(config, context, policy)
 
 
 def _mlp_width_per_token(config: Config) -> float:

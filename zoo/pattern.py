@@ -1,7 +1,7 @@
 """Per-layer attention patterns (Gemma 2/3: sliding-window layers between global ones, each kind
-with its own rotary theta) as data, so one `lax.scan` runs every layer: no Python branch per
-layer type, no recompilation per layer, no stack split by layer type (Gemma 3 1B's 26 layers
-repeat a period of 6 that does not divide them).
+with its own rotary theta) as data, scanned with the weights: no Python branch per layer type and
+no recompilation per layer, whatever the stack's period (zoo/stack.py makes a dense model's period
+its pattern's so that KV caches can be sized per block; an MoE period may mix kinds).
 
 Each layer carries its window (an int; global layers carry `FULL_WINDOW`, wider than any
 sequence) and whether it uses the local rotary table. Both rotary tables are computed once per

@@ -75,11 +75,19 @@ class Stack(eqx.Module):
         layers = tuple(self.layer(i) for i in range(self.n_layers))
         return Stack(layers, self.repeats, self.period, stacked=False)
 
-    def cache_like(self, make: Callable[..., PyTree]) -> tuple[PyTree, ...]:
-        """A cache's layer arrays shaped like the storage: `make(layers=(repeats,))` per period
-        block (stacked), or `make(layers=())` per layer (unrolled)."""
-        layers = (self.repeats,) if self.stacked else ()
-        return tuple(make(layers=layers) for _ in self.blocks)
+    def cache_like(self, make: Callable[..., PyTree], windows: tuple[int | None, ...]) -> tuple:
+        """A cache's layer arrays shaped like the storage: `make(layers=(repeats,), window=w)`
+        per period block (stacked), or `make(layers=(), window=w)` per layer (unrolled). `w` is
+        the layer's sliding window from `windows` (this stack's layers in order), for a period
+        block the window its repeats share (None where they differ or have none): `make` may
+        give a windowed layer a window-sized ring (layers/window_cache.py)."""
+        if not self.stacked:
+            return tuple(make(layers=(), window=w) for w in windows)
+        shared = [set(windows[j :: self.period]) for j in range(self.period)]
+        return tuple(
+            make(layers=(self.repeats,), window=next(iter(w)) if len(w) == 1 else None)
+            for w in shared
+        )
 
     def __call__(
         self,
@@ -161,10 +169,28 @@ class Stack(eqx.Module):
         return x, jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats), cache
 
 
+def pattern_period(windows: tuple[int | None, ...]) -> int:
+    """The shortest p with windows[i] == windows[i % p] for every layer (Gemma 2: 2, Gemma 3:
+    6; 1 where every layer attends alike)."""
+    return next(
+        p
+        for p in range(1, len(windows) + 1)
+        if all(w == windows[i % p] for i, w in enumerate(windows))
+    )
+
+
 def segments(config: Config) -> list[tuple[int, tuple[bool, ...], int]]:
-    """The stacks a config needs, as (first layer, period as MoE flags, repeats)."""
+    """The stacks a config needs, as (first layer, period as MoE flags, repeats).
+
+    A dense model's period is its attention pattern's (`pattern_period`), so each block of the
+    period is always a global or always a sliding layer and its KV cache can be sized to match
+    (Gemma 3's 26 layers: 4 repeats of 5 sliding + 1 global, then the 2 layers left over as a
+    stack of their own: MaxText scans Gemma 3 the same way)."""
     if config.n_experts == 0:
-        return [(0, (False,), config.n_layers)]
+        period = pattern_period(config.layer_windows)
+        repeats, rest = divmod(config.n_layers, period)
+        stacks = [(0, (False,) * period, repeats)] if repeats else []
+        return stacks + ([(repeats * period, (False,) * rest, 1)] if rest else [])
     first, every = config.first_dense_layers, config.moe_every
     period = (False,) * (every - 1) + (True,)
     leading = [(0, (False,), first)] if first else []

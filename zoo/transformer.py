@@ -21,6 +21,7 @@ from layers.kv_cache import KVCache, LayerKV, LayerLatent
 from layers.moe import MoEStats
 from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
 from layers.rotary import rotary_frequencies
+from layers.window_cache import LayerWindow
 from shard import constrain
 from shard.sequence import from_zigzag, sequence_axis, to_zigzag
 from zoo.block import Block, Rope, make_norm
@@ -141,7 +142,8 @@ class Transformer(eqx.Module):
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` tokens, shaped like the layer
-        storage, in the compute dtype unless `dtype` is given."""
+        storage, in the compute dtype unless `dtype` is given. A layer whose sliding window is
+        shorter than `max_len` keeps a ring of its window instead (layers/window_cache.py)."""
         if batch < 1 or max_len < 1:
             raise ValueError(
                 f"a KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}"
@@ -150,28 +152,48 @@ class Transformer(eqx.Module):
         c, dtype = self.config, dtype or self.policy.compute
         if c.mla:  # the latent [c, k_pe] per token, not per-head keys and values
             width = c.mla_kv_rank + c.mla_rope_dim
-            make = functools.partial(LayerLatent.zeros, batch, max_len, width, dtype)
+            full = functools.partial(LayerLatent.zeros, batch, max_len, width, dtype)
         else:
-            make = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
-        return KVCache.empty(self.cache_layers(make), batch, max_len)
+            full = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
+        layers = self.cache_layers(full, rows=batch, span=max_len, dtype=dtype)
+        return KVCache.empty(layers, batch, max_len)
 
-    def init_pages(self, n_pages: int, page_size: int, *, dtype=None) -> tuple:
+    def init_pages(
+        self, n_pages: int, page_size: int, *, dtype=None, rows: int = 0, span: int = 0
+    ) -> tuple:
         """Empty page pools for a `PagedKVCache` (`layers`), shaped like the layer storage:
-        per-head key and value pools, or MLA's one latent pool."""
+        per-head key and value pools, or MLA's one latent pool. With `rows` > 0, a layer whose
+        sliding window is shorter than `span` (a row's most tokens) keeps a ring of its window
+        for each of `rows` rows instead of pages (layers/window_cache.py)."""
         c, dtype = self.config, dtype or self.policy.compute
         if c.mla:
             width = c.mla_kv_rank + c.mla_rope_dim
-            make = functools.partial(LatentPages.zeros, n_pages, page_size, width, dtype)
+            full = functools.partial(LatentPages.zeros, n_pages, page_size, width, dtype)
         else:
-            make = functools.partial(
+            full = functools.partial(
                 LayerPages.zeros, n_pages, page_size, c.n_kv_heads, c.head_dim, dtype
             )
-        return self.cache_layers(make)
+        return self.cache_layers(full, rows=rows, span=span, dtype=dtype)
 
-    def cache_layers(self, make) -> tuple:
-        """A cache's per-layer arrays shaped like the layer storage, `make(layers=...)` each
-        (`Stack.cache_like`): how a KV cache or a page pool mirrors the model."""
-        return tuple(stack.cache_like(make) for stack in self.stacks)
+    def cache_layers(self, full, *, rows: int, span: int, dtype=None) -> tuple:
+        """A cache's per-layer arrays shaped like the layer storage (`Stack.cache_like`): how a
+        KV cache or a page pool mirrors the model. `full(layers=...)` makes a layer's
+        full-length arrays; a (non-MLA) layer whose window is shorter than `span` gets a ring
+        of its window for each of `rows` rows instead (none when `rows` is 0)."""
+        c, dtype = self.config, dtype or self.policy.compute
+
+        def make(*, layers, window):
+            if rows and not c.mla and window is not None and window < span:
+                return LayerWindow.zeros(
+                    rows, window, c.n_kv_heads, c.head_dim, dtype, layers=layers
+                )
+            return full(layers=layers)
+
+        caches, start = [], 0
+        for stack in self.stacks:
+            caches.append(stack.cache_like(make, c.layer_windows[start : start + stack.n_layers]))
+            start += stack.n_layers
+        return tuple(caches)
 
     def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and LM head (the tied embedding matrix when `tie_embeddings`), soft-capped

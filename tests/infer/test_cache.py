@@ -13,7 +13,6 @@ import infer
 import infer.engine
 import zoo
 from infer.sampling import Greedy
-from layers.paged_cache import LayerPages
 from shard import Placement
 from shard.axes import is_array_like
 
@@ -114,7 +113,8 @@ def test_cache_mirrors_the_layer_storage(model):
 def test_ragged_decode_equals_each_row_alone(kernel, n_heads, n_kv_heads, window):
     """MQA/GQA/MHA, with and without a sliding window, over left-padded rows of different
     lengths: prefill then decode steps give each row's own full forward pass (the cache's
-    `[.., head_dim, kv_seq]` values and `[.., kv_seq, head_dim]` keys read in the kernels' view).
+    `[.., head_dim, kv_seq]` values and `[.., kv_seq, head_dim]` keys read in the kernels' view;
+    with a window, each layer's ring).
     Flash prefills a whole tile (16 tokens, mostly padding)."""
     config = zoo.preset("tiny-llama", n_heads=n_heads, n_kv_heads=n_kv_heads, sliding_window=window)
     model = zoo.Transformer(config, policy=zoo.Policy(attention=kernel), key=jax.random.key(3))
@@ -125,7 +125,10 @@ def test_ragged_decode_equals_each_row_alone(kernel, n_heads, n_kv_heads, window
     max_len = 32 if kernel == "flash" else width + 4
     padded = jnp.array([[0] * (width - len(r)) + r for r in rows])
     cache = model.init_cache(3, max_len)
-    assert cache.layers[0][0].v.shape == (3, n_kv_heads, config.head_dim, max_len)
+    if window is None:
+        assert cache.layers[0][0].v.shape == (3, n_kv_heads, config.head_dim, max_len)
+    else:  # a ring of the window (layers/window_cache.py), in the kernels' layout
+        assert cache.layers[0][0].v.shape == (3, window, n_kv_heads, config.head_dim)
     logits, cache = infer.prefill(model, padded, cache, lengths=jnp.array(list(map(len, rows))))
     steps = [logits[:, -1]]
     for t in range(3):
@@ -218,13 +221,7 @@ def test_generate_programs_hold_no_second_copy_of_the_weights(storage):
     one_layer = nbytes(model.stacks) // BIG.n_layers
     rows, chunk, max_len, page_size = 4, 64, 256, 16
     n_pages = rows * max_len // page_size + 1
-    pages = model.cache_layers(
-        lambda layers: jax.eval_shape(
-            lambda: LayerPages.zeros(
-                n_pages, page_size, BIG.n_kv_heads, BIG.head_dim, jnp.float32, layers=layers
-            )
-        )
-    )
+    pages = jax.eval_shape(lambda: model.init_pages(n_pages, page_size, dtype=jnp.float32))
     cache = nbytes(pages)
     table = jax.ShapeDtypeStruct((rows, max_len // page_size), jnp.int32)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
@@ -239,6 +236,7 @@ def test_generate_programs_hold_no_second_copy_of_the_weights(storage):
             jax.ShapeDtypeStruct((rows,), jnp.int32),
             table,
             lengths,
+            lengths,  # the rows' ring rows (none here: BIG has no window)
             params,
             key,
             **settings,

@@ -94,3 +94,25 @@ def test_dense_run_logs_no_expert_fields(tmp_path, tiny_argv):
     train.main(tiny_argv(tmp_path / "run", "--steps", "2"))
     text = (tmp_path / "run/metrics.jsonl").read_text()
     assert "expert_load" not in text and "aux_loss" not in text
+
+
+def test_the_step_moves_deepseek_v3_router_biases_by_the_rate_against_the_load():
+    """Aux-loss-free balancing: after the optimizer (which never moves the bias: no gradient,
+    no decay), each bias moves by exactly +-rate toward the experts the step under-used."""
+    config = zoo.preset("tiny-deepseek-v3", d_model=32, n_heads=2, mla_q_rank=16)
+    model = zoo.Transformer(config, key=jax.random.key(2))
+    _, batch = _setup()
+    params, static = split_model(model)
+    adam = optax.adamw(1e-2)
+    biases = lambda p: [b.mlp.router.bias for b in p.stacks[-1].blocks]  # noqa: E731
+    rate = 0.25
+    new, _, metrics = _run(
+        params, adam.init(params), batch, static=static, optimizer=adam, accum=2,
+        aux_weights=AuxWeights(bias_rate=rate),
+    )  # fmt: skip
+    load = np.asarray(metrics.moe.expert_load)
+    want = rate * np.sign(load.mean(-1, keepdims=True) - load)
+    pairs = zip(biases(new), biases(params), strict=True)
+    moved = np.concatenate([np.asarray(a - b) for a, b in pairs])
+    assert np.any(want != 0)
+    np.testing.assert_array_equal(moved, want.reshape(moved.shape))
