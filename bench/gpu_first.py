@@ -29,6 +29,7 @@ Then the goals: target, predicted, measured and pass. On a CPU the same stages r
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -87,11 +88,15 @@ def decode_case(gpu: bool) -> tuple[str, zoo.Config, zoo.Policy, tuple[int, ...]
     return "tiny-llama", zoo.preset("tiny-llama", n_layers=2), zoo.Policy(), (1, 4), 32, 33, 3
 
 
-def decode_program(config: zoo.Config, policy: zoo.Policy, batch: int, context: int, steps: int):
+def decode_program(
+    config: zoo.Config, policy: zoo.Policy, batch: int, context: int, steps: int, *, fused: bool
+):
     """(run, hlo): `run(n)` runs n greedy decode steps of a random model in one jitted loop (n is
     a runtime argument: one compile serves every n) on a KV cache already holding `context` tokens
-    per row, and returns the last tokens; `hlo` is the compiled loop's optimized HLO."""
+    per row, and returns the last tokens; `hlo` is the compiled loop's optimized HLO. `fused`:
+    q/k/v and gate/up as one matmul each (`Transformer.fused`)."""
     model = zoo.Transformer(config, policy=policy, key=jax.random.key(0)).unstacked()
+    model = model.fused() if fused else model
     max_len = context + steps
     empty = model.init_cache(batch, max_len)
     filled = jnp.broadcast_to(jnp.arange(max_len) < context, (batch, max_len))
@@ -422,14 +427,15 @@ def decode_stage(run: Run, deadline: float) -> None:
             f"{name}, {policy.param_dtype} weights, a cache holding {context} tokens per row, "
             f"{steps} steps; step = (t({steps}) - t(1)) / {steps - 1}. Ceiling: bandwidth "
             f"{bandwidth / 1e9:.3g} GB/s measured in this run; predicted = "
-            "zoo.math.decode_step_roofline. kernels/step: read off the compiled loop's body."
+            "zoo.math.decode_step_roofline. kernels/step: read off the compiled loop's body. "
+            "projections: q/k/v and gate/up as separate matmuls or fused (model.fused())."
         ],
     )
-    for batch in batches:
+    for batch, fused in itertools.product(batches, (False, True)):
         if time.monotonic() > deadline:
-            print(f"decode batch {batch}: not run, the stage's budget is spent")
+            print(f"decode batch {batch} (fused={fused}): not run, the stage's budget is spent")
             continue
-        step_n, hlo = decode_program(config, policy, batch, context, steps)
+        step_n, hlo = decode_program(config, policy, batch, context, steps, fused=fused)
         t1 = median_seconds(lambda step_n=step_n: step_n(1), repeats=repeats)
         tn = median_seconds(lambda step_n=step_n: step_n(steps), repeats=repeats)
         step_s = (tn - t1) / (steps - 1)
@@ -437,12 +443,13 @@ def decode_stage(run: Run, deadline: float) -> None:
         hardware = run.ceilings.hardware(policy.compute_dtype)
         predicted = zoo.math.decode_step_roofline(config, batch, mid, hardware, policy)
         n_bytes = zoo.math.decode_step_bytes(config, batch, mid, policy)
-        row = {"model": name, "batch": batch, "tokens/s": batch / step_s}
+        row = {"model": name, "batch": batch, "projections": "fused" if fused else "separate"}
+        row["tokens/s"] = batch / step_s
         row |= roofline_cells(predicted.time_s, step_s, n_bytes, bandwidth, "GB/s")
         row["kernels/step"] = hlo_count.kernel_count(hlo, loop_body=True)
         table.add(row)
         run.write()
-        if batch == 1:
+        if batch == 1 and fused:  # the decode path a GPU caller takes
             run.goals.append(
                 Goal(
                     "decode batch 1, share of measured bandwidth",

@@ -38,10 +38,11 @@ class Attention(eqx.Module):
     softcap) (Gemma 2); a kernel that cannot raises.
     """
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
+    q_proj: Linear | None
+    k_proj: Linear | None
+    v_proj: Linear | None
     o_proj: Linear
+    qkv_proj: Linear | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     n_heads: int = eqx.field(static=True)
@@ -111,8 +112,41 @@ class Attention(eqx.Module):
         )
         self.q_norm = norm() if qk_norm else None
         self.k_norm = norm() if qk_norm else None
+        self.qkv_proj = None
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.query_scale, self.softcap = query_scale, softcap
+
+    def fused(self) -> "Attention":
+        """The same attention with q, k and v as one projection (one matmul per step instead of
+        three: fewer kernels per decode step), weights `[embed, kv_heads, group + 2, head_dim]`
+        holding each K/V head's `group` query heads, then its key and value: splitting
+        `kv_heads` over devices keeps whole GQA groups. A copy of the three weights (keep the
+        result, drop this one); adapters and quantized projections are refused (merge first)."""
+        if self.qkv_proj is not None:
+            return self
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(p) is not Linear for p in projections):
+            raise ValueError(
+                "fusing q/k/v needs plain Linear projections, got "
+                f"{[type(p).__name__ for p in projections]}; merge LoRA adapters "
+                "(zoo.merge_adapter) and fuse the float model, not a quantized one"
+            )
+        kv, group = self.n_kv_heads, self.n_heads // self.n_kv_heads
+
+        def parts(q, k, v):  # [..., heads, head_dim] and [..., kv_heads, head_dim] each
+            q = q.reshape(*q.shape[:-2], kv, group, self.head_dim)
+            return jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+
+        bias = None if self.q_proj.bias is None else parts(*(p.bias for p in projections))
+        weight = parts(*(p.weight for p in projections))
+        axes = ("embed", "kv_heads", "qkv", "head_dim")
+        qkv = Linear.of(weight, bias, n_in=1, axes=axes)
+        return eqx.tree_at(
+            lambda a: (a.q_proj, a.k_proj, a.v_proj, a.qkv_proj),
+            self,
+            (None, None, None, qkv),
+            is_leaf=lambda x: x is None,
+        )
 
     def project(
         self,
@@ -125,7 +159,13 @@ class Attention(eqx.Module):
     ]:
         """q, k, v for these tokens: projected, QK-normed (if on) and rotated (if rope); q scaled
         for `query_scale`."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # [batch, seq, kv_heads, group + 2, head_dim]: each K/V head's queries, k, v
+            qkv = self.qkv_proj(x)
+            group = self.n_heads // self.n_kv_heads
+            q = qkv[..., :group, :].reshape(*qkv.shape[:-3], self.n_heads, self.head_dim)
+            k, v = qkv[..., group, :], qkv[..., group + 1, :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

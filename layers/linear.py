@@ -49,6 +49,17 @@ class Linear(eqx.Module):
         self.weight = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         self.bias = jnp.zeros(self.out_shape, dtype) if use_bias else None
 
+    @staticmethod
+    def of(weight: Array, bias: Array | None, *, n_in: int, axes: tuple[str, ...]) -> "Linear":
+        """A Linear holding these arrays (no initialisation): `weight` is `[*layers, *in_shape,
+        *out_shape]` with `n_in` input dims and len(axes) dims after any leading layer dims."""
+        shape = weight.shape[weight.ndim - len(axes) :]
+        linear = object.__new__(Linear)
+        for name, value in [("weight", weight), ("bias", bias), ("in_shape", shape[:n_in]),
+                            ("out_shape", shape[n_in:]), ("axes", tuple(axes))]:  # fmt: skip
+            object.__setattr__(linear, name, value)
+        return linear
+
     def __call__(
         self, x: Float[Array, "..."], *, dtype: DTypeLike | None = None
     ) -> Float[Array, "..."]:

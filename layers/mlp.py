@@ -53,9 +53,10 @@ class SwiGLU(eqx.Module):
     """down(act(gate(x)) * up(x)): with `activation="silu"` the SwiGLU of Llama, Mistral and
     SmolLM; with "gelu_tanh" (tanh-approximate GELU) the GeGLU of Gemma."""
 
-    gate: Linear
-    up: Linear
+    gate: Linear | None
+    up: Linear | None
     down: Linear
+    gate_up: Linear | None
     activation: Literal["silu", "gelu_tanh"] = eqx.field(static=True)
 
     def __init__(
@@ -91,6 +92,36 @@ class SwiGLU(eqx.Module):
             dtype=dtype,
             key=down_key,
         )
+        self.gate_up = None
+
+    def fused(self) -> "SwiGLU":
+        """The same MLP with gate and up as one projection `[embed, 2, mlp]` (one matmul per
+        step instead of two). A copy of both weights (keep the result, drop this one);
+        adapters and quantized projections are refused (merge first)."""
+        if self.gate_up is not None:
+            return self
+        if type(self.gate) is not Linear or type(self.up) is not Linear:
+            raise ValueError(
+                f"fusing gate/up needs plain Linear projections, got {type(self.gate).__name__} "
+                f"and {type(self.up).__name__}; merge LoRA adapters (zoo.merge_adapter) and "
+                "fuse the float model, not a quantized one"
+            )
+        stack = lambda a, b: jnp.stack([a, b], axis=-2)  # noqa: E731
+        bias = None if self.gate.bias is None else stack(self.gate.bias, self.up.bias)
+        gate_up = Linear.of(
+            stack(self.gate.weight, self.up.weight), bias, n_in=1, axes=("embed", "gate_up", "mlp")
+        )
+        return eqx.tree_at(
+            lambda m: (m.gate, m.up, m.gate_up),
+            self,
+            (None, None, gate_up),
+            is_leaf=lambda x: x is None,
+        )
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        return self.down(GATE_ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+        if self.gate_up is None:
+            gate, up = self.gate(x), self.up(x)
+        else:
+            both = self.gate_up(x)
+            gate, up = both[..., 0, :], both[..., 1, :]
+        return self.down(GATE_ACTIVATIONS[self.activation](gate) * up)

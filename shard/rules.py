@@ -41,6 +41,8 @@ LOGICAL_AXES = (
     "lora_rank",
     "latent",
     "latent_heads",
+    "qkv",
+    "gate_up",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context", "pipeline")
 

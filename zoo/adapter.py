@@ -134,6 +134,7 @@ def add_lora(
         raise ValueError(
             "this model already holds LoRA adapters; merge_adapter(model) first to stack another"
         )
+    model.check_unfused("add_lora")
     paths = resolve_targets(model, targets)
     layer_keys = jax.random.split(key, model.config.n_layers)
 

@@ -33,6 +33,7 @@ def quantize_base(model: Transformer, kind: Kind, *, block: int = 64) -> Transfo
     """`model` with every projection in its stacks held as `kind` ("int8" or "nf4", NF4 blocks
     of `block` along each projection's last input dim, which `block` must divide). Raises before
     quantizing anything if one projection cannot be."""
+    model.check_unfused("quantize_base")
     for linear in jax.tree.leaves(model.stacks, is_leaf=_is_linear):
         if _is_linear(linear):
             check_kind(kind, block, linear.in_shape)

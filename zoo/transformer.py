@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from layers import Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm
+from layers import Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
 from layers.kernels import causal_mask
 from layers.kernels.context import CONTEXT_KERNELS
 from layers.kernels.naive import soft_cap
@@ -105,6 +105,35 @@ class Transformer(eqx.Module):
         the result, drop this model). Decode runs faster this way where a step would otherwise
         copy each stacked weight's slice (XLA:CPU; bench/decode_layout.py)."""
         return eqx.tree_at(lambda m: m.stacks, self, tuple(s.unstacked() for s in self.stacks))
+
+    def fused(self) -> "Transformer":
+        """The same model with each layer's q/k/v projections as one matmul and its gate/up as
+        another (`Attention.fused`, `SwiGLU.fused`): fewer kernels per decode step. A one-time
+        copy of those weights (keep the result, drop this model), for inference: training,
+        adapters, quantization and export take the unfused model (`is_fused` says which)."""
+        fusable = lambda n: isinstance(n, (Attention, SwiGLU))  # noqa: E731
+        stacks = jax.tree.map(
+            lambda n: n.fused() if fusable(n) else n, self.stacks, is_leaf=fusable
+        )
+        return eqx.tree_at(lambda m: m.stacks, self, stacks)
+
+    @property
+    def is_fused(self) -> bool:
+        """Whether `fused()` made this model (some projection is a fused one)."""
+        return any(
+            (isinstance(b.attn, Attention) and b.attn.qkv_proj is not None)
+            or (isinstance(b.mlp, SwiGLU) and b.mlp.gate_up is not None)
+            for stack in self.stacks
+            for b in stack.blocks
+        )
+
+    def check_unfused(self, what: str) -> None:
+        """Refuse a fused model where the per-projection layout is needed."""
+        if self.is_fused:
+            raise ValueError(
+                f"{what} needs the model's separate q/k/v and gate/up projections, but this "
+                "model was fused for inference (model.fused()); use the model it was made from"
+            )
 
     def layer_location(self, i: int) -> tuple[int, int]:
         """(stack index, index of layer i inside that stack)."""

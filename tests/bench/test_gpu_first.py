@@ -25,8 +25,15 @@ def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
     assert len(tables["flash-errors"]) == len(flash_errors.error_cases(gpu=False))
     assert all(math.isfinite(r["measured ms"]) for r in tables["attention"])
     assert {r["kernel"] for r in tables["attention"]} == {"flash", "xla"}  # no cuDNN on a CPU
-    assert [r["batch"] for r in tables["decode"]] == list(gpu_first.decode_case(gpu=False)[3])
-    assert all(r["kernels/step"] > 0 for r in tables["decode"])
+    batches = gpu_first.decode_case(gpu=False)[3]
+    assert [(r["batch"], r["projections"]) for r in tables["decode"]] == [
+        (b, p) for b in batches for p in ("separate", "fused")
+    ]
+    kernels = [r["kernels/step"] for r in tables["decode"]]
+    assert all(k > 0 for k in kernels)
+    assert all(
+        fused < separate for separate, fused in zip(kernels[::2], kernels[1::2], strict=True)
+    )
     assert tables["train"][0]["tokens/s"] > 0
     assert data["profile"] and "| matmul/fusion |" in data["profile"][0]
     goals = {g["goal"].split(",")[0]: g for g in data["goals"]}

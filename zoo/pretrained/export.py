@@ -64,6 +64,7 @@ def save_pretrained(
             "place for; export merge_adapter(model) for a plain model, or save the adapters "
             "alone with zoo.save_adapter"
         )
+    model.check_unfused("save_pretrained")
     config = model.config
     arch = architecture_for(config, architecture)
     directory = os.fspath(directory)
