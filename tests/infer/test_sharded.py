@@ -1,11 +1,14 @@
 """Sharded generate on 8 fake CPU devices: tensor-parallel and data-parallel weights and paged KV
-cache give the same greedy tokens as one device."""
+cache (or sliding layers' rings) give the same greedy tokens as one device."""
+
+import dataclasses
 
 import jax
 import pytest
 
 import infer
 import shard
+from tests.zoo.random_model import random_model
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [2, 7], [1, 8, 2, 8], [6], [5, 3, 5], [8, 9], [7, 9, 3], [2]]
 
@@ -14,6 +17,8 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [2, 7], [1, 8, 2, 8], [6], [5, 3, 5], [8, 9], 
     "preset, sizes", [("tp", {"data": 4, "tensor": 2}), ("dp", {"data": 8})], ids=["tp", "dp"]
 )
 def test_sharded_greedy_equals_unsharded(model, preset, sizes):
+    if model.config.position == "rope":  # Llama with a 4-token window: every layer a ring
+        model = random_model(dataclasses.replace(model.config, sliding_window=4), 0)
     prompts = PROMPTS[: sizes["data"]]
     kwargs = {"max_new_tokens": 5, "sampler": infer.Greedy(), "key": jax.random.key(0)}
     expected = infer.generate(model, prompts, **kwargs)
@@ -21,7 +26,8 @@ def test_sharded_greedy_equals_unsharded(model, preset, sizes):
     sharded = placement.place(model)
     out = infer.generate(sharded, prompts, placement=placement, **kwargs)
     assert out == expected
-    # The pools are split as the rules split K/V heads (tp) and the weights stay where they are.
+    # The pools (the rings, for the windowed Llama) are split as the rules split K/V heads (tp)
+    # or rows (dp), and the weights stay where they are.
     engine = infer.Engine(
         sharded, max_batch=len(prompts), max_len=64, prefill_rows=len(prompts), placement=placement
     )
