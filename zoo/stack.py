@@ -1,7 +1,8 @@
 """The layer stack: the one module that holds and runs a model's blocks.
 
 A `Stack` is `repeats` repetitions of a period of blocks: a dense model is one stack of period
-(dense block,); Mixtral one of (MoE block,); a model whose MoE layers alternate with dense ones a
+(dense block,), or of its attention pattern's period (Gemma: `segments`); Mixtral one of (MoE
+block,); a model whose MoE layers alternate with dense ones a
 stack of period (dense, ..., MoE); DeepSeek-MoE's leading dense layers a stack of their own. Every
 setting of the policy (remat, scan, kernel, dispatch) applies to every stack alike.
 
