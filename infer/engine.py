@@ -33,8 +33,7 @@ from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.step import check_prompts, check_tokens
 from layers.kernels.paged import PallasDecodeKernel
-from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
-from layers.window_cache import LayerWindow
+from layers.paged_cache import PagedKVCache, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
 from zoo.math import kv_cache_bytes_per_token
@@ -184,10 +183,7 @@ class Engine:
                 n_pages, page_size, rows=max_batch if window_cache else 0, span=max_len
             )
         )
-        is_layer = lambda x: isinstance(x, (LayerPages, LatentPages, LayerWindow))  # noqa: E731
-        rings, pools = [], []
-        for layer in jax.tree.leaves(self.pages, is_leaf=is_layer):
-            (rings if isinstance(layer, LayerWindow) else pools).append(layer)
+        pools, rings = pools_and_rings(self.pages)
         nbytes = lambda layers: sum(x.nbytes for x in jax.tree.leaves(layers))  # noqa: E731
         self.page_bytes, self.ring_bytes = nbytes(pools) // n_pages, nbytes(rings) // max_batch
         if prefix_sharing and self.ring_bytes:

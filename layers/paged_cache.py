@@ -159,6 +159,17 @@ class PagedSlot(eqx.Module):
         return kernel(q, k_all, v_all, mask, softcap=softcap)
 
 
+def pools_and_rings(
+    layers: PyTree[LayerPages | LatentPages | LayerWindow],
+) -> tuple[list[LayerPages | LatentPages], list[LayerWindow]]:
+    """A paged cache's per-layer entries, split into page pools and sliding layers' rings."""
+    is_layer = lambda x: isinstance(x, (LayerPages, LatentPages, LayerWindow))  # noqa: E731
+    pools, rings = [], []
+    for layer in jax.tree.leaves(layers, is_leaf=is_layer):
+        (rings if isinstance(layer, LayerWindow) else pools).append(layer)
+    return pools, rings
+
+
 class PagedKVCache(eqx.Module):
     """`layers`: every layer's `LayerPages` (shaped like the model's layer storage:
     `Transformer.cache_layers`), or a `LayerWindow` of per-row rings for a sliding layer whose
@@ -178,9 +189,7 @@ class PagedKVCache(eqx.Module):
     @property
     def page_size(self) -> int:
         """Tokens per page (1 when every layer keeps a ring: no layer reads the pages)."""
-        is_layer = lambda x: isinstance(x, (LayerPages, LatentPages, LayerWindow))  # noqa: E731
-        layers = jax.tree.leaves(self.layers, is_leaf=is_layer)
-        pools = [layer for layer in layers if not isinstance(layer, LayerWindow)]
+        pools, _ = pools_and_rings(self.layers)
         return jax.tree.leaves(pools[0])[0].shape[-2] if pools else 1
 
     def with_layers(self, layers: PyTree[LayerPages | LatentPages | LayerWindow]) -> "PagedKVCache":

@@ -66,9 +66,6 @@ class WindowSlot(eqx.Module):
     positions: Int[Array, "batch seq"]
     valid: Bool[Array, "batch seq"]
 
-    def _rows(self, batch: int) -> Int[Array, " batch"]:
-        return jnp.arange(batch) if self.rows is None else self.rows
-
     def _read(self, ring: Array) -> Float[Array, "batch ring kv_heads head_dim"]:
         layer = ring if self.layer is None else ring[self.layer]
         return layer if self.rows is None else layer[self.rows]
@@ -80,7 +77,7 @@ class WindowSlot(eqx.Module):
         end = (self.lengths + self.valid.sum(axis=1))[:, None]
         keep = self.valid & (self.positions >= end - size)
         slot = jnp.where(keep, jnp.mod(self.positions, size), size)  # out of bounds: dropped
-        rows = self._rows(new.shape[0])[:, None]
+        rows = (jnp.arange(new.shape[0]) if self.rows is None else self.rows)[:, None]
         index = (rows, slot) if self.layer is None else (self.layer, rows, slot)
         return ring.at[index].set(new.astype(ring.dtype), mode="drop")
 
