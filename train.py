@@ -8,6 +8,8 @@
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
     python train.py --init-from SmolLM2.gguf --data examples/data/chat.jsonl --lr 3e-5  # chat SFT
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
+    python train.py --mesh pipeline=4,data=2 --pipeline-schedule 1f1b       # a pipeline
+    python train.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...  # on each host
     python train.py --help                   # every setting; --config FILE sets them from a file
 
 In Python: `train.run(Args(...)) -> RunResult` (examples/ call it).
@@ -16,7 +18,13 @@ Every run owns its run directory (`--out`): it records what defines the run in `
 a lock while it trains, and writes `metrics.jsonl`, `checkpoints/` and `loss.png`. It prints the
 predicted (zoo.math roofline) next to the measured step time and memory, and logs loss, tokens/s,
 step time, data-wait time and MFU. The step is compiled before the loop, and metrics stay on
-the device until a log step (no host sync per step).
+the device until a log step (no host sync per step); logging, evaluation and checkpoints are the
+loop's periodic hooks (training/loop.py).
+
+Several processes (one per host, `--coordinator/--num-processes/--process-id` or a launcher's
+environment: training/distributed.py) run one run: each loads only its rows of every batch,
+process 0 holds the run directory and writes its record, metrics, plot and log, every process
+writes its shards of each checkpoint.
 """
 
 import dataclasses
@@ -43,9 +51,10 @@ from layers.moe import MoEStats
 from shard import Placement
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
-from training import lora_run, offload
+from training import distributed, loop, lora_run, offload
 from training import run_dir as runs
-from training.args import ArgError, Args, accumulation, check, given, parse_args
+from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
+from training.distributed import Processes
 from training.model_config import (
     DEFAULT_MODEL,
     aux_weights,
@@ -90,7 +99,9 @@ class RunResult:
 
 
 def say(message: str) -> None:
-    tqdm.write(message, file=sys.stdout)
+    """Print a log line (process 0 alone speaks for a run of several)."""
+    if jax.process_index() == 0:
+        tqdm.write(message, file=sys.stdout)
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
@@ -202,12 +213,13 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
         train = packing.Batches(tokens, segments, args.batch_size, args.seed, answers)
         entropy = unigram_entropy(tokens[answers])
         say(f"data: training: {counts.line()}; packed whole into {len(tokens):,} rows")
-    return encoding, train, val.in_order(args.eval_batches), entropy
+    return encoding, train, val, entropy
 
 
 def load_data(args: Args, run_dir: Path):
-    """Tokenizer, training batches, fixed validation batches, the unigram entropy and the data's
-    format (`--data-format`, or the one `auto` found)."""
+    """Tokenizer, training batches, validation batches (their first `--eval-batches` in order
+    are the held-out set), the unigram entropy and the data's format (`--data-format`, or the
+    one `auto` found)."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
     dataset, data_format = load_examples(
@@ -240,7 +252,7 @@ def load_data(args: Args, run_dir: Path):
             f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
             f"{val_tokens.size:,} held out"
         )
-    return encoding, train, val.in_order(args.eval_batches), entropy, data_format
+    return encoding, train, val, entropy, data_format
 
 
 def stop_not_finite(what: str, run_dir: Path) -> None:
@@ -323,7 +335,8 @@ def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
 
 def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args:
     """`args` with the run's recorded defining settings; a given flag that contradicts one is an
-    error naming the flag and both values."""
+    error naming the flag and both values. A pipeline's micro-batch count, unless given, is
+    chosen again for the recorded batch."""
     recorded = runs.read_record(run_dir)["settings"]
     changes = {}
     for name in DEFINING:
@@ -339,15 +352,17 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
                 f"not {value!r}; drop the flag (or start a new run with another --out)",
             )
         changes[name] = recorded[name]
+    if "microbatches" not in given_names:
+        changes["microbatches"] = None
     args = dataclasses.replace(args, **changes)
     check(args)
     return args
 
 
-def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_s,
-             predicted_line) -> dict | None:  # fmt: skip
+def log_step(telemetry, step, metrics, config, schedule, *, timing, predicted_line) -> dict | None:
     """Print and record one metrics line; the first step's (the starting point, e.g. the
-    pretrained model's loss) has no timing. Returns the timed record."""
+    pretrained model's loss) has no `timing` (step seconds, data-wait seconds). Returns the
+    timed record."""
     loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
     moe = {}
     if config.n_experts:
@@ -356,10 +371,11 @@ def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_
             "expert_load": np.asarray(metrics.moe.expert_load).tolist(),
             "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
         }
-    if first:
+    if timing is None:
         telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
         say(f"step {step}: loss {loss:.4f}")
         return None
+    step_s, wait_s = timing
     if predicted_line:
         say(telemetry.predicted_line(step_s))
     record = telemetry.log(
@@ -382,6 +398,31 @@ def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_
     return record
 
 
+def pipeline_line(args: Args, config, placement: Placement, chosen: bool) -> str:
+    """What a pipeline does per step: stages, schedule, micro-batches (and whether they were
+    chosen here), and zoo.math's bubble and activation memory per stage."""
+    stages, (accum, m) = pipeline_stages(args), accumulation(args)
+    virtual = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
+    bubble = zmath.pipeline_bubble(stages, m, virtual=virtual)
+    tokens = args.batch_size // accum * args.seq_len // (placement.devices // stages)
+    activations = zmath.pipeline_activation_bytes(
+        config, args.seq_len, policy(args), tokens=tokens, stages=stages, microbatches=m,
+        schedule=args.pipeline_schedule, virtual=virtual,
+    )  # fmt: skip
+    how = (
+        f"the most up to 4 x {stages} stages that split each batch of "
+        f"{args.batch_size // accum} evenly over the batch's mesh axes; --microbatches to choose"
+        if chosen
+        else "--microbatches"
+    )
+    return (
+        f"pipeline: {stages} stages, {args.pipeline_schedule} schedule"
+        f"{f' ({virtual} virtual stages per device)' if virtual > 1 else ''}, {m} micro-batches "
+        f"of {args.batch_size // accum // m} sequences ({how}); predicted (zoo.math): bubble "
+        f"{bubble:.1%} of the step, activations {activations / 1e9:.3f} GB per stage"
+    )
+
+
 def main(argv: list[str] | None = None) -> RunResult:
     """The command line: `run` on the parsed flags."""
     return run(parse_args(argv), given_names=given(argv))
@@ -397,6 +438,7 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             for f in dataclasses.fields(Args)
             if getattr(args, f.name) != getattr(defaults, f.name)
         )
+    processes = distributed.start(args)  # before anything touches a device
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     check_sequence_length(args.seq_len, placement.sequence_shards)
     if args.offload_opt_state:
@@ -407,13 +449,27 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             f"--init-from {args.init_from!r} is this run's own directory: --init-from starts a "
             "new run from it (give another --out), --resume continues it"
         )
-    with runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite):
+    # Process 0 holds the run directory; every process checks it runs the same run.
+    lock = distributed.agree(
+        processes,
+        args,
+        run_dir,
+        lambda: runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite),
+    )
+    try:
         if args.resume:
             args = resumed_args(args, given_names, run_dir)
-        return _train(args, placement, run_dir)
+        result = _train(args, placement, run_dir, processes, given_names)
+    finally:
+        if lock is not None:
+            lock.close()
+    distributed.stop(processes)
+    return result
 
 
-def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
+def _train(
+    args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
+) -> RunResult:
     start = 0
     if args.resume:
         start = runs.latest_step(run_dir)
@@ -423,7 +479,10 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 f"{args.steps} is not beyond the run's step {start}: --resume continues to "
                 f"--steps, so give more than {start}",
             )
-    encoding, train_data, val_batches, entropy, data_format = load_data(args, run_dir)
+    # Process 0 first: it fills the caches (corpus, trained tokenizer) the others then read.
+    encoding, train_data, val_data, entropy, data_format = distributed.primary_first(
+        processes, lambda: load_data(args, run_dir)
+    )
     # Recorded as found, not `auto`: a resume reads its data in the same format or fails.
     args = dataclasses.replace(args, data_format=data_format)
     say(
@@ -433,7 +492,7 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     model, name = build_model(args, placement, encoding.n_vocab, key, run_dir)
     model = with_context_kernel(model, args, placement)
     config, run_policy = model.config, model.policy
-    if not args.resume:
+    if not args.resume and processes.primary:
         spec = record_tokenizer(args, encoding, run_dir)
         settings = {name: getattr(args, name) for name in DEFINING}
         record = {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
@@ -451,10 +510,13 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         if args.lora_rank
         else f"{n_params / 1e6:.2f}M parameters"
     )
+    where = f"; {processes.describe()}" if processes.count > 1 else ""
     say(
         f"model: {name}, {trains}, compute {run_policy.compute_dtype}, "
-        f"kernel {run_policy.kernel_name}, on {placement.describe()}"
+        f"kernel {run_policy.kernel_name}, on {placement.describe()}{where}"
     )
+    if pipeline_stages(args) > 1:
+        say(pipeline_line(args, config, placement, "microbatches" not in given_names))
     schedule = learning_rate(
         args.schedule,
         peak=args.lr,
@@ -480,8 +542,9 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         opt_state = placement.init_opt_state(optimizer, params)
         if memory is not None:
             opt_state = jax.device_put(opt_state, memory[1])
+    accum = accumulation(args)[0]
     train_fn, eval_fn = compile_steps(
-        static, optimizer, accumulation(args)[0], placement=placement, model=model,
+        static, optimizer, accum, placement=placement, model=model,
         aux_weights=aux_weights(args), opt_state_memory=memory,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
@@ -495,92 +558,101 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         lora = (n_trainable, frozen)
     telemetry = Telemetry(
         run_dir, config, run_policy, args.batch_size, args.seq_len, hw,
-        accum=accumulation(args)[0], lora=lora,
+        accum=accum, lora=lora, write=processes.primary,
     )  # fmt: skip
+    if args.resume:
+        telemetry.forget_after(start)
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
-    val_batches = [placement.batch(b) for b in val_batches]
+    # Each process loads only the rows of every batch its devices hold.
+    rows = placement.process_rows(args.batch_size, args.seq_len)
+    val_rows = placement.process_rows(val_data.batch_size, args.seq_len)
+    val_batches = [
+        placement.batch(b, rows=val_rows, total=val_data.batch_size)
+        for b in val_data.in_order(args.eval_batches, val_rows)
+    ]
     result = RunResult(run_dir, None, encoding, start, None, None, None, entropy, None, {})
     if args.init_from and not args.resume:
         val_loss = evaluate(eval_fn, params, val_batches)
         telemetry.log(step=0, val_loss=val_loss)
         say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
         result.initial_val_loss = val_loss
-    batches = Prefetcher(train_data.iterate(position), placement.batch)
+    batches = Prefetcher(
+        train_data.iterate(position, rows),
+        lambda b: placement.batch(b, rows=rows, total=args.batch_size),
+    )
     # Checkpoints are written in the background while the loop goes on (training/state.py).
     checkpointer = runs.Checkpointer(run_dir, config=config, policy=run_policy, keep=args.keep)
-    bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
-    # Step time is measured over the steps between two log lines (the device is waited for
-    # only there), less the time spent evaluating and checkpointing in between.
-    window_start, window_wait, window_steps, excluded, first_log = None, 0.0, 0, 0.0, True
+    bar = tqdm(
+        total=args.steps, initial=start, disable=not (args.progress and processes.primary),
+        desc="train",
+    )  # fmt: skip
+    clock = loop.StepClock(lambda: batches.wait_s)
+
+    def check_finite(state: loop.State) -> None:
+        loss, grad_norm = float(state.metrics.loss), float(state.metrics.grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            stop_not_finite(
+                f"loss {loss} / gradient norm {grad_norm} at step {state.step}", run_dir
+            )
+        result.step, result.loss = state.step, loss
+
+    def log(state: loop.State) -> None:
+        timing = clock.lap()
+        first_timed = timing is not None and not result.record
+        result.record = log_step(
+            telemetry, state.step, state.metrics, config, schedule, timing=timing,
+            predicted_line=first_timed,
+        ) or result.record  # fmt: skip
+        if config.n_experts:
+            result.moe = state.metrics.moe
+
+    def validate(state: loop.State) -> None:
+        with clock.paused():
+            result.val_loss = evaluate(eval_fn, state.params, val_batches)
+            telemetry.log(step=state.step, val_loss=result.val_loss)
+            say(
+                f"step {state.step:5d} | validation loss {result.val_loss:.4f} "
+                f"(unigram entropy {entropy:.3f})"
+            )
+
+    def save(state: loop.State) -> None:
+        with clock.paused():
+            if not bool(all_finite(state.params)):
+                stop_not_finite(f"the weights after step {state.step}", run_dir)
+            blocked = checkpointer.save(
+                params=state.params, opt_state=state.opt_state, step=state.step,
+                data_position=position + state.step - start, rng=rng,
+            )  # fmt: skip
+            telemetry.log(step=state.step, checkpoint_blocked_s=blocked)
+            say(
+                f"step {state.step:5d} | checkpoint {checkpointer.path(state.step).name}: the "
+                f"loop was blocked {blocked * 1e3:.1f} ms (written in the background)"
+            )
+
+    hooks = [
+        loop.Hook(args.log_every, log, first=True),
+        loop.Hook(args.eval_every, validate),
+        loop.Hook(args.checkpoint_every, save),
+    ]
     try:
-        for step in range(start + 1, args.steps + 1):
-            batch = next(batches)
-            params, opt_state, metrics = train_fn(params, opt_state, batch)
-            bar.update(1)
-            window_steps += 1
-            log = step % args.log_every == 0 or step == args.steps or window_start is None
-            evaluate_now = step % args.eval_every == 0 or step == args.steps
-            save = step % args.checkpoint_every == 0 or step == args.steps
-            if not (log or evaluate_now or save):
-                continue
-            loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)  # waits for the step
-            now = time.perf_counter()
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                stop_not_finite(f"loss {loss} / gradient norm {grad_norm} at step {step}", run_dir)
-            result.step, result.loss = step, loss
-            if log:
-                result.record = log_step(
-                    telemetry, step, metrics, config, schedule, first=window_start is None,
-                    step_s=None if window_start is None
-                    else (now - window_start - excluded) / window_steps,
-                    wait_s=(batches.wait_s - window_wait) / window_steps,
-                    predicted_line=first_log and window_start is not None,
-                ) or result.record  # fmt: skip
-                first_log = first_log and window_start is None
-                if config.n_experts:
-                    result.moe = metrics.moe
-            t_extra = time.perf_counter()
-            if evaluate_now:
-                val_loss = evaluate(eval_fn, params, val_batches)
-                telemetry.log(step=step, val_loss=val_loss)
-                say(
-                    f"step {step:5d} | validation loss {val_loss:.4f} "
-                    f"(unigram entropy {entropy:.3f})"
-                )
-                result.val_loss = val_loss
-            if save:
-                if not bool(all_finite(params)):
-                    stop_not_finite(f"the weights after step {step}", run_dir)
-                blocked = checkpointer.save(
-                    params=params,
-                    opt_state=opt_state,
-                    step=step,
-                    data_position=position + step - start,
-                    rng=rng,
-                )
-                telemetry.log(step=step, checkpoint_blocked_s=blocked)
-                say(
-                    f"step {step:5d} | checkpoint {checkpointer.path(step).name}: the loop was "
-                    f"blocked {blocked * 1e3:.1f} ms (written in the background)"
-                )
-            if log:
-                window_start, window_wait, window_steps = now, batches.wait_s, 0
-                excluded = time.perf_counter() - t_extra
-            else:
-                excluded += time.perf_counter() - t_extra
+        state = loop.run(
+            train_fn, params, opt_state, batches, start=start, stop=args.steps, hooks=hooks,
+            check=check_finite, on_step=lambda: (bar.update(1), clock.step()),
+        )  # fmt: skip
     finally:
         batches.close()
         bar.close()
         waited = checkpointer.close()  # the last checkpoint is finalized before the run ends
     say(f"the last checkpoint was finalized {waited * 1e3:.1f} ms after the loop ended")
-    plot = telemetry.plot(run_dir / "loss.png", entropy)
-    result.model = eqx.combine(params, static)
-    if result.val_loss is not None:
-        say(
-            f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
-            f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
-        )
+    result.model = eqx.combine(state.params, static)
+    if processes.primary:
+        plot = telemetry.plot(run_dir / "loss.png", entropy)
+        if result.val_loss is not None:
+            say(
+                f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
+                f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
+            )
     return result
 
 

@@ -51,6 +51,8 @@ def policy(args: Args) -> Policy:
         attention=args.attention or "xla",
         moe_dispatch=dispatch,
         microbatches=accumulation(args)[1],
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
     )
 
 

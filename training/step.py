@@ -96,8 +96,10 @@ def train_step(
     total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
 
     def objective(p, mb: Batch):
-        terms = loss_terms(eqx.combine(p, static), mb, aux_weights)
-        return terms.nll_sum / total + terms.aux_loss / accum, terms
+        terms = loss_terms(
+            eqx.combine(p, static), mb, aux_weights, nll_scale=1 / total, aux_scale=1 / accum
+        )
+        return terms.objective, terms
 
     def add_micro(carry, mb: Batch):
         (_, terms), g = jax.value_and_grad(objective, has_aux=True)(params, mb)
