@@ -164,6 +164,16 @@ def _put(buffer: PyTree, value: PyTree, i, keep) -> PyTree:
     return jax.tree.map(put, buffer, value)
 
 
+def gathered(tree: PyTree) -> PyTree:
+    """`tree`'s arrays whole on every device of the active mesh: inside a stage, a table split
+    over the stage's automatic axes, gathered before a lookup (XLA's SPMD partitioner fails a
+    check on a gather from such a table inside the pipeline's shard_map, JAX 0.12; FSDP
+    all-gathers every weight before its use anyway)."""
+    mesh = active()[1]
+    whole = jax.sharding.NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
+
+
 def _zeros_of(fn: Callable, *args) -> PyTree:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
 
@@ -304,7 +314,13 @@ def one_f_one_b(
     (outer_d, outer_c), (layers_d, layers_c) = outer, layers
 
     def run(outer, layers, micro):
-        outer_d, outer_c, seed_scale = outer
+        # The first and last stage's weights (embedding, head) whole on each device of the
+        # stage, gathered once per step rather than per tick (and XLA's SPMD partitioner fails
+        # a check on the head's backward inside these conditionals with a vocabulary split over
+        # `tensor`, JAX 0.12).
+        with use_rules(rules, jax.sharding.get_abstract_mesh()):
+            outer_d, outer_c = gathered(outer[:2])
+        seed_scale = outer[2]
         layers_d, layers_c = jax.tree.map(lambda w: w[0, 0], layers)  # [chunk, ...]
         s = jax.lax.axis_index(AXIS)
         scoped = lambda: use_rules(rules, jax.sharding.get_abstract_mesh())  # noqa: E731

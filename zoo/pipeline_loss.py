@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from layers.kernels.context import Ring
 from layers.moe import MoEStats, aux_loss
-from shard.pipeline import circular, one_f_one_b, pipeline_stages, virtual_stages
+from shard.pipeline import circular, gathered, one_f_one_b, pipeline_stages, virtual_stages
 from shard.sequence import sequence_axis, to_zigzag
 from zoo.adapter import split_trainable
 from zoo.pattern import LayerPattern
@@ -81,8 +82,14 @@ def pipelined_loss(
             "dense layers, or a Gemma pattern's leftover layers): use --pipeline-schedule "
             "gpipe or interleaved"
         )
-    positions = positions_from_segments(segment_ids)
     _, split = sequence_axis()
+    if schedule == "1f1b" and isinstance(policy.attention, Ring):
+        raise ValueError(
+            f"the 1F1B schedule with the ring attention kernel (context parallelism over {split} "
+            "devices) is not supported: it computes NaN losses (found on JAX 0.12); use "
+            "--attention allgather, or --pipeline-schedule gpipe or interleaved"
+        )
+    positions = positions_from_segments(segment_ids)
     rows = {
         "tokens": tokens,
         "positions": positions,
@@ -106,9 +113,10 @@ def pipelined_loss(
 
     def embed(outer, rows):
         m = eqx.combine(outer, outer_skeleton)
+        m = eqx.tree_at(lambda m: m.embed, m, gathered(m.embed))
         x = m.embed_tokens(rows["tokens"])
         if m.positions is not None:
-            x = x + m.positions(rows["positions"], dtype=policy.compute)
+            x = x + gathered(m.positions)(rows["positions"], dtype=policy.compute)
         return x
 
     @jax.checkpoint
