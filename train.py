@@ -467,9 +467,37 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
     return result
 
 
-def _train(
+@dataclasses.dataclass
+class Job:
+    """Everything the loop needs, prepared by `prepare`: the run's settings and directory, its
+    processes, the compiled steps and their state, the data and the telemetry; `result` is
+    filled in as the run goes."""
+
+    args: Args
+    run_dir: Path
+    processes: Processes
+    placement: Placement
+    config: Any
+    static: Any
+    params: Any
+    opt_state: Any
+    train_fn: Any
+    eval_fn: Any
+    schedule: Any
+    telemetry: Telemetry
+    train_data: Any
+    val_batches: list
+    start: int
+    position: int
+    rng: jax.Array
+    result: RunResult
+
+
+def prepare(
     args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
-) -> RunResult:
+) -> Job:
+    """Data, tokenizer, model (fresh, imported or restored), the run's record, the optimizer
+    and the compiled step, each announced on the log."""
     start = 0
     if args.resume:
         start = runs.latest_step(run_dir)
@@ -564,27 +592,89 @@ def _train(
         telemetry.forget_after(start)
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
-    # Each process loads only the rows of every batch its devices hold.
-    rows = placement.process_rows(args.batch_size, args.seq_len)
-    val_rows = placement.process_rows(val_data.batch_size, args.seq_len)
+    # Each process loads only the rows of the held-out batches its devices hold.
+    rows = placement.process_rows(val_data.batch_size, args.seq_len)
     val_batches = [
-        placement.batch(b, rows=val_rows, total=val_data.batch_size)
-        for b in val_data.in_order(args.eval_batches, val_rows)
+        placement.batch(b, rows=rows, total=val_data.batch_size)
+        for b in val_data.in_order(args.eval_batches, rows)
     ]
     result = RunResult(run_dir, None, encoding, start, None, None, None, entropy, None, {})
+    return Job(
+        args, run_dir, processes, placement, config, static, params, opt_state, train_fn,
+        eval_fn, schedule, telemetry, train_data, val_batches, start, position, rng, result,
+    )  # fmt: skip
+
+
+def hooks(job: Job, clock: loop.StepClock, checkpointer: runs.Checkpointer) -> list[loop.Hook]:
+    """The loop's periodic hooks: log a metrics line (and the first step's, the starting
+    point), evaluate on the held-out batches, write a checkpoint. The time the last two take
+    is left out of the step time."""
+    args, result, telemetry = job.args, job.result, job.telemetry
+
+    def log(state: loop.State) -> None:
+        timing = clock.lap()
+        first_timed = timing is not None and not result.record
+        result.record = log_step(
+            telemetry, state.step, state.metrics, job.config, job.schedule, timing=timing,
+            predicted_line=first_timed,
+        ) or result.record  # fmt: skip
+        if job.config.n_experts:
+            result.moe = state.metrics.moe
+
+    def validate(state: loop.State) -> None:
+        with clock.paused():
+            result.val_loss = evaluate(job.eval_fn, state.params, job.val_batches)
+            telemetry.log(step=state.step, val_loss=result.val_loss)
+            say(
+                f"step {state.step:5d} | validation loss {result.val_loss:.4f} "
+                f"(unigram entropy {result.unigram_entropy:.3f})"
+            )
+
+    def save(state: loop.State) -> None:
+        with clock.paused():
+            if not bool(all_finite(state.params)):
+                stop_not_finite(f"the weights after step {state.step}", job.run_dir)
+            blocked = checkpointer.save(
+                params=state.params, opt_state=state.opt_state, step=state.step,
+                data_position=job.position + state.step - job.start, rng=job.rng,
+            )  # fmt: skip
+            telemetry.log(step=state.step, checkpoint_blocked_s=blocked)
+            say(
+                f"step {state.step:5d} | checkpoint {checkpointer.path(state.step).name}: the "
+                f"loop was blocked {blocked * 1e3:.1f} ms (written in the background)"
+            )
+
+    return [
+        loop.Hook(args.log_every, log, first=True),
+        loop.Hook(args.eval_every, validate),
+        loop.Hook(args.checkpoint_every, save),
+    ]
+
+
+def _train(
+    args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
+) -> RunResult:
+    job = prepare(args, placement, run_dir, processes, given_names)
+    args, result = job.args, job.result
     if args.init_from and not args.resume:
-        val_loss = evaluate(eval_fn, params, val_batches)
-        telemetry.log(step=0, val_loss=val_loss)
-        say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
-        result.initial_val_loss = val_loss
+        result.initial_val_loss = evaluate(job.eval_fn, job.params, job.val_batches)
+        job.telemetry.log(step=0, val_loss=result.initial_val_loss)
+        say(
+            f"step     0 | validation loss {result.initial_val_loss:.4f} (the pretrained "
+            "starting point)"
+        )
+    # Each process loads only the rows of every batch its devices hold.
+    rows = placement.process_rows(args.batch_size, args.seq_len)
     batches = Prefetcher(
-        train_data.iterate(position, rows),
+        job.train_data.iterate(job.position, rows),
         lambda b: placement.batch(b, rows=rows, total=args.batch_size),
     )
     # Checkpoints are written in the background while the loop goes on (training/state.py).
-    checkpointer = runs.Checkpointer(run_dir, config=config, policy=run_policy, keep=args.keep)
+    checkpointer = runs.Checkpointer(
+        run_dir, config=job.config, policy=job.static.policy, keep=args.keep
+    )
     bar = tqdm(
-        total=args.steps, initial=start, disable=not (args.progress and processes.primary),
+        total=args.steps, initial=job.start, disable=not (args.progress and processes.primary),
         desc="train",
     )  # fmt: skip
     clock = loop.StepClock(lambda: batches.wait_s)
@@ -597,61 +687,25 @@ def _train(
             )
         result.step, result.loss = state.step, loss
 
-    def log(state: loop.State) -> None:
-        timing = clock.lap()
-        first_timed = timing is not None and not result.record
-        result.record = log_step(
-            telemetry, state.step, state.metrics, config, schedule, timing=timing,
-            predicted_line=first_timed,
-        ) or result.record  # fmt: skip
-        if config.n_experts:
-            result.moe = state.metrics.moe
-
-    def validate(state: loop.State) -> None:
-        with clock.paused():
-            result.val_loss = evaluate(eval_fn, state.params, val_batches)
-            telemetry.log(step=state.step, val_loss=result.val_loss)
-            say(
-                f"step {state.step:5d} | validation loss {result.val_loss:.4f} "
-                f"(unigram entropy {entropy:.3f})"
-            )
-
-    def save(state: loop.State) -> None:
-        with clock.paused():
-            if not bool(all_finite(state.params)):
-                stop_not_finite(f"the weights after step {state.step}", run_dir)
-            blocked = checkpointer.save(
-                params=state.params, opt_state=state.opt_state, step=state.step,
-                data_position=position + state.step - start, rng=rng,
-            )  # fmt: skip
-            telemetry.log(step=state.step, checkpoint_blocked_s=blocked)
-            say(
-                f"step {state.step:5d} | checkpoint {checkpointer.path(state.step).name}: the "
-                f"loop was blocked {blocked * 1e3:.1f} ms (written in the background)"
-            )
-
-    hooks = [
-        loop.Hook(args.log_every, log, first=True),
-        loop.Hook(args.eval_every, validate),
-        loop.Hook(args.checkpoint_every, save),
-    ]
     try:
         state = loop.run(
-            train_fn, params, opt_state, batches, start=start, stop=args.steps, hooks=hooks,
-            check=check_finite, on_step=lambda: (bar.update(1), clock.step()),
+            job.train_fn, job.params, job.opt_state, batches, start=job.start, stop=args.steps,
+            hooks=hooks(job, clock, checkpointer), check=check_finite,
+            on_step=lambda: (bar.update(1), clock.step()),
         )  # fmt: skip
     finally:
         batches.close()
         bar.close()
         waited = checkpointer.close()  # the last checkpoint is finalized before the run ends
     say(f"the last checkpoint was finalized {waited * 1e3:.1f} ms after the loop ended")
-    result.model = eqx.combine(state.params, static)
+    result.model = eqx.combine(state.params, job.static)
     if processes.primary:
-        plot = telemetry.plot(run_dir / "loss.png", entropy)
+        plot = job.telemetry.plot(run_dir / "loss.png", result.unigram_entropy)
         if result.val_loss is not None:
             say(
                 f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
-                f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
+                f"{result.unigram_entropy:.3f} nats; metrics in {job.telemetry.path}, loss "
+                f"curve in {plot}"
             )
     return result
 

@@ -106,6 +106,14 @@ def test_settings_that_must_agree(capsys):
     assert "argument --peak-bandwidth: --peak-flops is given, so --peak-bandwidth is needed" in line
     line = fails(["--peak-bandwidth", "1e12"], capsys)
     assert "argument --peak-flops: --peak-bandwidth is given" in line
+    # Processes: an id beyond the count, a coordinator that is not HOST:PORT (both before any
+    # attempt to connect).
+    line = fails(["--num-processes", "2", "--process-id", "2"], capsys)
+    assert "argument --process-id: 2 is not below --num-processes 2: the processes are " in line
+    line = fails(["--coordinator", "host0"], capsys)
+    assert "argument --coordinator: 'host0' is not HOST:PORT" in line
+    line = fails(["--coordinator", "host0:99999"], capsys)
+    assert "argument --coordinator: 'host0:99999' is not HOST:PORT" in line
     # The default warm-up fits a short run; an explicit one is kept.
     assert parse_args(["--steps", "10"]).warmup == 10
     assert parse_args([]).warmup == 30
