@@ -6,12 +6,12 @@ compiled memory per device (against `zoo.math.pipeline_activation_bytes`).
 
 A loss-and-gradient step of an 8-layer model on the mesh pipeline=4, data=2 (the schedules run
 through training/loss.py, as train.py's step does), beside the same step on data=8 without a
-pipeline: the same FLOPs, spread over the same devices. The measured bubble is 1 - t(no
-pipeline) / t(pipeline) at M = 8 micro-batches, for wall time and for the process's CPU time
-(all its threads: less disturbed by other jobs on a shared machine, but it counts the time device
-threads spin at a collective). Predicted: `zoo.math.pipeline_bubble`, and for 1F1B the extra
-forward its backward recomputes (one per micro-batch: (F + F + B) / (F + B) = 4 / 3 of the work
-without remat).
+pipeline: the same FLOPs, spread over the same devices (with remat="full" beside 1F1B and
+interleaved, which run each stage or chunk again in its backward, and beside GPipe with
+remat="full"). The measured bubble is 1 - t(no pipeline) / t(pipeline) at M = 8 micro-batches,
+for wall time and for the process's CPU time (all its threads: less disturbed by other jobs on a
+shared machine, but it counts the time device threads spin at a collective). Predicted:
+`zoo.math.pipeline_bubble`.
 
 Fake devices share this machine's cores. An idle GPipe or interleaved stage computes on
 placeholders (shard/pipeline.py), so a step's CPU time is the work of all ticks on all stages
@@ -45,7 +45,10 @@ DEVICES, STAGES = 8, 4
 CONFIG = zoo.Config(vocab_size=2048, d_model=512, n_layers=8, n_heads=8, d_ff=2048, max_seq_len=128)
 BATCH, SEQ, REPEATS = 32, 128, 3
 TIMED_M, MEMORY_M = 8, 16
-SCHEDULES = (("gpipe", 1), ("interleaved", 2), ("1f1b", 1))
+# (schedule, virtual stages, Policy.remat): GPipe both ways; 1F1B and interleaved recompute each
+# stage (chunk) in its backward whatever the policy (zoo/pipeline_loss.py).
+ROWS = (("gpipe", 1, "none"), ("gpipe", 1, "full"), ("interleaved", 2, "none"), ("1f1b", 1, "none"))
+REMATS = ("none", "full")
 
 
 def _step(sizes: dict, policy: zoo.Policy):
@@ -93,29 +96,32 @@ def temp_bytes(policy: zoo.Policy) -> int:
 def measure() -> list[dict]:
     """The rows, measured in this process (which must hold 8 devices)."""
     plain = zoo.Policy()
-    wall0, cpu0 = seconds({"data": DEVICES}, plain)
+    pipeline = {"pipeline": STAGES, "data": DEVICES // STAGES}
     tokens = BATCH * SEQ // (DEVICES // STAGES)  # one stage's share of the step's tokens
+    # The same work without a pipeline: 1F1B and interleaved run each stage again in its
+    # backward, as remat="full" does.
+    t0 = {remat: seconds({"data": DEVICES}, plain.replace(remat=remat)) for remat in REMATS}
     rows = []
-    for schedule, virtual in SCHEDULES:
-        timed = plain.replace(microbatches=TIMED_M, pipeline_schedule=schedule, virtual_stages=2)
-        wall, cpu = seconds({"pipeline": STAGES, "data": DEVICES // STAGES}, timed)
+    for schedule, virtual, remat in ROWS:
+        policy = plain.replace(remat=remat, pipeline_schedule=schedule, virtual_stages=2)
+        wall, cpu = seconds(pipeline, policy.replace(microbatches=TIMED_M))
+        work = "full" if schedule != "gpipe" else remat
+        wall0, cpu0 = t0[work]
         bubble = zm.pipeline_bubble(STAGES, TIMED_M, virtual=virtual)
-        work = 4 / 3 if schedule == "1f1b" else 1.0  # the recomputed forward
-        held = plain.replace(microbatches=MEMORY_M, pipeline_schedule=schedule)
         predicted = zm.pipeline_activation_bytes(
-            CONFIG, SEQ, plain, tokens=tokens, stages=STAGES, microbatches=MEMORY_M,
+            CONFIG, SEQ, policy, tokens=tokens, stages=STAGES, microbatches=MEMORY_M,
             schedule=schedule, virtual=virtual,
         )  # fmt: skip
         rows.append(
             {
                 "schedule": schedule + (f" (V={virtual})" if virtual > 1 else ""),
+                "remat": remat if schedule == "gpipe" else "(stage)",
                 "predicted bubble M=8": bubble,
-                "predicted t/t0": work / (1 - bubble),
-                "wall s (t0 = no pipeline)": f"{wall:.2f} (t0 {wall0:.2f})",
                 "measured bubble, wall": 1 - wall0 / wall,
                 "measured bubble, CPU": 1 - cpu0 / cpu,
+                "wall s (t0)": f"{wall:.2f} ({wall0:.2f})",
                 "predicted activations MB M=16": predicted / 1e6,
-                "compiled temp MB M=16": temp_bytes(held) / 1e6,
+                "compiled temp MB M=16": temp_bytes(policy.replace(microbatches=MEMORY_M)) / 1e6,
             }
         )
     return rows
@@ -139,9 +145,9 @@ def run(ceilings: Ceilings) -> Table:
             f"{CONFIG.n_layers} layers, d_model {CONFIG.d_model}, batch {BATCH} x seq {SEQ}, "
             f"float32, loss + gradient, mesh pipeline={STAGES}, data={DEVICES // STAGES} on "
             f"{DEVICES} fake CPU devices sharing {os.cpu_count()} cores; t0: the same step on "
-            f"data={DEVICES} without a pipeline; median of {REPEATS}. An idle 1F1B slot is "
-            "skipped, which frees the shared cores, so its bubble does not show as time here "
-            "(see bench/pipeline.py).",
+            f"data={DEVICES} without a pipeline (remat full beside 1F1B, interleaved and GPipe "
+            f"with remat full); median of {REPEATS}. An idle 1F1B slot is skipped, which frees "
+            "the shared cores, so its bubble does not show as time here (see bench/pipeline.py).",
         ],
     )
     for row in json.loads(child.stdout.splitlines()[-1]):

@@ -12,7 +12,9 @@ micro-batches streamed through them on one of three schedules.
   round v + 1). M V + S - 1 ticks of a chunk: the bubble shrinks by V. Autodiff, as GPipe.
   The weights are stored with consecutive layers together, so the step regroups each stack into
   the circular layout ([V, S, L / (S V)] -> [S, V, ...]: an all-to-all of (V - 1) / V of a
-  stage's weights, and the transpose of their gradients; `training.plan` lists it).
+  stage's weights, and the transpose of their gradients; `training.plan` lists it). A chunk is
+  picked per tick, so it keeps only its input and runs again in the backward (autodiff would
+  keep a copy of its weights per tick): one more forward per chunk and micro-batch.
 - **1F1B** (PipeDream-flush, Narayanan et al. 2019; Megatron's default): forwards and backwards
   interleave, so a stage holds at most min(M, 2 S - 1) micro-batches in flight instead of M.
   Lockstep ticks t = 0 .. M + 2 S - 3: stage s runs the forward of micro-batch t - s and the
@@ -33,6 +35,7 @@ tensor sharding inside a stage stay automatic (GSPMD), so a pipeline combines wi
 Nothing here knows a model: zoo/pipeline.py gives the stage functions.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -251,6 +254,18 @@ def circular(
                 lambda w, x, r: stage(w, x, r)[1], _pick(local, 0), x_like, _pick(micro, 0)
             )
 
+        def run_chunk(local, v, x, inputs):
+            if v_total == 1:  # the stage's weights, the same every tick
+                return stage(jax.tree.map(lambda a: a[0], local), x, inputs)
+            return recomputed_chunk(local, v, x, inputs)
+
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+        def recomputed_chunk(local, v, x, inputs):
+            # A chunk picked by the tick (its round): autodiff would keep a copy of the picked
+            # weights per tick, so the chunk keeps only its input and is run again in the
+            # backward (one more forward per chunk and micro-batch).
+            return stage(_pick(local, v), x, inputs)
+
         def tick(carry, t):
             received, circ, outputs, stats = carry
             # Stage 0 keeps what the last stage handed back for a micro-batch's next round.
@@ -264,7 +279,7 @@ def circular(
             i, v = k % m, k // m
             x = jnp.where(s == 0, _pick(circ, i), received)
             with scoped():
-                y, chunk_stats = stage(_pick(local, v), x, _pick(micro, i))
+                y, chunk_stats = run_chunk(local, v, x, _pick(micro, i))
             outputs = _put(outputs, y, i, valid & (s == stages - 1) & (v == v_total - 1))
             stats = _put(stats, chunk_stats, v * m + i, valid)
             return (jax.lax.ppermute(y, AXIS, ring), circ, outputs, stats), None

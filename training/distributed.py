@@ -148,6 +148,17 @@ def _allgather(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
 
 
+def _on_primary(processes: Processes, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(`fn()`, None) on process 0, or (None, its error's message) if it raised a ValueError
+    or OSError (the errors train.py reports); (None, None) on the others."""
+    if not processes.primary:
+        return None, None
+    try:
+        return fn(), None
+    except (ValueError, OSError) as error:
+        return None, str(error)
+
+
 def agree(processes: Processes, args: Args, run_dir: Path, claim: Callable[[], Any]) -> Any:
     """Process 0 runs `claim()` (it takes the run directory: a `run_dir.Lock`); then every
     process checks that all of them run the same run, and all stop with the same error if not:
@@ -156,12 +167,7 @@ def agree(processes: Processes, args: Args, run_dir: Path, claim: Callable[[], A
     0 claimed. Returns the lock on process 0, None elsewhere."""
     if processes.count == 1:
         return claim()
-    lock, refusal = None, None
-    if processes.primary:
-        try:
-            lock = claim()
-        except ValueError as error:
-            refusal = str(error)
+    lock, refusal = _on_primary(processes, claim)
     try:
         reports = _allgather(
             {"refusal": refusal, "num_processes": args.num_processes, "flags": _flags(args)}
@@ -220,12 +226,7 @@ def primary_first(processes: Processes, load: Callable[[], Any]) -> Any:
     stops the others too, with its message."""
     if processes.count == 1:
         return load()
-    result, failure = None, None
-    if processes.primary:
-        try:
-            result = load()
-        except (ValueError, OSError) as error:
-            failure = f"{type(error).__name__}: {error}"
+    result, failure = _on_primary(processes, load)
     report = _allgather({"failure": failure})[0]
     if report["failure"] is not None:
         raise ValueError(f"process 0 could not load the data: {report['failure']}")

@@ -450,13 +450,13 @@ def format_plan(p: Plan) -> str:
         lines += [f"    per-head K/V      {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
     if p.stages > 1:
         chunks = f", {p.virtual} virtual stages per device" if p.virtual > 1 else ""
-        kept = (
-            f"at most {min(p.microbatches, 2 * p.stages - 1)} stage inputs in flight plus one "
-            "micro-batch's stage activations (each stage's forward is recomputed in its "
-            "backward: one more forward per micro-batch)"
-            if p.schedule == "1f1b"
-            else f"{p.microbatches} micro-batches in flight"
-        )
+        kept = {
+            "1f1b": f"at most {min(p.microbatches, 2 * p.stages - 1)} stage inputs in flight "
+            "plus one micro-batch's stage activations (each stage's forward is recomputed in "
+            "its backward: one more forward per micro-batch, remat or not)",
+            "interleaved": "each tick's chunk input plus one chunk's activations (each chunk is "
+            "recomputed in its backward: one more forward per micro-batch, remat or not)",
+        }.get(p.schedule, f"{p.microbatches} micro-batches in flight")
         lines += [
             "",
             f"pipeline: {p.stages} stages (one per device along `pipeline`, the bytes above are "

@@ -424,10 +424,15 @@ def pipeline_activation_bytes(
       ticks that saves, at every tick (the S - 1 idle ones too), what `policy.remat` keeps in
       the stage's layers for one micro-batch (`activation_bytes_per_token`): (M + S - 1) / M
       times the tokens' share.
-    - Interleaved: M V + S - 1 ticks of a chunk of 1 / V of the stage's layers.
+    - Interleaved: M V + S - 1 ticks of a chunk of 1 / V of the stage's layers, each keeping
+      only its input (d_model values per token; the chunk is run again in the backward, since
+      keeping what it saves would keep its weights per tick too), plus one chunk's activations
+      for one micro-batch, all of them (no per-layer remat inside), while it is.
     - 1F1B: the stage inputs of the micro-batches in flight (min(M, 2 S - 1), d_model values per
-      token each) plus one micro-batch's stage activations under `policy.remat` while its
-      backward recomputes it.
+      token each) plus one micro-batch's stage activations, all of them, while its backward
+      recomputes it.
+    1F1B and interleaved thus cost one more forward per micro-batch than GPipe without remat
+    (as much as GPipe with `remat="full"`).
     One stage (no pipeline) gives `tokens * activation_bytes_per_token`."""
     if config.n_layers % stages:
         raise ValueError(
@@ -436,14 +441,15 @@ def pipeline_activation_bytes(
         )
     pipeline_bubble(stages, microbatches, virtual=virtual)
     stage_share = activation_bytes_per_token(config, seq_len, policy) / stages
-    micro = tokens / microbatches
+    micro, inputs = tokens / microbatches, config.d_model * bytes_per_element(policy.compute_dtype)
+    whole = activation_bytes_per_token(config, seq_len, policy.replace(remat="none")) / stages
     if schedule == "1f1b":
-        stash = min(microbatches, 2 * stages - 1) * config.d_model
-        return micro * (stash * bytes_per_element(policy.compute_dtype) + stage_share)
-    if schedule not in ("gpipe", "interleaved"):
+        return micro * (min(microbatches, 2 * stages - 1) * inputs + whole)
+    if schedule == "interleaved":
+        return micro * ((microbatches * virtual + stages - 1) * inputs + whole / virtual)
+    if schedule != "gpipe":
         raise ValueError(f"unknown pipeline schedule {schedule!r}: gpipe, 1f1b or interleaved")
-    v = virtual if schedule == "interleaved" else 1
-    return micro * (microbatches * v + stages - 1) * stage_share / v
+    return micro * (microbatches + stages - 1) * stage_share
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,9 @@ schedule: GPipe, interleaved or 1F1B (shard/pipeline.py).
 
 The embedding runs on the first stage, the final norm, head and loss on the last (the head under
 `jax.checkpoint`, so the logits are recomputed in the backward rather than kept per
-micro-batch), the layers' chunks in between. The loss is returned as the same sums an
+micro-batch), the layers' chunks in between: under `Policy.remat` on GPipe; on 1F1B and
+interleaved, which run each stage or chunk again in its backward from its input alone, without
+per-layer remat (it would run the layers a third time). The loss is returned as the same sums an
 unpipelined step adds up (training/loss.py): the masked cross-entropy summed over tokens, the
 token count, and the MoE auxiliary loss as the mean over micro-batches of each micro-batch's
 (as gradient accumulation averages them), with every MoE layer's statistics.
@@ -103,6 +105,9 @@ def pipelined_loss(
     rows["local_rope"] = model.local_rope(rows["positions"])
     pattern = LayerPattern.of(c)
     window = None if pattern is not None else c.sliding_window
+    # 1F1B and interleaved run each stage (chunk) again in its backward from its input alone:
+    # per-layer remat inside would only run its layers a third time.
+    layers_policy = policy if schedule == "gpipe" else policy.replace(remat="none")
     stage_patterns, start = [], 0
     for stack in model.stacks:
         rows_k = None if pattern is None else pattern.layers(start, stack.repeats, stack.period)
@@ -153,7 +158,7 @@ def pipelined_loss(
 
             out, stack_stats = circular(
                 embed if first_stack else (lambda _, rows: rows["x"]),
-                stage_function(stack, policy, chunks=stages * v, window=window),
+                stage_function(stack, layers_policy, chunks=stages * v, window=window),
                 last,
                 outer,
                 (arrays.stacks[k].blocks, stage_patterns[k]),
@@ -173,7 +178,7 @@ def pipelined_loss(
     return _one_f_one_b_loss(
         model, arrays, rows, stage_patterns[0], nll_scale, aux_scale,
         forward=gpipe_or_interleaved, embed=embed, head=head, moe_terms=moe_terms,
-        stage=stage_function(model.stacks[0], policy, chunks=stages, window=window),
+        stage=stage_function(model.stacks[0], layers_policy, chunks=stages, window=window),
         balance_weight=balance_weight, z_weight=z_weight,
     )  # fmt: skip
 
