@@ -20,9 +20,10 @@ micro-batches streamed through them on one of three schedules.
   Lockstep ticks t = 0 .. M + 2 S - 3: stage s runs the forward of micro-batch t - s and the
   backward of micro-batch t - (2 S - 2 - s) (the last stage's backward follows its forward in
   the same tick); a slot with no micro-batch is skipped (`lax.cond`), so a tick lasts as long
-  as its busiest stage and the step takes (M + S - 1) (F + B): GPipe's bubble, with memory
-  bounded by the stage count. Each stage keeps only its in-flight inputs and recomputes its
-  forward in the backward (`jax.vjp`), as GPipe's paper did: one more forward per micro-batch.
+  as its busiest stage and the step takes M + S - 1 micro-batches' worth of one stage's work:
+  GPipe's bubble, with memory bounded by the stage count. Each stage keeps only its in-flight
+  inputs and recomputes its forward in the backward (`jax.vjp`), as GPipe's paper did: one more
+  forward per micro-batch.
   The gradient is computed here, not by autodiff (`one_f_one_b`).
 
 The embedding runs on the first stage only and the head and loss on the last only (`first` and

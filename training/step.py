@@ -20,10 +20,10 @@ Gradient accumulation splits the batch into `accum` micro-batches and sums their
 cross-entropy gradient equal to one step on the whole batch. Micro-batch i takes rows
 i, i + accum, ... so that, with the batch split over devices, each micro-batch stays spread over
 all of them. The MoE auxiliary loss is averaged over micro-batches (see training/loss.py).
-On a mesh with a pipeline axis, train.py's `--grad-accum N` instead sets the pipeline's N
-micro-batches (`Policy.microbatches`, the same rows i::N, streamed through the stages in one
-forward and backward, zoo/pipeline.py) and this step runs with `accum=1`
-(`training.args.accumulation`).
+On a mesh with a pipeline axis each of those parts is split again into `Policy.microbatches`
+(train.py's `--microbatches`, the same rows i::M of the part) streamed through the stages in one
+forward and backward (zoo/pipeline_loss.py); the loss terms' `objective` carries the scales,
+since 1F1B computes its gradient while it runs.
 """
 
 import dataclasses

@@ -32,7 +32,12 @@ def test_pipelined_runs_match_one_device(tmp_path, tiny_argv, capsys):
         # shards is 4.
         ("pipeline=4,data=2", "1f1b", []),
         ("pipeline=4,data=2", "interleaved", ["--microbatches", "4"]),
-        ("pipeline=2,fsdp=2,tensor=2", "gpipe", ["--microbatches", "2", "--remat", "full"]),
+        # Gradient accumulation composes: 2 parts of 4 rows, each 2 micro-batches of 2.
+        (
+            "pipeline=2,fsdp=2,tensor=2",
+            "gpipe",
+            ["--grad-accum", "2", "--microbatches", "2", "--remat", "full"],
+        ),
     ]
     for mesh, schedule, extra in runs:
         out = tmp_path / f"{mesh}-{schedule}".replace(",", "_")
