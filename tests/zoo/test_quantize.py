@@ -86,8 +86,12 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, kin
 def test_stacked_and_unrolled_quantize_alike(kind, block):
     model = tiny(n_layers=3)
     stacked = zoo.quantize_base(model, kind, block=block)
-    unrolled = zoo.quantize_base(model.unstacked(), kind, block=block)
-    for a, b in zip(jax.tree.leaves(stacked.unstacked()), jax.tree.leaves(unrolled), strict=True):
+    unrolled = zoo.quantize_base(model.with_policy(storage="unrolled"), kind, block=block)
+    for a, b in zip(
+        jax.tree.leaves(stacked.with_policy(storage="unrolled")),
+        jax.tree.leaves(unrolled),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
     # Same weights, scan vs Python loop: the tolerance of tests/zoo/test_transformer.py.
     np.testing.assert_allclose(stacked(TOKENS), unrolled(TOKENS), rtol=1e-5, atol=1e-5)

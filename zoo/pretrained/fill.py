@@ -98,8 +98,10 @@ def load_weights(
     placement: Placement,
 ) -> Transformer:
     """A Transformer of `config` under `policy` whose every weight comes from `source`, each
-    placed in its sharding under `placement` as it is read."""
-    skeleton = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
+    placed in its sharding under `placement` as it is read (in the policy's layer storage; a
+    fused policy fuses the projections once they are loaded)."""
+    unfused = policy.replace(fused=False)
+    skeleton = eqx.filter_eval_shape(Transformer, config, policy=unfused, key=jax.random.key(0))
     # Checked before any tensor is read: a dim that does not divide by its mesh axes fails here.
     shardings = placement.param_shardings(skeleton)
     if not any(name.startswith(arch.prefix) for name in source.names()):
@@ -130,4 +132,5 @@ def load_weights(
     n_leaves = len(jax.tree.leaves(skeleton))
     if len(paths) != n_leaves:
         raise AssertionError(f"{arch.name} mapping fills {len(paths)} of {n_leaves} weights")
-    return eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
+    model = eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
+    return model.with_policy(policy)

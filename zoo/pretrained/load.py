@@ -22,8 +22,10 @@ def load_pretrained(
     `gguf.ARCHITECTURES` (llama, qwen2, qwen3, phi3).
 
     The architecture and sizes always come from the checkpoint; how the model runs is `policy`,
-    by default computing and storing in the dtype config.json declares (float32 if none), and
-    float32 for GGUF (quantized tensors are dequantized to float32). Weights are read one tensor
+    by default `Policy.inference`: the fastest decode (one array per layer), computing and
+    storing in the dtype config.json declares (float32 if none), and float32 for GGUF
+    (quantized tensors are dequantized to float32). Training takes stacked layers: pass a
+    policy with `storage="stacked"` (train.py does). Weights are read one tensor
     group at a time (no second copy of the checkpoint is held) and each goes straight into its
     sharding under `placement` (`shard.Placement(mesh, rules)`) as it is read.
     """
@@ -35,7 +37,7 @@ def load_pretrained(
         reader = gguf.open_gguf(path)
         hf = gguf.hf_config(reader)
         arch, config = config_from_hf(hf)
-        policy = policy or Policy.of_dtype("float32")
+        policy = policy or Policy.inference("float32")
         source = gguf.GGUFSource(reader, hf)
         return load_weights(source, arch, config, policy=policy, placement=placement)
     if not os.path.isdir(path):
@@ -45,5 +47,5 @@ def load_pretrained(
         )
     hf = read_hf_config(path)
     arch, config = config_from_hf(hf)
-    policy = policy or Policy.of_dtype(declared_dtype(hf))
+    policy = policy or Policy.inference(declared_dtype(hf))
     return load_weights(SafetensorsSource(path), arch, config, policy=policy, placement=placement)
