@@ -49,6 +49,8 @@ from layers.quantized import (
     unpack_nibbles,
 )
 from shard import logical_axes
+from tests.bench.test_cuda_lowering import TRITON_CALL
+from tests.layers.test_flash import cuda_mesh
 from zoo.pretrained.gguf_blocks import PACKED_TYPES, Q
 
 EPS = float(jnp.finfo(jnp.float32).eps)
@@ -413,3 +415,21 @@ def test_row_not_a_multiple_of_32_is_refused():
         match=r"Linear \(48,\) -> \(16,\) \(int8\): 48 inputs per row is not a multiple of 32",
     ):
         QuantizedLinear.from_linear(linear, "int8")
+
+
+# --- GPU: lowering for CUDA on this CPU (the real Triton kernel, not the interpreter) -------
+
+
+@pytest.mark.parametrize(
+    "kind, group, rows, cols, tokens",
+    [("int8", None, 576, 576, 1), ("int4", 32, 1536, 576, 8), ("int8", 32, 49152, 576, 1)],
+)
+def test_pallas_kernel_lowers_for_cuda(kind, group, rows, cols, tokens):
+    weight = pack(jnp.zeros((rows, cols)), kind, group=group, axes=("mlp", "embed"))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weight)
+    x = jax.ShapeDtypeStruct((tokens, cols), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(cuda_mesh()):
+        lowered = jax.jit(quantized_matmul).trace(x, abstract).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    # The Pallas kernel, and not the CPU kernel's custom call (pruned for this platform).
+    assert text.count(TRITON_CALL) == 1 and cpu_module.TARGET not in text

@@ -23,7 +23,7 @@ from layers.quantized.formats import PackedWeight
 
 # Up to this many tokens (rows of x) a kernel runs; beyond it, dequantize + XLA matmul
 # (bench/quantized_kernels.py measures the crossover on this CPU).
-KERNEL_TOKENS = 64
+KERNEL_TOKENS = 32
 
 
 def reference_matmul(
