@@ -304,7 +304,8 @@ struct Item {
 };
 
 template <class Run>
-void parallel(ffi::ThreadPool& pool, const std::vector<Item>& items, const Run& run) {
+void parallel(ffi::ThreadPool& pool, int64_t threads, const std::vector<Item>& items,
+              const Run& run) {
   struct State {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -316,7 +317,7 @@ void parallel(ffi::ThreadPool& pool, const std::vector<Item>& items, const Run& 
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
   for (int64_t h = 0; h < helpers; ++h) {
     // The task may start after this call returned: it holds the state and finds no item left
     // before it would touch `items` or `run`.
@@ -430,7 +431,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     }
   }
   // Work items of >= 16 rows, about 4 per thread per expert (late threads still find work).
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // A small product runs on the calling thread alone: waking a pool thread costs more than it
+  // saves below ~2M weight-tokens (a SmolLM2 projection at decode), more so on a busy machine.
+  const int64_t work = n * k * first[stack];
+  const int64_t threads = work < (int64_t{1} << 21) ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   const int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
   std::vector<Item> items;
   for (int64_t e = 0; e < stack; ++e) {
@@ -443,7 +447,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   std::vector<float> padded(first[stack] * stride);
   for (int64_t t = 0; t < first[stack]; ++t) std::copy(x + t * k, x + (t + 1) * k, &padded[t * stride]);
   const bool fast = has_avx512() && !portable;
-  parallel(pool, items, [&](const Item& it) {
+  parallel(pool, threads, items, [&](const Item& it) {
     const Weight w = weight(it.expert);
     const int64_t rows = first[it.expert + 1] - first[it.expert];
     const float* xe = padded.data() + first[it.expert] * stride;
