@@ -14,13 +14,24 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from layers import Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
+from layers import (
+    Attention,
+    Embedding,
+    LayerNorm,
+    LearnedPositions,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    RMSNorm,
+    SwiGLU,
+)
 from layers.kernels import causal_mask
 from layers.kernels.context import CONTEXT_KERNELS
 from layers.kernels.naive import soft_cap
 from layers.kv_cache import KVCache
 from layers.moe import MoEStats
 from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
+from layers.quantized import PackedWeight
 from layers.rotary import rotary_frequencies
 from layers.window_cache import LayerWindow
 from shard import constrain
@@ -66,11 +77,11 @@ class Transformer(eqx.Module):
     run by `lax.scan`, or unrolled per layer; `policy.fused` fuses q/k/v and gate/up.
     """
 
-    embed: Embedding
+    embed: Embedding | QuantizedEmbedding
     positions: LearnedPositions | None
     stacks: tuple[Stack, ...]
     final_norm: LayerNorm | RMSNorm
-    lm_head: Linear | None
+    lm_head: Linear | QuantizedLinear | None
     config: Config = eqx.field(static=True)
     policy: Policy = eqx.field(static=True)
 
@@ -109,7 +120,9 @@ class Transformer(eqx.Module):
         model = self
         if policy.param_dtype != self.policy.param_dtype:
             cast = lambda w: w.astype(policy.params) if eqx.is_inexact_array(w) else w  # noqa: E731
-            model = jax.tree.map(cast, self)
+            # Packed weights keep their own scale dtypes (layers/quantized/formats.py).
+            packed = lambda n: isinstance(n, PackedWeight)  # noqa: E731
+            model = jax.tree.map(lambda n: n if packed(n) else cast(n), self, is_leaf=packed)
         if (policy.storage, policy.fused) != (self.policy.storage, self.policy.fused):
             model = eqx.tree_at(lambda m: m.stacks, model, _stored(model.stacks, policy))
         # A static field: rebuilt from the same leaves (no copy) with the new policy set.

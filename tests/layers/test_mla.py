@@ -109,7 +109,8 @@ def test_a_per_head_cache_is_refused():
 
 
 def test_decode_with_a_quantized_up_projection_says_what_to_do():
-    layer, (x, _, _) = mla(), inputs()
+    # kv_rank 32: packed rows hold multiples of 32 inputs (the refusal comes before the cache).
+    layer, (x, _, _) = mla(kv_rank=32), inputs()
     quantized = QuantizedLinear.from_linear(layer.kv_b_proj, "int8")
     layer = eqx.tree_at(lambda m: m.kv_b_proj, layer, quantized)
     cache = latent_cache()
