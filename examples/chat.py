@@ -44,8 +44,9 @@ class Chat:
                  sampler: infer.Sampler | None = None, write=sys.stdout.write):  # fmt: skip
         """The checkpoint's tokenizer and model, or `model` (e.g. fine-tuned from it)."""
         self.tokenizer = zoo.load_tokenizer(checkpoint, chat_template=chat_template)
-        # Unrolled layers decode faster on a CPU (per-layer weight arrays); a one-time copy.
-        model = (model or zoo.load_pretrained(checkpoint)).unstacked()
+        # load_pretrained gives the fastest decode storage (per-layer weights); a fine-tuned
+        # model handed in is stacked for training: converted once.
+        model = (model or zoo.load_pretrained(checkpoint)).with_policy(storage="unrolled")
         self.engine = infer.Engine(
             model, max_batch=1, max_len=min(max_len, model.config.max_seq_len)
         )

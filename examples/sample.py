@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
             lambda key: zoo.Transformer(config, key=key), jax.random.key(args.seed)
         )
         tokenizer_source = args.tokenizer
-    # Per-layer weights, once: the faster decode layout on CPU (a loop over layers instead of
-    # lax.scan, whose per-step slices of the stacked weights cost ~15% there).
-    model = model.unstacked()
+    # The fastest decode storage (per-layer weights; load_pretrained gives it already, a run or
+    # a fresh model is stacked for training): a one-time conversion.
+    model = model.with_policy(storage="unrolled")
     if tokenizer_source:
         tokenizer = load_tokenizer(tokenizer_source)
     if tokenizer is None:

@@ -35,8 +35,8 @@ import math
 import equinox as eqx
 import jax
 
-from layers.kv_cache import K_AXES, V_AXES
 from layers.moe import Capacity, expert_capacity
+from layers.paged_cache import POOL_AXES
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
 from shard.pipeline import SCHEDULES, check_pipeline, virtual_stages
@@ -163,25 +163,27 @@ def kv_cache_bytes_per_device(
     *,
     per_head: bool = False,
 ) -> int:
-    """Keys plus values of every layer in the cache's own layout and logical axes
-    (layers/kv_cache.py), in the compute dtype, sharded by the activation rules. MLA caches one
-    latent per token and layer; `per_head=True` counts per-head keys and values of the same
-    heads instead (what MLA saves)."""
+    """Keys plus values of every layer in the cache's own layout and logical axes (the page pools
+    of layers/paged_cache.py, `batch` rows of `context` tokens in pages of 16 as
+    `Transformer.init_cache` makes them), in the compute dtype, sharded by the activation rules. MLA
+    caches one latent per token and layer; `per_head=True` counts per-head keys and values of the
+    same heads instead (what MLA saves)."""
     itemsize = zmath.bytes_per_element(policy.compute_dtype)
-    if config.mla and not per_head:  # LayerLatent
-        names = ("batch", "kv_seq", "latent")
-        shape = (batch, context, config.mla_kv_rank + config.mla_rope_dim)
+    page_size = 16
+    pages = batch * -(-context // page_size)
+    if config.mla and not per_head:  # LatentPages
+        names = ("latent_heads", "pages", "page_size", "latent")
+        shape = (1, pages, page_size, config.mla_kv_rank + config.mla_rope_dim)
         spec = rules.partition_spec(names)
         return config.n_layers * _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
     heads, v_dim = config.n_kv_heads, config.head_dim
     if config.mla:
         heads, v_dim = config.n_heads, config.mla_v_head_dim
-    total = 0
-    for names, width in ((K_AXES, config.head_dim), (V_AXES, v_dim)):
-        dims = {"batch": batch, "kv_heads": heads, "kv_seq": context}
-        shape = tuple(dims.get(n, width) for n in names)
-        spec = rules.partition_spec(names)
-        total += _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
+    spec = rules.partition_spec(POOL_AXES)
+    total = sum(
+        _shard_bytes("KV cache", (heads, pages, page_size, width), POOL_AXES, spec, sizes, itemsize)
+        for width in (config.head_dim, v_dim)
+    )
     return config.n_layers * total
 
 

@@ -3,8 +3,16 @@
 A `Config` is the architecture (what a checkpoint determines: sizes, norms, positions); a
 `Policy` is everything that can change on the same weights: the compute and parameter dtypes,
 the remat policy of each block, the attention kernel (an object carrying its own settings, e.g.
-flash's tile sizes), whether the layer stack runs as a `lax.scan`, and how MoE layers dispatch
-tokens. A model holds one policy; `Transformer.with_policy` swaps it without rebuilding a layer.
+flash's tile sizes) and the paged kernel of cached decode, how the layers are stored (stacked
+for `lax.scan`, or one array per layer) and run, whether q/k/v and gate/up are fused into one
+projection each, and how MoE layers dispatch tokens. A model holds one policy;
+`Transformer.with_policy` swaps it, touching the weights only where the storage, the fusion or the
+parameter dtype changes (a one-time conversion).
+
+Two starting points: `Policy()` trains (stacked layers under `lax.scan`: compile time does not
+grow with depth); `Policy.inference(dtype)` is what `load_pretrained` gives and decodes fastest:
+one array per layer, because a step that slices a stacked weight copies it (XLA:CPU measured 2x
+slower per token; bench/RESULTS.md).
 """
 
 import dataclasses
@@ -14,11 +22,14 @@ from typing import Literal, get_args
 import jax.numpy as jnp
 
 from layers.kernels import AttentionKernel, kernel_named
+from layers.kernels.paged import PagedKernel, PallasDecodeKernel, XlaPagedKernel
 from layers.moe import Capacity, Dispatch, Dropless
 from shard.pipeline import SCHEDULES, Schedule
 
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
+Storage = Literal["stacked", "unrolled"]
+XLA_PAGED = XlaPagedKernel()  # frozen: one instance serves every policy
 MOE_DISPATCH = ("dropless", "capacity")
 
 
@@ -32,24 +43,33 @@ class Policy:
     block keeps for the backward ("none", "dots": matmul outputs, "full": nothing);
     `attention`: a kernel object (`layers.kernels.Xla()`, `Naive()`, `Flash(block_sizes=...)`)
     or its name; `scan_layers`: run stacked layers with `lax.scan` (False: a Python loop over the
-    same weights, compile time growing with depth); `moe_dispatch`: `Dropless()`,
-    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25). On a mesh with a `pipeline` axis
-    (zoo/pipeline.py; unused elsewhere): `microbatches`, how many micro-batches stream through
-    the stages per forward; `pipeline_schedule`, "gpipe", "1f1b" or "interleaved"
-    (shard/pipeline.py); `virtual_stages`, the interleaved schedule's layer chunks per device."""
+    same weights, compile time growing with depth); `storage`: "stacked" (a leading `[repeats]`
+    axis per weight, what `lax.scan` and pipelines need) or "unrolled" (one block per layer,
+    what decode wants); `fused`: q/k/v and gate/up as one projection each (fewer kernels per
+    decode step; training, adapters, quantization and export need them separate);
+    `decode_kernel`: the paged attention kernel of cached one-token steps (`XlaPagedKernel()`
+    or, on a GPU, `PallasDecodeKernel()`); `moe_dispatch`: `Dropless()`, `Capacity(factor)` or
+    "dropless"/"capacity" (factor 1.25). On a mesh with a `pipeline` axis (zoo/pipeline.py;
+    unused elsewhere): `microbatches`, how many micro-batches stream through the stages per
+    forward; `pipeline_schedule`, "gpipe", "1f1b" or "interleaved" (shard/pipeline.py);
+    `virtual_stages`, the interleaved schedule's layer chunks per device."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: Remat = "none"
     attention: AttentionKernel | str = "xla"
     scan_layers: bool = True
+    storage: Storage = "stacked"
+    fused: bool = False
+    decode_kernel: PagedKernel = XLA_PAGED
     moe_dispatch: Dispatch | str = "dropless"
     microbatches: int = 1
     pipeline_schedule: Schedule = "gpipe"
     virtual_stages: int = 2
 
     def __post_init__(self):
-        for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat)]:
+        for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat),
+                           ("storage", Storage)]:  # fmt: skip
             value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
                 raise ValueError(f"Policy.{name}={value!r} is unknown; choose one of {allowed}")
@@ -84,8 +104,14 @@ class Policy:
             raise ValueError(
                 f"Policy.virtual_stages must be an int >= 1, got {self.virtual_stages!r}"
             )
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"Policy.scan_layers must be a bool, got {self.scan_layers!r}")
+        for name in ("scan_layers", "fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel):
+            raise ValueError(
+                f"Policy.decode_kernel={self.decode_kernel!r} is not a paged attention kernel; "
+                "give layers.kernels.paged.XlaPagedKernel() or PallasDecodeKernel()"
+            )
 
     @property
     def compute(self) -> jnp.dtype:
@@ -106,3 +132,9 @@ class Policy:
     def of_dtype(dtype: str) -> "Policy":
         """Compute and store in `dtype` (what a checkpoint declares), everything else default."""
         return Policy(compute_dtype=dtype, param_dtype=dtype)
+
+    @staticmethod
+    def inference(dtype: str = "float32") -> "Policy":
+        """Compute and store in `dtype`, one array per layer: the fastest decode measured
+        (bench/RESULTS.md, "Engine v2"); what `load_pretrained` gives unless told otherwise."""
+        return Policy(compute_dtype=dtype, param_dtype=dtype, storage="unrolled")
