@@ -18,6 +18,9 @@ Start-up errors are this module's: a coordinator that cannot be reached within
 joined, processes that disagree (a `--num-processes` other than the number that joined, other
 flags than process 0's, a run directory process 0 refused or that the others do not see) stop
 every process with one message naming the numbers (`agree`).
+Two processes started with the same `--process-id` cannot be told apart before they join: the
+coordination service aborts every process, its message naming the id ("1 unexpectedly tried to
+connect with a different incarnation"), which `start` prints a line to explain beforehand.
 """
 
 import dataclasses
@@ -94,6 +97,15 @@ def start(args: Args) -> Processes:
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if coordinator is not None and args.process_id not in (None, 0):
         wait_for_coordinator(coordinator, args.init_timeout)
+    # Before the join: an id that another process already holds makes XLA abort every process
+    # ("... tried to connect with a different incarnation"), with no Python error to reword.
+    print(
+        f"train.py: joining the coordinator {coordinator or '(detected)'} as --process-id "
+        f"{'(detected)' if args.process_id is None else args.process_id} of --num-processes "
+        f"{args.num_processes or '(detected)'}; two processes given one --process-id stop "
+        "with XLA's 'tried to connect with a different incarnation'",
+        flush=True,
+    )
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
