@@ -5,8 +5,8 @@ answered with the number alone. The reward curve rises.
     python -m examples.grpo --steps 60 --group-size 8
 
 Each step draws `--prompts` questions "What is A + B? Reply with the number only." (A, B in
-[1, 30], a fixed seed) and samples `--group-size` answers to each from the current policy
-through the serving engine. Two reward functions, plain Python: `correct` (1 when the first
+[1, 20], a fixed seed) and samples `--group-size` answers to each from the current policy
+through the serving engine. Two reward functions, plain Python: `correct` (1 when the last
 number in the answer is A + B) and `bare` (0.5 when the answer is nothing but that number). The
 update is training/grpo.py's clipped objective with a KL term to the base (the LoRA adapters off).
 It prints every step's mean reward, the rollout/update time split, and the mean reward over the
@@ -30,7 +30,7 @@ SYSTEM = "You are a calculator."
 def questions(rng, n: int) -> list[dict]:
     rows = []
     for _ in range(n):
-        a, b = (int(x) for x in rng.integers(1, 31, size=2))
+        a, b = (int(x) for x in rng.integers(1, 21, size=2))
         prompt = f"What is {a} + {b}? Reply with the number only."
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
         rows.append({"prompt": prompt, "messages": messages, "answer": a + b})
@@ -38,9 +38,9 @@ def questions(rng, n: int) -> list[dict]:
 
 
 def correct(completion: str, row) -> float:
-    """1 when the first number in the completion is the sum."""
-    found = re.search(r"-?\d+", completion)
-    return float(found is not None and int(found.group()) == row["answer"])
+    """1 when the last number in the completion (its answer: "7 + 5 = 12") is the sum."""
+    numbers = re.findall(r"-?\d+", completion)
+    return float(bool(numbers) and int(numbers[-1]) == row["answer"])
 
 
 def bare(completion: str, row) -> float:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> grpo.GRPOResult:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> grpo.GRPOResult:
                          key=jax.random.key(args.seed))  # fmt: skip
     settings = grpo.GRPOSettings(
         group_size=args.group_size, prompts_per_step=args.prompts, steps=args.steps, lr=args.lr,
-        max_new_tokens=8, max_prompt_len=48, temperature=1.0, kl_beta=0.04, seed=args.seed,
+        max_new_tokens=12, max_prompt_len=48, temperature=1.0, kl_beta=0.04, seed=args.seed,
     )  # fmt: skip
     result = grpo.train(model, tokenizer, questions, [correct, bare], settings)
     tenth = max(1, args.steps // 10)
