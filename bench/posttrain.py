@@ -72,7 +72,7 @@ def run(ceilings: Ceilings) -> Table:
         zmath.weight_bytes(config, policy), hw, policy.compute_dtype,
     )  # fmt: skip
     decode = zmath.decode_step_roofline(config, rows, prompt_len + new // 2, hw, policy)
-    predicted_roll = prefill.seconds + new * decode.seconds
+    predicted_roll = prefill.time_s + new * decode.time_s
     seq = prompt_len + new
     flops = (zmath.training_flops_per_token(config, seq)
              + zmath.forward_flops_per_token(config, seq)) * rows * seq  # fmt: skip
@@ -90,7 +90,7 @@ def run(ceilings: Ceilings) -> Table:
     )
     for phase, predicted, measured, tokens in (
         ("rollout (generated tokens)", predicted_roll, roll_s, roll_tokens),
-        ("update (prompt + completion tokens)", update.seconds, update_s, update_tokens),
+        ("update (prompt + completion tokens)", update.time_s, update_s, update_tokens),
     ):
         table.add(
             {
