@@ -31,6 +31,8 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,11 @@ from layers.moe import MoEStats
 from shard import Placement
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
-from training import distributed, loop, lora_run, offload
+from training import distributed, loop, lora_run, offload, preference_run
 from training import run_dir as runs
 from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
 from training.distributed import Processes
+from training.loss import CrossEntropy
 from training.model_config import (
     DEFAULT_MODEL,
     aux_weights,
@@ -65,7 +68,8 @@ from training.model_config import (
     with_context_kernel,
 )
 from training.optimizer import adamw, learning_rate
-from training.step import abstract_batch, compile_steps, split_model
+from training.preference import PreferenceObjective
+from training.step import compile_steps, split_model
 from training.telemetry import Telemetry, compiled_memory_bytes, hardware
 from zoo import Transformer
 from zoo import math as zmath
@@ -73,7 +77,7 @@ from zoo import math as zmath
 # The settings that define a run: a --resume takes them from the run's record and refuses a
 # flag that contradicts one. (--steps may grow; run-time settings such as --remat may change.)
 DEFINING = ("model", "override", "init_from", "data", "text_column", "data_format", "truncate",
-            "streaming", "tokenizer",
+            "streaming", "tokenizer", "preference_loss", "beta", "simpo_gamma",
             "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
             "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
             "moe_balance_weight", "moe_z_weight", "router_bias_rate", "lora_rank", "lora_alpha",
@@ -219,12 +223,18 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
 def load_data(args: Args, run_dir: Path):
     """Tokenizer, training batches, validation batches (their first `--eval-batches` in order
     are the held-out set), the unigram entropy and the data's format (`--data-format`, or the
-    one `auto` found)."""
+    one `auto` found). Preference data gives the tokenizer and its pairs
+    (training/preference_run.py), whose reference log-probabilities come later."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
     dataset, data_format = load_examples(
         spec, data_format=args.data_format, text_column=args.text_column, streaming=args.streaming
     )
+    preference_run.check_settings(args, data_format)
+    if data_format == "preference":  # pairs; their reference is attached with the model
+        train_rows, val_rows, _ = split_rows(args, dataset)
+        tokenizer = chat_tokenizer(args, data_format, (), cache, run_dir)
+        return *preference_run.load(args, tokenizer, train_rows, val_rows, say), data_format
     if data_format != "text":
         return (*load_examples_data(args, dataset, data_format, cache, run_dir), data_format)
     say(f"data: format text (column {args.text_column!r})")
@@ -367,16 +377,18 @@ def log_step(telemetry, step, metrics, config, schedule, *, timing, predicted_li
     pretrained model's loss) has no `timing` (step seconds, data-wait seconds). Returns the
     timed record."""
     loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
-    moe = {}
+    stats = {name: float(value) for name, value in metrics.stats.items()}
+    moe = {**stats}
     if config.n_experts:
         moe = {
             "aux_loss": float(metrics.aux_loss),
             "expert_load": np.asarray(metrics.moe.expert_load).tolist(),
             "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
         }
+    shown = "".join(f" | {name} {value:.3f}" for name, value in stats.items())
     if timing is None:
         telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
-        say(f"step {step}: loss {loss:.4f}")
+        say(f"step {step}: loss {loss:.4f}{shown}")
         return None
     step_s, wait_s = timing
     if predicted_line:
@@ -395,6 +407,7 @@ def log_step(telemetry, step, metrics, config, schedule, *, timing, predicted_li
     say(
         f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
         f"{step_s * 1e3:.0f} ms/step | data wait {wait_s * 1e3:.2f} ms | MFU {record['mfu']:.1%}"
+        f"{shown}"
     )
     if config.n_experts:
         say(f"           | aux loss {moe['aux_loss']:.4f} | {moe_line(metrics.moe)}")
@@ -470,11 +483,38 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
     return result
 
 
+def data_feeds(
+    args: Args, placement: Placement, objective, model: Transformer, train_data, val_data,
+    run_dir: Path,
+) -> tuple[list, Callable[[int], Prefetcher]]:  # fmt: skip
+    """(the held-out batches on the devices, `train_batches(position)`). Each process loads only
+    the rows of every batch its devices hold; preference pairs (one process only,
+    training/preference_run.py) first get their reference log-probabilities from `model` and
+    are loaded whole."""
+    if isinstance(objective, PreferenceObjective):
+        place = partial(placement.batch, axes=objective.batch_axes)
+        train_data, val_batches = preference_run.attach_reference(
+            args, model, train_data, val_data, run_dir, place, say
+        )
+        return [place(b) for b in val_batches], lambda at: Prefetcher(train_data.iterate(at), place)
+    rows = placement.process_rows(val_data.batch_size, args.seq_len)
+    val_batches = [
+        placement.batch(b, rows=rows, total=val_data.batch_size)
+        for b in val_data.in_order(args.eval_batches, rows)
+    ]
+    train_rows = placement.process_rows(args.batch_size, args.seq_len)
+    return val_batches, lambda at: Prefetcher(
+        train_data.iterate(at, train_rows),
+        lambda b: placement.batch(b, rows=train_rows, total=args.batch_size),
+    )
+
+
 @dataclasses.dataclass
 class Job:
     """Everything the loop needs, prepared by `prepare`: the run's settings and directory, its
-    processes, the compiled steps and their state, the data and the telemetry; `result` is
-    filled in as the run goes."""
+    processes, the compiled steps and their state, the data (`train_batches(position)`, the
+    training batches from number `position` on, prefetched onto the devices) and the telemetry;
+    `result` is filled in as the run goes."""
 
     args: Args
     run_dir: Path
@@ -488,7 +528,7 @@ class Job:
     eval_fn: Any
     schedule: Any
     telemetry: Telemetry
-    train_data: Any
+    train_batches: Callable[[int], Prefetcher]
     val_batches: list
     start: int
     position: int
@@ -523,6 +563,12 @@ def prepare(
     model, name = build_model(args, placement, encoding.n_vocab, key, run_dir)
     model = with_context_kernel(model, args, placement)
     config, run_policy = model.config, model.policy
+    objective = CrossEntropy(aux_weights(args))
+    if data_format == "preference":
+        objective = PreferenceObjective(preference_run.preference_loss(args), aux_weights(args))
+    val_batches, train_batches = data_feeds(
+        args, placement, objective, model, train_data, val_data, run_dir
+    )
     if not args.resume and processes.primary:
         spec = record_tokenizer(args, encoding, run_dir)
         settings = {name: getattr(args, name) for name in DEFINING}
@@ -575,36 +621,33 @@ def prepare(
             opt_state = jax.device_put(opt_state, memory[1])
     accum = accumulation(args)[0]
     train_fn, eval_fn = compile_steps(
-        static, optimizer, accum, placement=placement, model=model,
-        aux_weights=aux_weights(args), opt_state_memory=memory,
+        static, optimizer, accum, placement=placement, model=model, opt_state_memory=memory,
+        objective=objective,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
     t0 = time.perf_counter()
-    batch_spec = abstract_batch(args.batch_size, args.seq_len, placement.batch_sharding())
+    batch_spec = objective.abstract_batch(
+        args.batch_size, args.seq_len, placement.batch_sharding(objective.batch_axes)
+    )
     train_fn = train_fn.lower(params, opt_state, batch_spec).compile()
     hw = hardware(args.peak_flops, args.peak_bandwidth, run_policy.compute_dtype)
     lora = None
     if args.lora_rank:
         frozen = lora_run.frozen_bytes(lora_run.LoraSettings.of(vars(args)), config, run_policy)
         lora = (n_trainable, frozen)
+    sequences = args.batch_size * (2 if data_format == "preference" else 1)  # a pair is two
     telemetry = Telemetry(
-        run_dir, config, run_policy, args.batch_size, args.seq_len, hw,
+        run_dir, config, run_policy, sequences, args.seq_len, hw,
         accum=accum, lora=lora, write=processes.primary,
     )  # fmt: skip
     if args.resume:
         telemetry.forget_after(start)
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
-    # Each process loads only the rows of the held-out batches its devices hold.
-    rows = placement.process_rows(val_data.batch_size, args.seq_len)
-    val_batches = [
-        placement.batch(b, rows=rows, total=val_data.batch_size)
-        for b in val_data.in_order(args.eval_batches, rows)
-    ]
     result = RunResult(run_dir, None, encoding, start, None, None, None, entropy, None, {})
     return Job(
         args, run_dir, processes, placement, config, static, params, opt_state, train_fn,
-        eval_fn, schedule, telemetry, train_data, val_batches, start, position, rng, result,
+        eval_fn, schedule, telemetry, train_batches, val_batches, start, position, rng, result,
     )  # fmt: skip
 
 
@@ -666,12 +709,7 @@ def _train(
             f"step     0 | validation loss {result.initial_val_loss:.4f} (the pretrained "
             "starting point)"
         )
-    # Each process loads only the rows of every batch its devices hold.
-    rows = placement.process_rows(args.batch_size, args.seq_len)
-    batches = Prefetcher(
-        job.train_data.iterate(job.position, rows),
-        lambda b: placement.batch(b, rows=rows, total=args.batch_size),
-    )
+    batches = job.train_batches(job.position)
     # Checkpoints are written in the background while the loop goes on (training/state.py).
     checkpointer = runs.Checkpointer(
         run_dir, config=job.config, policy=job.static.policy, keep=args.keep

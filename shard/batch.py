@@ -27,7 +27,9 @@ def shard_batch(
     def place(x):
         x = np.asarray(x)
         shape = x.shape if rows is None else (total, *x.shape[1:])
-        check_divisible(f"batch array {shape}", shape, names, sharding.spec, dict(mesh.shape))
+        # `axes` name the leading dims; any further ones (a preference pair's side) are whole.
+        leading = shape[: len(names)]
+        check_divisible(f"batch array {shape}", leading, names, sharding.spec, dict(mesh.shape))
 
         def fetch(index):
             first = index[0]
