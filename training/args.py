@@ -179,8 +179,10 @@ class Args:
         "rematerialisation policy of each block", default="none"
     )
     attention: Literal["naive", "xla", "flash", "ring", "allgather"] | None = _help(
-        "attention kernel (zoo.Policy.attention); default xla, or on a mesh with a context axis "
-        "the context-parallel kernel (ring, allgather) zoo.math predicts faster",
+        "attention kernel (zoo.Policy.attention); default: the first of xla, flash, naive that "
+        "computes the model and compiles here (naive for Gemma 2 on a CPU: xla cannot "
+        "soft-cap), or on a mesh with a context axis the context-parallel kernel (ring, "
+        "allgather) zoo.math predicts faster",
         default=None,
     )
     moe_dispatch: Literal["dropless", "capacity"] = _help(

@@ -48,7 +48,7 @@ def policy(args: Args) -> Policy:
         compute_dtype=args.dtype,
         param_dtype=args.param_dtype,
         remat=args.remat,
-        attention=args.attention or "xla",
+        attention=args.attention,
         moe_dispatch=dispatch,
         microbatches=accumulation(args)[1],
     )
