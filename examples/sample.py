@@ -36,7 +36,7 @@ from training.run_dir import load_run
 
 def load_tokenizer(name_or_path: str):
     if os.path.exists(name_or_path):
-        return zoo.load_tokenizer(name_or_path).encoding
+        return zoo.load_tokenizer(name_or_path)
     import tiktoken
 
     return tiktoken.get_encoding(name_or_path)
@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         prompt = tokenizer.encode_ordinary(args.prompt)
     stops = list(args.stop_ids)
-    if tokenizer is not None and "<|endoftext|>" in tokenizer.special_tokens_set:
+    if isinstance(tokenizer, zoo.Tokenizer):
+        stops += tokenizer.stop_ids()
+    elif tokenizer is not None and "<|endoftext|>" in tokenizer.special_tokens_set:
         stops.append(tokenizer.encode_single_token("<|endoftext|>"))
 
     generated: list[int] = []

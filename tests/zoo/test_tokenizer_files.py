@@ -1,15 +1,21 @@
-"""Checkpoint tokenizers converted to tiktoken give the reference tokenizer's ids (HF
-`tokenizers` on the tokenizer.json transformers derives from the SmolLM2 GGUF), and refuse the
-vocabularies tiktoken would encode differently."""
+"""Tokenizer files of every kind load (HF directory, tokenizer.json, GGUF, tiktoken ranks): the
+SmolLM2 GGUF gives the reference tokenizer's ids (HF `tokenizers` on the tokenizer.json
+transformers derives from it), tiktoken ranks give tiktoken's ids, named special tokens are
+matched whole, and each bad file is an error saying what is wrong."""
 
 import json
 
 import gguf
 import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from data.tokenizers import train_bpe
 from tests.reference.runner import smollm2_gguf
 from tests.reference.smollm2 import TEXTS, smollm2_reference  # noqa: F401
-from zoo.tokenizer import load_tokenizer
+from zoo.tokenizer import from_tiktoken, load_tokenizer
+from zoo.tokenizer.bpe import GPT2_PATTERN, from_ranks
 
 pytestmark = pytest.mark.xdist_group("smollm2")
 
@@ -45,67 +51,57 @@ def test_special_tokens_are_the_gguf_control_tokens():
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
 
 
-VOCAB, MERGES = {"a": 0, "b": 1, "c": 2}, ["a b", "b c"]
+def write_tiny(folder, config: dict | None = None) -> None:
+    """A tiny byte-level BPE (a, b, c, ab, bc) as folder/tokenizer.json (+ tokenizer_config)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("b", "c")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def byte_level_json(**changes) -> dict:
-    """A tiny valid byte-level BPE tokenizer.json (a, b, c, ab, bc), with changes."""
-    spec = {
-        "added_tokens": [],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
-        "model": {"type": "BPE", "vocab": VOCAB | {"ab": 3, "bc": 4}, "merges": MERGES},
-    }
-    return spec | changes
-
-
-def test_tiny_tokenizer_json_converts(tmp_path):
-    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_json()))
+def test_tiny_tokenizer_json(tmp_path):
+    write_tiny(tmp_path)
     assert load_tokenizer(tmp_path).encode("abcab") == [3, 2, 3]
-
-
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"model": {"type": "Unigram", "vocab": []}}, "not byte-level BPE"),
-        ({"pre_tokenizer": {"type": "Metaspace"}}, "pre_tokenizer .*Metaspace.* is not supported"),
-        ({"normalizer": {"type": "NFC"}}, r"a normalizer \(NFC\) is not supported"),
-        (
-            # HF would split "abc" as ab|c (first merge first), tiktoken as a|bc (lower id).
-            {"model": {"type": "BPE", "vocab": VOCAB | {"ab": 4, "bc": 3}, "merges": MERGES}},
-            "ids grow with merge order",
-        ),
-        (
-            {"added_tokens": [{"id": 5, "content": "<m>", "lstrip": True, "special": True}]},
-            "added token '<m>' has lstrip=true, which tiktoken cannot reproduce",
-        ),
-    ],
-)
-def test_unconvertible_tokenizer_json(tmp_path, changes, message):
-    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_json(**changes)))
-    with pytest.raises(ValueError, match=message):
-        load_tokenizer(tmp_path / "tokenizer.json")
+    assert load_tokenizer(tmp_path / "tokenizer.json").decode([3, 2, 3]) == "abcab"
 
 
 def test_named_special_tokens_are_matched_whole(tmp_path):
     """A named token that the vocabulary holds as an ordinary piece is matched whole in text, as
     transformers adds it to its added tokens (compared with transformers in test_tokenizer.py)."""
-    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_json()))
+    write_tiny(tmp_path)
     assert load_tokenizer(tmp_path).encode("abc") == [3, 2]
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "bc"}))
+    write_tiny(tmp_path, {"eos_token": "bc"})
     tokenizer = load_tokenizer(tmp_path)
     assert tokenizer.encode("abc") == [0, 4] and tokenizer.eos_token_id == 4
+    assert tokenizer.encode_ordinary("abc") == [3, 2]  # special strings as text
+    assert tokenizer.eot_token == 4  # no <|endoftext|>: eos separates documents
 
 
 def test_named_token_missing_from_the_vocabulary(tmp_path):
-    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_json()))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    write_tiny(tmp_path, {"eos_token": "</s>"})
     with pytest.raises(ValueError, match="names the special token '</s>', which is neither"):
         load_tokenizer(tmp_path)
 
 
+def test_a_tokenizer_json_the_library_cannot_read(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}}))
+    with pytest.raises(ValueError, match=r"is not a tokenizer\.json the tokenizers library reads"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"is not a tokenizer\.json the tokenizers library reads"):
+        load_tokenizer(tmp_path)
+
+
 def test_not_a_tokenizer(tmp_path):
-    with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
+    with pytest.raises(ValueError, match=r"has no tokenizer\.json; write one with transformers"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    with pytest.raises(ValueError, match=r"a SentencePiece tokenizer\.model is there alone"):
         load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="is not a tokenizer"):
         load_tokenizer(tmp_path / "vocab.txt")
@@ -113,12 +109,59 @@ def test_not_a_tokenizer(tmp_path):
         load_tokenizer(tmp_path / "model.gguf")
 
 
-def test_gguf_with_a_sentencepiece_tokenizer(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
-    writer.add_tokenizer_model("llama")
+def write_gguf(path, model: str, **fields) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_types([1, 1, 1])
+    for name, value in fields.items():
+        getattr(writer, f"add_{name}")(value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="GGUF tokenizer model 'llama' is not supported"):
-        load_tokenizer(tmp_path / "spm.gguf")
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "message"),
+    [
+        ("bert", {}, "GGUF tokenizer model 'bert' is not supported; known: 'gpt2'"),
+        ("gpt2", {"tokenizer_pre": "falcon"}, "GGUF pre-tokenizer 'falcon' is not supported"),
+        ("llama", {}, "a SentencePiece vocabulary without merges needs its token scores"),
+    ],
+)
+def test_unsupported_gguf_vocabularies(tmp_path, model, fields, message):
+    write_gguf(tmp_path / "v.gguf", model, **fields)
+    with pytest.raises(ValueError, match=message):
+        load_tokenizer(tmp_path / "v.gguf")
+
+
+@pytest.fixture(scope="module")
+def trained() -> tiktoken.Encoding:
+    texts = [TEXTS[0] * 3, "the theory of the thing, 123 + 456 = 579", "café 東京 🙂"] * 20
+    return train_bpe(texts, 320, name="tiny")
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=80))
+def test_tiktoken_ranks_give_tiktokens_ids(trained, text):
+    """A BPE train.py trained (tiktoken ranks) as a `tokenizers` vocabulary + merges: the same
+    ids on any text, and <|endoftext|> whole."""
+    tokenizer = from_tiktoken(trained)
+    assert tokenizer.encode_ordinary(text) == trained.encode_ordinary(text)
+    assert tokenizer.encode(text + "<|endoftext|>")[-1] == trained.eot_token == tokenizer.eot_token
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_a_rank_file_loads(trained, tmp_path):
+    from data.tokenizers import save_ranks
+
+    save_ranks(trained, tmp_path / "bpe.tiktoken")
+    loaded = load_tokenizer(tmp_path / "bpe.tiktoken")
+    assert loaded.encode_ordinary(TEXTS[1]) == trained.encode_ordinary(TEXTS[1])
+
+
+def test_ranks_that_are_no_bpe_are_refused():
+    ranks = {bytes([b]): b for b in range(256)} | {b"abc": 256}  # no merge makes "abc"
+    with pytest.raises(ValueError, match=r"rank 256 \(b'abc'\) is not made by one merge"):
+        from_ranks(ranks, GPT2_PATTERN)
