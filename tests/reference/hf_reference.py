@@ -13,8 +13,11 @@ Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does o
                                              # logits; logits of adapters written by the zoo
     python hf_reference.py tokenizers JOB.json  # each family's tokenizer built with its
                                              # transformers class and saved; ids of texts
-    python hf_reference.py export JOB.json   # directories written by the zoo's merge/export:
-                                             # AutoModelForCausalLM + AutoTokenizer, greedy text
+    python hf_reference.py first_day JOB.json  # tiny Gemma 2/3, Mistral, Phi-3 checkpoints
+                                             # with their tokenizers; then as export
+    python hf_reference.py export JOB.json   # directories (e.g. written by eqx-zoo merge):
+                                             # AutoTokenizer ids, AutoModelForCausalLM logits
+                                             # and greedy continuation of a chat
 
 JOB.json holds the inputs; results go to JOB["out"] as .npz / .json files.
 """
@@ -320,6 +323,87 @@ LLAMA3_SPLIT = (
 )
 
 
+def first_day(job: dict) -> None:
+    """Tiny checkpoints as a user downloads them: for each of job["models"] (name, model_type,
+    config fields, tokenizer kind), a random model and a tokenizer built by the family's own
+    transformers class from job["vocab"] (a SentencePiece-style vocabulary: pieces, merges) with
+    the family's chat template, both saved to out/NAME; then `export`'s measurements of them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(job["vocab"]["tokens"])}
+    merges = [tuple(m) for m in job["vocab"]["merges"]]
+    for spec in job["models"]:
+        path = os.path.join(job["out"], spec["name"])
+        turn = spec["turn_tokens"]
+        if spec["tokenizer"] == "gemma":
+            tokenizer = transformers.GemmaTokenizer(vocab=dict(vocab), merges=merges)
+        elif spec["tokenizer"] == "llama":
+            tokenizer = transformers.LlamaTokenizer(vocab=dict(vocab), merges=merges, legacy=True)
+        else:  # phi3: its hub tokenizer.json, read as written
+            backend = Tokenizer(
+                models.BPE(vocab=dict(vocab), merges=merges, unk_token="<unk>", fuse_unk=True,
+                           byte_fallback=True)
+            )  # fmt: skip
+            backend.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+            backend.decoder = decoders.Sequence(
+                [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                 decoders.Strip(" ", 1, 0)]
+            )  # fmt: skip
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in ["<unk>", "<s>", "</s>"]]
+            )
+            tokenizer = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+            )
+        tokenizer.add_special_tokens({"additional_special_tokens": turn})
+        tokenizer.chat_template = spec["template"]
+        if "eos_token" in spec:
+            tokenizer.eos_token = spec["eos_token"]
+        tokenizer.save_pretrained(path)
+        torch.manual_seed(0)
+        ids = {
+            f"{name}_token_id": getattr(tokenizer, f"{name}_token_id")
+            for name in ("bos", "eos", "pad")
+        }
+        config = transformers.AutoConfig.for_model(
+            spec["model_type"], vocab_size=len(tokenizer), **ids, **spec["config"]
+        )
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        randomize(model)
+        model.save_pretrained(path)
+    export({**job, "dirs": [os.path.join(job["out"], m["name"]) for m in job["models"]]})
+
+
+def export(job: dict) -> None:
+    """Each directory of job["dirs"] (a checkpoint, or one eqx-zoo merge/export wrote) loaded
+    by AutoTokenizer and AutoModelForCausalLM: the ids of job["texts"], the chat ids of
+    job["conversation"] (with the generation prompt), the logits on them and the greedy
+    continuation of job["new_tokens"] tokens (stopping where generation_config says), in
+    out/export.json by directory."""
+    results = {}
+    for path in job["dirs"]:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        chat = tokenizer.apply_chat_template(
+            job["conversation"], add_generation_prompt=True, return_dict=False
+        )
+        out = model.generate(
+            torch.tensor([chat]), max_new_tokens=job["new_tokens"], do_sample=False,
+            attention_mask=torch.ones(1, len(chat), dtype=torch.long),
+        )  # fmt: skip
+        results[path] = {
+            "texts": [tokenizer.encode(t, add_special_tokens=False) for t in job["texts"]],
+            "chat": chat,
+            "logits": logits(model, [chat])[0, -1].tolist(),
+            "greedy": out[0, len(chat) :].tolist(),
+            "eos": model.generation_config.eos_token_id,
+        }
+    with open(os.path.join(job["out"], "export.json"), "w") as f:
+        json.dump(results, f)
+
+
 def edit_json(path: str, edit) -> None:
     with open(path) as f:
         value = json.load(f)
@@ -335,6 +419,8 @@ JOBS = {
     "chat": chat,
     "peft": peft,
     "tokenizers": tokenizers,
+    "first_day": first_day,
+    "export": export,
 }
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
-"""`save_pretrained`: a Transformer -> an HF model directory (model.safetensors + config.json)
-that transformers' `from_pretrained` loads, so a fine-tuned model goes back to the ecosystem."""
+"""`save_pretrained`: a Transformer (and its tokenizer) -> a complete HF model directory
+(model.safetensors, config.json, tokenizer.json, tokenizer_config.json with the chat template,
+generation_config.json with the stop ids) that transformers' `AutoModelForCausalLM` and
+`AutoTokenizer` load and `zoo.load_pretrained` / `zoo.load_tokenizer` read back, so a fine-tuned
+model goes back to the ecosystem."""
 
 import json
 import os
@@ -12,6 +15,7 @@ from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
 from zoo.pretrained.safetensors import INDEX
 from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
+from zoo.tokenizer import Tokenizer, save_tokenizer
 from zoo.transformer import Transformer
 
 
@@ -49,15 +53,17 @@ def save_pretrained(
     model: Transformer,
     directory: str | os.PathLike,
     *,
+    tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     architecture: str | None = None,
 ) -> None:
     """Write `model` in the HF layout of `architecture` (an HF class name, e.g.
     "Phi3ForCausalLM"), by default the first of `architectures.ARCHITECTURES` that holds its
     config (a Phi-3 model is written as a Llama or Mistral unless asked), weights in their own
-    dtype. Gathers the weights on the host (one copy of the
-    model). A non-empty `directory` is refused unless `overwrite`, which first removes every
-    HF model file there (weights, shard index, config, tokenizer)."""
+    dtype, and with `tokenizer` its files (`zoo.save_tokenizer`) and generation_config.json
+    (bos and the ids generation stops at, `tokenizer.stop_ids()`). Gathers the weights on the
+    host (one copy of the model). A non-empty `directory` is refused unless `overwrite`, which
+    first removes every HF model file there (weights, shard index, config, tokenizer)."""
     if has_lora(model):
         raise ValueError(
             "save_pretrained: the model holds LoRA adapters, which an HF model directory has no "
@@ -67,6 +73,11 @@ def save_pretrained(
     model.check_unfused("save_pretrained")
     config = model.config
     arch = architecture_for(config, architecture)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"save_pretrained: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {config.vocab_size}: it is not this model's tokenizer"
+        )
     directory = os.fspath(directory)
     _clear(directory, overwrite)
     tensors: dict[str, np.ndarray] = {}
@@ -80,3 +91,11 @@ def save_pretrained(
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config_to_hf(arch, config, model.policy.param_dtype), f, indent=2)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, directory)
+        generation = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": list(tokenizer.stop_ids()),
+        }
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            json.dump({k: v for k, v in generation.items() if v not in (None, [])}, f, indent=2)

@@ -1,13 +1,13 @@
-"""The pipeline transformers gives a tokenizer.json, by the tokenizer class its checkpoint names.
+"""The pipeline transformers gives a tokenizer.json, by the tokenizer class it picks for it.
 
 transformers 5 uses a tokenizer.json as written for its generic fast tokenizer, but for a class
 with a pipeline of its own (`LlamaTokenizer`, `GemmaTokenizer`, `GPT2Tokenizer`,
 `Qwen2Tokenizer`: the classes of the families the zoo loads) it keeps the file's vocabulary,
 merges, added tokens and post-processor and rebuilds the normalizer, pre-tokenizer and decoder
-from the class and tokenizer_config.json (`legacy`, `add_prefix_space`). An older Llama 2 or
-Mistral file's SentencePiece normalizer thus gives way to a Metaspace pre-tokenizer. Checkpoints
-whose config.json names a model type transformers knows to list a wrong class (phi3, qwen2) keep
-their file as written. `pipeline_for` does the same, so that ids equal transformers'.
+from the class and tokenizer_config.json (`legacy`, `add_prefix_space`). Which class it picks
+depends on the class tokenizer_config.json declares and on config.json's model type
+(`picked_class`: AutoTokenizer's rules for these families). `pipeline_for` does the same, so
+that the ids are transformers'.
 """
 
 import json
@@ -16,15 +16,41 @@ from pathlib import Path
 from zoo.tokenizer.bpe import QWEN2_PATTERN
 from zoo.tokenizer.sentencepiece import SPACE
 
-# transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, for the families the zoo loads.
-GENERIC_MODEL_TYPES = frozenset({"phi3", "qwen2"})
+# transformers' TOKENIZER_MAPPING_NAMES for the model types of the zoo's families (None: its
+# generic fast tokenizer); the types it lists no class for (llama, deepseek) are absent.
+MODEL_TYPE_CLASSES = {
+    "mistral": None,
+    "mixtral": None,
+    "phi3": None,
+    "gemma": "GemmaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3": "GemmaTokenizer",
+    "gemma3_text": "GemmaTokenizer",
+    "gpt2": "GPT2Tokenizer",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer",
+}
+# transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS among them: their model type's class
+# wins over the one the hub's tokenizer_config.json declares.
+WRONG_HUB_CLASS = frozenset({"phi3", "qwen2"})
+REBUILT = ("LlamaTokenizer", "GemmaTokenizer", "GPT2Tokenizer", "Qwen2Tokenizer")
 
 
-def _class_name(config: dict, model_type: str | None) -> str | None:
-    if model_type in GENERIC_MODEL_TYPES:
+def picked_class(declared: str | None, model_type: str | None, byte_level: bool) -> str | None:
+    """The class AutoTokenizer loads for tokenizer_config.json's `declared` class, config.json's
+    `model_type` and whether tokenizer.json is byte-level; None for the generic one."""
+    declared = declared.removesuffix("Fast") if isinstance(declared, str) else None
+    if declared is None:
         return None
-    name = config.get("tokenizer_class")
-    return name.removesuffix("Fast") if isinstance(name, str) else None
+    if declared == "LlamaTokenizer" and byte_level and model_type not in WRONG_HUB_CLASS:
+        return None  # a Llama class over a byte-level file (Llama 3): the file as written
+    if model_type in MODEL_TYPE_CLASSES and MODEL_TYPE_CLASSES[model_type] != declared:
+        registered = MODEL_TYPE_CLASSES[model_type]
+        if registered is None:
+            return None
+        return registered if model_type in WRONG_HUB_CLASS else declared
+    return declared
 
 
 def _prepend_scheme(add_prefix_space: bool, legacy: bool) -> str:
@@ -50,14 +76,16 @@ def _rebuild(backend, model, *, normalizer, pre_tokenizer, decoder):
 
 
 def pipeline_for(backend, tokenizer_json: Path, config: dict, model_type: str | None):
-    """`backend` (read from `tokenizer_json`) with the pipeline transformers gives the class
-    that tokenizer_config.json (`config`) names; as it is for any other class."""
+    """`backend` (read from `tokenizer_json`) with the pipeline transformers gives the class it
+    picks (`picked_class`) from tokenizer_config.json (`config`) and config.json's
+    `model_type`; as it is for the generic class or any other."""
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
-    name = _class_name(config, model_type)
-    if name not in ("LlamaTokenizer", "GemmaTokenizer", "GPT2Tokenizer", "Qwen2Tokenizer"):
+    text = tokenizer_json.read_text(encoding="utf-8")
+    name = picked_class(config.get("tokenizer_class"), model_type, '"ByteLevel"' in text)
+    if name not in REBUILT:
         return backend
-    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))["model"]
+    spec = json.loads(text)["model"]
     if spec.get("type") != "BPE":
         return backend
     vocab, merges = spec["vocab"], [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
