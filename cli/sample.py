@@ -42,12 +42,7 @@ def token_ids(text: str) -> list[int]:
 
 
 def parser(prog: str = "eqx-zoo sample") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0],
-        epilog=commands.epilog(prog),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = commands.command_parser(prog, __doc__)
     flags.add_model(p)
     p.add_argument(
         "--prompt", required=True, help="text, or comma-separated token ids without a tokenizer"

@@ -41,8 +41,8 @@ def _default_model() -> str:
 
 
 def finetune_defaults() -> dict:
-    """finetune's defaults (train's for every other flag): sized to finish in about 4 minutes on
-    a 2-core CPU and learn the made-up facts of examples/data/chat.jsonl."""
+    """finetune's defaults (train's for every other flag): sized to finish in about 5 minutes on
+    a 2-core CPU and learn the made-up facts of examples/data/chat.jsonl (README: A first day)."""
     steps = FINETUNE_STEPS
     return {
         "model": _default_model(),

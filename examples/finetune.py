@@ -1,9 +1,9 @@
 """Fine-tune a chat model with LoRA on a small chat dataset, then ask it a question it could not
 answer before: `eqx-zoo finetune` (cli/train.py) followed by a chat turn (cli/chat.py).
 
-    python -m examples.finetune                   # ~4 min on a 2-core CPU: SmolLM2-135M-Instruct,
+    python -m examples.finetune                   # ~5 min on a 2-core CPU: SmolLM2-135M-Instruct,
                                                   # LoRA on examples/data/chat.jsonl
-    python -m examples.finetune --steps 200 --seq-len 256  # the longer run (~15 min)
+    python -m examples.finetune --steps 200 --seq-len 256  # the longer run (~25 min)
     python -m examples.finetune --lora-rank 0     # every weight trains (a full fine-tune)
     python -m examples.finetune --base-dtype nf4  # QLoRA: the frozen base held in 4 bits
 
