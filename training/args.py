@@ -295,6 +295,12 @@ class Args:
                     raise ArgError(flag_name(field.name), str(error)) from None
         if self.model is not None and self.model not in presets():
             # --model names a checkpoint to start from: the same setting as --init-from.
+            if not Path(self.model).exists():
+                raise ArgError(
+                    "--model",
+                    f"{self.model!r} is neither a zoo preset ({', '.join(presets())}) nor a "
+                    "checkpoint that exists (an HF directory, a .gguf file or a train.py run)",
+                )
             if self.init_from is not None:
                 raise ArgError(
                     "--model",

@@ -81,3 +81,14 @@ def test_a_preset_takes_its_tokenizers_vocabulary(tmp_path, tiny_argv):
     argv.remove("vocab_size=320")
     summary = train.main(argv)
     assert summary.model.config.vocab_size == summary.encoding.n_vocab == 300
+
+
+def test_model_that_is_neither_a_preset_nor_a_path(tmp_path, tiny_argv, capsys):
+    """A typo in --model is named at once, with the presets, not as a missing checkpoint later."""
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*tiny_argv(tmp_path / "run"), "--model", "tiny-lama"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --model: 'tiny-lama' is neither a zoo preset (" in error
+    assert "tiny-llama" in error
+    assert not (tmp_path / "run").exists()
