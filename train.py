@@ -300,7 +300,10 @@ def build_model(
         else:
             from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
 
-            model = load_pretrained(args.init_from, policy=run_policy, placement=placement)
+            # Float weights to train (a GGUF's quantized blocks would be frozen).
+            model = load_pretrained(
+                args.init_from, policy=run_policy, placement=placement, quantized=False
+            )
         check_imported(args, model.config)
         check_fits(model.config, args, n_vocab, args.init_from)
         name = args.init_from

@@ -119,7 +119,7 @@ def cases() -> tuple[list[tuple[str, zoo.Config, zoo.Policy, int]], int, int, in
         bf16 = zoo.Policy(compute_dtype="bfloat16", param_dtype="bfloat16")
         return [("llama3-1b", zoo.preset("llama3-1b"), bf16, b) for b in (1, 32)], 512, 129, 5
     batches = {"gpt2-124m": (1, 8, 32), "smollm2-135m": (1, 8)}
-    todo = [(n, zoo.preset(n), zoo.Policy(), b) for n, bs in batches.items() for b in bs]
+    todo = [(n, zoo.preset(n), zoo.Policy.inference(), b) for n, bs in batches.items() for b in bs]
     return todo, 32, 9, 1
 
 
@@ -139,8 +139,10 @@ def run(ceilings: Ceilings) -> Table:
     )
     steps = new_tokens - 1
     for name, config, policy, batch in todo:
-        # Per-layer weights once, as examples/sample.py does: the fast decode layout on CPU.
-        model = zoo.Transformer(config, policy=policy, key=jax.random.key(0)).unstacked()
+        # The decode policy load_pretrained gives (per-layer weights).
+        model = zoo.Transformer(
+            config, policy=policy.replace(storage="unrolled"), key=jax.random.key(0)
+        )
         prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 1, 1000).tolist()
 
         def generate(n, model=model, prompts=prompts):

@@ -9,7 +9,9 @@ Weights: 12 float32 layers of a 768 -> 3072 -> 768 matrix-vector pair (GPT-2 124
 Cache: 12 layers, batch 8, 512 slots, 12 heads of 64 (and 12 query heads over 3 KV heads, GQA);
 each step writes one slot per layer and runs the xla kernel over the layer's cache in the kernels'
 `[batch, kv_seq, kv_heads, head_dim]` view. Values stored `[B,H,D,S]` make p.v contract the minor
-dimension, as q.k does with keys `[B,H,S,D]`; infer/cache.py uses that layout.
+dimension, as q.k does with keys `[B,H,S,D]`. The contiguous cache that used this layout is gone:
+the paged pool (`[kv_heads, pages, page_size, head_dim]`, layers/kernels/paged/pages.py) serves
+every cached call, and `python -m bench engine` measures it against the old engine's numbers.
 """
 
 import jax

@@ -1,25 +1,32 @@
-"""The serving engine on the real SmolLM2-135M-Instruct weights (GGUF, float32), side by side in
-one run:
+"""The serving engine as a user meets it, every default, side by side in one run with HF
+transformers' `generate` (bench/hf_engine.py in the reference venv) and with the roofline
+(zoo.math's FLOPs and bytes over the ceilings measured in this run):
 
-- latency of one `infer.generate` call (8 new tokens) on a prompt length it has never seen,
-  after one warm-up call on another length, beside HF transformers' `generate` on the same
-  weights and lengths (bench/hf_engine.py in the reference venv);
-- throughput of 24 mixed requests (prompts of 4-160 tokens, 4-48 new tokens) through one
-  `infer.Engine` (continuous batching, 8 rows) beside static batches of 8 through `generate`
-  (each batch waits for its longest request), with every request's greedy tokens checked
-  against the request run alone;
-- KV-cache bytes the engine's pages held at most, beside a contiguous `8 x max_len` cache;
-- prefix reuse: 8 requests sharing a 128-token system prompt, prompt tokens computed with and
-  without sharing;
-- sliding layers' rings vs full-length pages on a Gemma-3-shaped model (random weights): KV
-  bytes held and decode tokens/s.
+- the first-use path on GPT-2 124M (random weights written as an HF checkpoint): `load_pretrained`
+  then `generate`, 16-token prompts, 64 new tokens, batch 1 and 8, against the predicted time
+  (prefill FLOPs at the matmul rate, each decode step's bytes at the weight-streaming bandwidth)
+  and HF's generate on the same checkpoint, with the same greedy tokens;
+- on the real SmolLM2-135M-Instruct weights (GGUF, float32):
+  - latency of one `generate` call (8 new tokens) on a prompt length it has never seen, after
+    one warm-up call on another length, beside HF's;
+  - decode step time of 8 rows holding the same live tokens under `max_len` 256 and 4096
+    (attention reads the pages rows hold: the step should not care);
+  - throughput of 24 mixed requests (prompts of 4-160 tokens, 4-48 new tokens) through one
+    `infer.Engine` (8 rows) beside static batches of 8 through `generate` and beside the
+    roofline (every prompt's FLOPs at the matmul rate plus the fewest decode steps of 8 rows at
+    the bandwidth), every request's greedy tokens checked against the request run alone;
+  - KV-cache bytes the engine's pages held at most, beside a contiguous `8 x max_len` cache;
+  - prefix reuse: 8 requests sharing a 128-token system prompt;
+- sliding layers' rings vs full-length pages on a Gemma-3-shaped model (random weights).
 
     python -m bench engine
 """
 
 import json
 import os
+import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,61 +37,144 @@ import infer
 import zoo
 from bench.harness import Ceilings, Table
 from cli.flags import default_chat_model as smollm2_gguf
-from infer.engine import Engine
+from infer.engine import TRACES, Engine
 from zoo import math as zmath
 
 NEW_TOKENS = 8
 WARMUP_LEN, UNSEEN = 37, (23, 61, 118)
 ROWS, MAX_LEN = 8, 256
+FIRST_USE_PROMPT, FIRST_USE_NEW, REPEATS = 16, 64, 3
 REF_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ref" / "bin" / "python"
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+def prompt(n: int, seed: int, high: int = 40000) -> list[int]:
+    return np.random.default_rng(seed).integers(100, high, n).tolist()
 
 
-def hf_latency(gguf: Path) -> list[float] | None:
+def hf_calls(path: Path, calls: list[dict]) -> list[dict] | None:
+    """HF's generate on `path` for each call (bench/hf_engine.py), or None without the venv."""
     python = os.environ.get("ZOO_REF_PYTHON") or str(REF_PYTHON)
     if not Path(python).exists():
         return None
-    job = {"gguf": str(gguf), "warmup_len": WARMUP_LEN, "lengths": list(UNSEEN),
-           "new_tokens": NEW_TOKENS}  # fmt: skip
     out = subprocess.run(
-        [python, str(Path(__file__).with_name("hf_engine.py")), json.dumps(job)],
+        [python, str(Path(__file__).with_name("hf_engine.py")),
+         json.dumps({"path": str(path), "calls": calls})],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     if out.returncode:
         raise RuntimeError(f"bench/hf_engine.py failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["latency_s"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def predicted_s(config, ceilings: Ceilings, prompt_len: int, new_tokens: int, batch: int = 1):
-    """zoo.math's roofline: the prompt's forward FLOPs at the matmul rate, then each decode
-    step's bytes (weights once, each row's cache) at the bandwidth, both measured this run."""
-    flops = batch * prompt_len * zmath.forward_flops_per_token(config, prompt_len)
-    prefill = flops / ceilings.matmul_flops("float32")
-    step = zmath.decode_step_bytes(config, batch, prompt_len + new_tokens // 2)
-    return prefill + (new_tokens - 1) * step / ceilings.bandwidth()
+def predicted_s(config, ceilings: Ceilings, prompt_lens: list[int], steps: int, rows: int):
+    """zoo.math's roofline: every prompt's forward FLOPs at the matmul rate, then `steps` decode
+    steps of `rows` rows, each step's bytes (weights once, each row's cache at its mean context)
+    at the bandwidth, both measured this run."""
+    flops = sum(n * zmath.forward_flops_per_token(config, n) for n in prompt_lens)
+    context = sum(prompt_lens) // len(prompt_lens) + steps // 2
+    step = zmath.decode_step_bytes(config, rows, context)
+    return flops / ceilings.matmul_flops("float32") + steps * step / ceilings.bandwidth()
 
 
-def latency(model, table: Table, hf: list[float] | None, ceilings: Ceilings) -> None:
+def _timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def first_use(table: Table, ceilings: Ceilings) -> None:
+    """`load_pretrained` + `generate` with every default, GPT-2 124M, beside HF and the
+    roofline."""
+    config = zoo.preset("gpt2-124m")
+    with tempfile.TemporaryDirectory() as directory:
+        zoo.save_pretrained(zoo.Transformer(config, key=jax.random.key(0)), directory)
+        model = zoo.load_pretrained(directory)
+        batches = {b: [prompt(FIRST_USE_PROMPT, 10 + i, 50000) for i in range(b)] for b in (1, 8)}
+        calls = [{"prompts": p, "new_tokens": FIRST_USE_NEW, "warmup": True, "repeats": REPEATS}
+                 for p in batches.values()]  # fmt: skip
+        hf = hf_calls(Path(directory), calls)
+    for i, (batch, prompts) in enumerate(batches.items()):
+
+        def call(prompts=prompts):
+            return infer.generate(
+                model, prompts, max_new_tokens=FIRST_USE_NEW, sampler=infer.Greedy(),
+                key=jax.random.key(0),
+            )  # fmt: skip
+
+        first_s, _ = _timed(call)  # compiles the engine's programs for this batch bucket
+        runs = [_timed(call) for _ in range(REPEATS)]
+        ours_s, tokens = statistics.median(s for s, _ in runs), runs[-1][1]
+        predicted = predicted_s(config, ceilings, [FIRST_USE_PROMPT] * batch, FIRST_USE_NEW - 1,
+                                batch)  # fmt: skip
+        new = batch * FIRST_USE_NEW
+        peer = "-" if hf is None else f"{new / hf[i]['seconds']:.1f} tok/s (HF generate)"
+        same = (
+            "-" if hf is None else sum(a == b for a, b in zip(tokens, hf[i]["tokens"], strict=True))
+        )
+        table.add({
+            "what": f"load_pretrained + generate, GPT-2 124M, batch {batch}, "
+            f"{FIRST_USE_PROMPT}-token prompts, {FIRST_USE_NEW} new",
+            "predicted": f"{new / predicted:.1f} tok/s",
+            "ours": f"{new / ours_s:.1f} tok/s ({100 * predicted / ours_s:.0f}% of predicted)",
+            "peer": peer,
+            "ratio": "-" if hf is None else f"{hf[i]['seconds'] / ours_s:.2f}x",
+            "note": f"same greedy tokens as HF: {same}/{batch} rows; first call (compiles) "
+            f"{first_s:.1f} s",
+        })  # fmt: skip
+
+
+def latency(model, table: Table, gguf: Path, ceilings: Ceilings) -> None:
+    calls = [{"prompts": [prompt(WARMUP_LEN, WARMUP_LEN)], "new_tokens": NEW_TOKENS,
+              "warmup": False, "repeats": 1}]  # fmt: skip
+    calls += [{"prompts": [prompt(n, n)], "new_tokens": NEW_TOKENS, "warmup": False, "repeats": 1}
+              for n in UNSEEN]  # fmt: skip
+    hf = hf_calls(gguf, calls)
+
     def call(n):
-        start = time.perf_counter()
-        infer.generate(model, [prompt(n, n)], max_new_tokens=NEW_TOKENS, sampler=infer.Greedy(),
-                       key=jax.random.key(0))  # fmt: skip
-        return time.perf_counter() - start
+        return _timed(lambda: infer.generate(
+            model, [prompt(n, n)], max_new_tokens=NEW_TOKENS, sampler=infer.Greedy(),
+            key=jax.random.key(0),
+        ))[0]  # fmt: skip
 
     call(WARMUP_LEN)
+    traces = sum(TRACES.values())
     for i, n in enumerate(UNSEEN):
         ours = call(n)
-        predicted = predicted_s(model.config, ceilings, n, NEW_TOKENS)
+        compiled = sum(TRACES.values()) - traces
+        predicted = predicted_s(model.config, ceilings, [n], NEW_TOKENS - 1, 1)
         table.add({
             "what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new",
             "predicted": f"{predicted * 1e3:.0f} ms",
             "ours": f"{ours * 1e3:.0f} ms",
-            "peer": "-" if hf is None else f"{hf[i] * 1e3:.0f} ms (HF generate)",
-            "ratio": "-" if hf is None else f"{hf[i] / ours:.2f}x",
-            "note": "",
+            "peer": "-" if hf is None else f"{hf[1 + i]['seconds'] * 1e3:.0f} ms (HF generate)",
+            "ratio": "-" if hf is None else f"{hf[1 + i]['seconds'] / ours:.2f}x",
+            "note": f"programs compiled since the warm-up: {compiled}",
+        })  # fmt: skip
+
+
+def step_ms(model, max_len: int, rows: int) -> float:
+    """Median ms of the engine's decode-only steps with every row decoding, rows holding
+    ~25-90 tokens (25-token prompts, 64 new)."""
+    engine = Engine(model, max_batch=rows, max_len=max_len, prefill_rows=rows)
+    for i in range(rows):
+        engine.submit(prompt(25, 300 + i), max_new_tokens=64)
+    engine.run()
+    steps = [r.ms for r in engine.records if r.chunks == 0 and r.decode_rows == rows]
+    return statistics.median(steps[2:])  # the host runs one step behind: skip the first
+
+
+def max_len_independence(model, table: Table, ceilings: Ceilings) -> None:
+    context = 25 + 32
+    for rows in (1, ROWS):
+        short, long = step_ms(model, 256, rows), step_ms(model, 4096, rows)
+        predicted = zmath.decode_step_bytes(model.config, rows, context) / ceilings.bandwidth()
+        table.add({
+            "what": f"decode step, {rows} row(s) holding 25-89 tokens, max_len 4096 vs 256",
+            "predicted": f"{predicted * 1e3:.1f} ms (either)",
+            "ours": f"{long:.1f} ms (max_len 4096)",
+            "peer": f"{short:.1f} ms (max_len 256)",
+            "ratio": f"{long / short:.2f}x",
+            "note": "goal: within 10%",
         })  # fmt: skip
 
 
@@ -95,15 +185,14 @@ def mixed_requests() -> list[tuple[list[int], int]]:
 
 def throughput(model, table: Table, ceilings: Ceilings) -> None:
     cases = mixed_requests()
-    context = sum(len(p) + n // 2 for p, n in cases) // len(cases)
-    # The decode roofline of a full batch (weights once, every row's cache), prefill aside.
-    step_s = zmath.decode_step_bytes(model.config, ROWS, context) / ceilings.bandwidth()
+    generated = sum(n for _, n in cases)
+    steps = -(-(generated - len(cases)) // ROWS)  # the fewest decode steps of ROWS rows
+    predicted = predicted_s(model.config, ceilings, [len(p) for p, _ in cases], steps, ROWS)
     engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN, prefix_sharing=False)
     start = time.perf_counter()
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     engine_s = time.perf_counter() - start
-    generated = sum(len(r.tokens) for r in requests)
 
     static_tokens, start = [], time.perf_counter()
     for first in range(0, len(cases), ROWS):
@@ -123,12 +212,14 @@ def throughput(model, table: Table, ceilings: Ceilings) -> None:
         same += single.tokens == request.tokens
     table.add({
         "what": f"{len(cases)} mixed requests (prompts 4-160, 4-48 new), {ROWS} rows",
-        "predicted": f"{ROWS / step_s:.1f} tok/s (a full batch of {ROWS} rows decoding)",
-        "ours": f"{generated / engine_s:.1f} tok/s (engine, continuous batching)",
+        "predicted": f"{generated / predicted:.1f} tok/s ({predicted:.1f} s: prompts at the "
+        f"matmul rate + {steps} steps of {ROWS} rows)",
+        "ours": f"{generated / engine_s:.1f} tok/s ({engine.steps} engine steps, "
+        f"{100 * predicted / engine_s:.0f}% of predicted)",
         "peer": f"{generated / static_s:.1f} tok/s (static batches of {ROWS}, generate)",
         "ratio": f"{static_s / engine_s:.2f}x",
-        "note": f"same greedy tokens as alone: {same}/{len(cases)}; "
-        f"static batches agree: {static_tokens == [r.tokens for r in requests]}",
+        "note": f"same greedy tokens as alone: {same}/{len(cases)}; static batches agree: "
+        f"{static_tokens == [r.tokens for r in requests]}",
     })  # fmt: skip
     table.add({
         "what": "KV cache held (engine's peak pages vs a contiguous cache)",
@@ -177,7 +268,7 @@ def window_rings(table: Table, ceilings: Ceilings) -> None:
     """Sliding layers' rings (layers/window_cache.py) vs full-length pages for every layer, side
     by side: KV bytes held and decode tokens/s, each beside zoo.math's bytes and roofline."""
     config = zoo.Config(**GEMMA_LIKE)
-    model = zoo.Transformer(config, key=jax.random.key(0)).unstacked()
+    model = zoo.Transformer(config, policy=zoo.Policy.inference(), key=jax.random.key(0))
     rng = np.random.default_rng(200)
     cases = [rng.integers(0, config.vocab_size, WINDOW_PROMPT).tolist() for _ in range(WINDOW_ROWS)]
     context = WINDOW_PROMPT + WINDOW_NEW // 2
@@ -220,16 +311,18 @@ def window_rings(table: Table, ceilings: Ceilings) -> None:
 
 
 def run(ceilings: Ceilings) -> Table:
-    gguf = smollm2_gguf()
-    # Unrolled layers: the one-time conversion a CPU caller makes for decode (bench/decode.py).
-    model = zoo.load_pretrained(gguf).unstacked()
     table = Table(
         "engine",
-        "Serving engine on SmolLM2-135M-Instruct (float32)",
-        [f"Engine: {ROWS} rows, max_len {MAX_LEN}, pages of 16, prefill chunks of 64; "
-         "HF transformers' generate in the reference venv on the same GGUF weights."],
+        "Serving engine, every default (float32)",
+        [f"Engine: {ROWS} rows, max_len {MAX_LEN}, pages of 16, prompt chunks of 64 riding "
+         "along with decode rows (one program per step); HF transformers' generate in the "
+         "reference venv on the same checkpoints."],
     )  # fmt: skip
-    latency(model, table, hf_latency(gguf), ceilings)
+    first_use(table, ceilings)
+    gguf = smollm2_gguf()
+    model = zoo.load_pretrained(gguf)  # every default: the fastest decode storage
+    latency(model, table, gguf, ceilings)
+    max_len_independence(model, table, ceilings)
     throughput(model, table, ceilings)
     prefix_reuse(model, table)
     window_rings(table, ceilings)

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -58,7 +59,6 @@ from bench.harness import (
     on_gpu,
     roofline_cells,
 )
-from layers.kv_cache import KVCache
 
 DEFAULT_BUDGET_S = 520.0
 # Seconds a stage may run past its budget before the alarm stops it: its soft deadline is checked
@@ -94,19 +94,12 @@ def decode_program(
     """(run, hlo): `run(n)` runs n greedy decode steps of a random model in one jitted loop (n is
     a runtime argument: one compile serves every n) on a KV cache already holding `context` tokens
     per row, and returns the last tokens; `hlo` is the compiled loop's optimized HLO. `fused`:
-    q/k/v and gate/up as one matmul each (`Transformer.fused`)."""
-    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0)).unstacked()
-    model = model.fused() if fused else model
-    max_len = context + steps
-    empty = model.init_cache(batch, max_len)
-    filled = jnp.broadcast_to(jnp.arange(max_len) < context, (batch, max_len))
-    cache = KVCache(
-        layers=empty.layers,
-        positions=jnp.where(filled, jnp.arange(max_len), 0).astype(jnp.int32),
-        segment_ids=filled.astype(jnp.int32),
-        lengths=jnp.full((batch,), context, jnp.int32),
-        slot=jnp.int32(context),
-    )
+    q/k/v and gate/up as one matmul each (`Policy.fused`)."""
+    policy = policy.replace(storage="unrolled", fused=fused)
+    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
+    empty = model.init_cache(batch, context + steps)
+    # Rows that hold `context` tokens already (zeros: the step reads them all the same).
+    cache = eqx.tree_at(lambda c: c.lengths, empty, jnp.full((batch,), context, jnp.int32))
 
     def loop(model, cache, token, n):
         def step(_, carry):
@@ -428,7 +421,7 @@ def decode_stage(run: Run, deadline: float) -> None:
             f"{steps} steps; step = (t({steps}) - t(1)) / {steps - 1}. Ceiling: bandwidth "
             f"{bandwidth / 1e9:.3g} GB/s measured in this run; predicted = "
             "zoo.math.decode_step_roofline. kernels/step: read off the compiled loop's body. "
-            "projections: q/k/v and gate/up as separate matmuls or fused (model.fused())."
+            "projections: q/k/v and gate/up as separate matmuls or fused (Policy.fused)."
         ],
     )
     for batch, fused in itertools.product(batches, (False, True)):

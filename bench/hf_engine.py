@@ -1,15 +1,17 @@
-"""HF transformers' `generate` on the real SmolLM2-135M-Instruct weights (the GGUF, dequantized to
-float32, greedy, KV cache): the peer for bench/engine.py. Runs under the reference venv:
+"""HF transformers' `generate` (float32, greedy, KV cache) on the same checkpoint as ours: the peer
+for bench/engine.py. Runs under the reference venv:
 
     /work/main/.venv-ref/bin/python bench/hf_engine.py '<json job>'
 
-The job {"gguf": path, "warmup_len", "lengths": [...], "new_tokens"} prints one JSON line: the
-seconds of one generate call on each unseen prompt length, after one warm-up call on
-`warmup_len`.
+The job {"path": an HF directory or a .gguf file, "calls": [...]} runs each call {"prompts":
+[[ids], ...], "new_tokens", "warmup": bool, "repeats"} (left-padded rows, an attention mask) and
+prints one JSON line: per call, the median seconds of `repeats` generate calls (after one
+untimed call when "warmup") and the new tokens of each row.
 """
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -17,33 +19,42 @@ import torch
 import transformers
 
 
+def load(path: str) -> torch.nn.Module:
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32
+        ).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    folder, name = os.path.split(job["gguf"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    ).eval()
+    model = load(job["path"])
 
-    def generate(ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> float:
+    def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         start = time.perf_counter()
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             do_sample=False, use_cache=True, pad_token_id=0,
         )  # fmt: skip
-        assert out.shape[1] == ids.shape[1] + new_tokens
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        return seconds, out[:, width:].tolist()
 
-    def ids(n: int) -> torch.Tensor:
-        return torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(n))
-
-    result = {}
+    results = []
     with torch.inference_mode():
-        generate(ids(job["warmup_len"]), torch.ones(1, job["warmup_len"]), job["new_tokens"])
-        result["latency_s"] = [
-            generate(ids(n), torch.ones(1, n), job["new_tokens"]) for n in job["lengths"]
-        ]
-    print(json.dumps(result), flush=True)
+        for call in job["calls"]:
+            if call.get("warmup"):
+                generate(call["prompts"], call["new_tokens"])
+            runs = [generate(call["prompts"], call["new_tokens"]) for _ in range(call["repeats"])]
+            results.append(
+                {"seconds": statistics.median(s for s, _ in runs), "tokens": runs[-1][1]}
+            )
+    print(json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,17 @@ class Chat:
                  max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
                  placement: shard.Placement | None = None, write=sys.stdout.write):  # fmt: skip
-        """`model` with LoRA adapters folded in; unrolled layers, which decode faster on a CPU
-        (a one-time copy)."""
+        """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
+        what `load_pretrained` gives; a run's stacked model is converted once)."""
         tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
         self.tokenizer = tokenizer
         self.engine = infer.Engine(
-            plain(model).unstacked(), max_batch=1, max_len=min(max_len, model.config.max_seq_len),
-            key=jax.random.key(seed), placement=placement,
-        )  # fmt: skip
+            plain(model).with_policy(storage="unrolled"),
+            max_batch=1,
+            max_len=min(max_len, model.config.max_seq_len),
+            key=jax.random.key(seed),
+            placement=placement,
+        )
         self.messages = [{"role": "system", "content": system}] if system else []
         self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
         self.stop_texts = tuple(stop_texts)

@@ -1,5 +1,5 @@
 """Inference: the serving engine (continuous batching over a paged KV cache, chunked prefill),
-`generate` on it, jitted prefill and decode steps over a contiguous cache, and samplers."""
+`generate` on it, jitted prefill and decode steps over the paged cache, and samplers."""
 
 from infer.engine import Engine, Request
 from infer.generation import generate

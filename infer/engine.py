@@ -1,21 +1,26 @@
-"""`Engine`: the serving loop. Continuous batching over a paged KV cache, chunked prefill, per-row
-samplers, streaming, prefix reuse.
+"""`Engine`: the serving loop. Continuous batching over a paged KV cache, chunked prefill riding
+along with decode in one program per step, per-row samplers, stop checks on the device, the host
+one step behind, streaming, prefix reuse, preemption.
 
-- A fixed batch of `max_batch` rows. A request takes a free row when the page pool can hold its
-  worst case (infer/pages.py); a finished row is freed at once and a waiting request joins at the
-  next step. Requests submitted while `run()` is going join too.
-- Two programs, both compiled when the engine starts and never again: a prefill step (each of up
-  to `prefill_rows` requests writes its next `chunk` prompt tokens into its pages and, on its
-  last chunk, samples its first token) and a decode step (every decoding row writes one token
-  and samples the next). Every engine step runs one of each that has work, so prefills
-  interleave with the others' decode. A prompt of any length up to `max_len` is a number of
-  chunks: no new shapes, so no new compilation; `max_new_tokens`, stop tokens and sampler
-  settings are host data or runtime arrays.
+- A fixed batch of `max_batch` rows. A request takes a free row when the page pool holds its
+  prompt; a finished row is freed and a waiting request joins at the next step. Requests submitted
+  while `run()` is going join too.
+- One program per step: a ragged batch of tokens, the next token of every decoding row and, when
+  prompts are waiting, a chunk of `chunk` prompt tokens of each of up to `prefill_rows` requests
+  (the token budget), run as one forward over the paged cache (layers/token_groups.py), so the
+  weights are read once per step. Attention reads only the pages each row holds. Two shapes, so
+  two compiled programs (with and without prompt chunks), both compiled when the engine starts;
+  no prompt length, batch mix or sampler setting compiles anything new.
+- The device keeps what the next step needs: each row's last token, how many it generated and
+  whether it is done (a stop token or its budget). Sampling, stop checks and the per-row sampler
+  settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
+  k+1 before it reads step k's tokens and its Python bookkeeping (streaming, freeing rows and
+  pages) overlaps the device.
+- Pages are allocated as tokens arrive. When the pool runs dry, the youngest running request is
+  preempted: its pages go back, it returns to the head of the queue and is recomputed (its prompt
+  and the tokens it already has, prefilled again) when pages free up; its tokens are kept.
 - The model's own forward does the work (`Transformer.forward` with a `PagedKVCache`); the
   engine keeps only host bookkeeping: rows, page tables, lengths, the pool's free list.
-
-The host reads each step's new tokens (stop tokens, streaming and page allocation need them):
-one device-to-host copy of `max_batch` ints per step.
 """
 
 import collections
@@ -24,15 +29,15 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.step import check_prompts, check_tokens
-from layers.kernels.paged import PallasDecodeKernel
 from layers.paged_cache import PagedKVCache, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
@@ -40,55 +45,107 @@ from zoo.math import kv_cache_bytes_per_token
 from zoo.transformer import Transformer
 
 OnTokens = Callable[[list[int]], None]
+Count = int | np.integer  # numpy's integers count too
 
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
 TRACES = collections.Counter()
 
 
-def _forward(
-    model, pages, tokens, valid, table, lengths, rows, logits_at, decode_kernel, placement
-):
-    cache = PagedKVCache(pages, table, lengths, decode_kernel, rows)
+class RowState(eqx.Module):
+    """What the device carries from step to step, per row: the page pools (and rings), the last
+    token (the next step's input), the tokens generated so far and whether the row is done."""
+
+    pages: tuple
+    last: Int[Array, " rows"]
+    count: Int[Array, " rows"]
+    done: Bool[Array, " rows"]
+
+
+class RowParams(eqx.Module):
+    """Each row's request settings on the device, uploaded when a request joins: its sampler,
+    its stop tokens (`-1` pads) and its budget of new tokens."""
+
+    sampling: SamplingParams
+    stops: Int[Array, "rows stops"]
+    budget: Int[Array, " rows"]
+
+
+class StepPlan(eqx.Module):
+    """What the host decided for one step. Decode part: `decoding` rows, each row's `lengths`
+    (tokens it holds before the step) and `table`. Prompt part (`[prefill_rows]`, empty in a
+    decode-only step): each chunk's engine `row`, its `tokens` `[prefill_rows, chunk]`, how many
+    are real (`n`), where it starts (`start`), whether it ends the prompt (`final`, so its last
+    logits give the request's next token) and how many tokens the request had (`had`: more than 0
+    after a preemption)."""
+
+    decoding: Bool[ArrayLike, " rows"]
+    lengths: Int[ArrayLike, " rows"]
+    table: Int[ArrayLike, "rows row_pages"]
+    row: Int[ArrayLike, " chunks"]
+    tokens: Int[ArrayLike, "chunks chunk"]
+    n: Int[ArrayLike, " chunks"]
+    start: Int[ArrayLike, " chunks"]
+    final: Bool[ArrayLike, " chunks"]
+    had: Int[ArrayLike, " chunks"]
+
+
+def _stopped(tokens, stops, count, budget):
+    return jnp.any(tokens[:, None] == stops, axis=1) | (count >= budget)
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
+def _step_program(model, state, params, plan, key, step, *, page_size, placement):
+    """One engine step: decode rows and prompt chunks through one forward, then sampling, stop
+    checks and the rows' state. Returns the state and `[3, rows]` int32: each row's new token,
+    whether it emitted one, whether it is done."""
+    rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
+    TRACES["mixed" if chunks else "decode"] += 1
+    live = plan.decoding & ~state.done
+    in_chunk = jnp.arange(width)[None, :] < plan.n[:, None]
+    tokens = jnp.concatenate([state.last, plan.tokens.reshape(-1)])
+    valid = jnp.concatenate([live, in_chunk.reshape(-1)])
+    last_of_chunk = rows + jnp.arange(chunks) * width + jnp.maximum(plan.n - 1, 0)
+    cache = PagedKVCache(
+        state.pages,
+        jnp.concatenate([plan.table, plan.table[plan.row]]),
+        jnp.concatenate([plan.lengths, plan.start]),
+        rows=jnp.concatenate([jnp.arange(rows), plan.row]),
+        segments=((rows, 1), (chunks, width)) if chunks else ((rows, 1),),
+        kernel=model.policy.decode_kernel,
+        page_size=page_size,
+    )
     with placement.context():
-        out = model.forward(tokens, segment_ids=valid, cache=cache, logits_at=logits_at)
-    return out.logits[:, 0], out.cache.layers
-
-
-@functools.partial(jax.jit, donate_argnums=1, static_argnames=("decode_kernel", "placement"))
-def _prefill_program(
-    model, pages, tokens, n_valid, table, lengths, rows, params, key, *, decode_kernel, placement
-):
-    """Rows `[prefill_rows, chunk]`: row r (the engine's row `rows[r]`) writes its first
-    `n_valid[r]` tokens (none when 0) and samples from the logits of its last one."""
-    TRACES["prefill"] += 1
-    valid = (jnp.arange(tokens.shape[1])[None, :] < n_valid[:, None]).astype(jnp.int32)
-    last = jnp.maximum(n_valid - 1, 0)[:, None]
-    logits, pages = _forward(
-        model, pages, tokens, valid, table, lengths, rows, last, decode_kernel, placement
-    )
-    return pages, sample(logits, params, key)
-
-
-@functools.partial(jax.jit, donate_argnums=1, static_argnames=("decode_kernel", "placement"))
-def _decode_program(
-    model, pages, tokens, active, table, lengths, params, key, *, decode_kernel, placement
-):
-    """Every active row writes one token at its next position and samples the next."""
-    TRACES["decode"] += 1
-    valid = active[:, None].astype(jnp.int32)
-    at = jnp.zeros((tokens.shape[0], 1), jnp.int32)
-    logits, pages = _forward(
-        model, pages, tokens[:, None], valid, table, lengths, None, at, decode_kernel, placement
-    )
-    return pages, sample(logits, params, key)
+        out = model.forward(
+            tokens[:, None], valid=valid[:, None], cache=cache,
+            logits_at=jnp.concatenate([jnp.arange(rows), last_of_chunk]),
+        )  # fmt: skip
+    at = jnp.concatenate([jnp.arange(rows), plan.row])  # each sampled row's params
+    sampling = jax.tree.map(lambda x: x[at], params.sampling)
+    sampled = sample(out.logits, sampling, jax.random.fold_in(key, step))
+    new = sampled[:rows]
+    count = state.count + live
+    done = state.done | (live & _stopped(new, params.stops, count, params.budget))
+    last, emitted = jnp.where(live, new, state.last), live
+    # Rows whose prompt ends here: their first token (chunks that do not end write nothing).
+    row = jnp.where(plan.final, plan.row, rows)
+    first, had = sampled[rows:], plan.had + 1
+    ended = _stopped(first, params.stops[plan.row], had, params.budget[plan.row])
+    last = last.at[row].set(first, mode="drop")
+    new = new.at[row].set(first, mode="drop")
+    count = count.at[row].set(had, mode="drop")
+    done = done.at[row].set(ended, mode="drop")
+    emitted = emitted.at[row].set(True, mode="drop")
+    report = jnp.stack([new, emitted.astype(jnp.int32), done.astype(jnp.int32)])
+    return RowState(out.cache.layers, last, count, done), report
 
 
 @dataclasses.dataclass(eq=False)
 class Request:
     """One submitted prompt. `tokens` grows as the engine generates (ending with the stop token
     that ended it, if any); `done` once finished; `error` if a callback of it failed (the
-    others go on). `ttft_s` and `decode_s` time it: submit to first token, first to last."""
+    others go on). `ttft_s` and `decode_s` time it: submit to first token, first to last (as the
+    host sees them); `preemptions` counts how often the pool ran dry and it was recomputed."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -101,89 +158,129 @@ class Request:
     ttft_s: float | None = None
     decode_s: float | None = None
     reused_tokens: int = 0
+    preemptions: int = 0
     # Engine bookkeeping.
+    order: int = 0  # submission order: the youngest is preempted first
     row: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
-    cached: int = 0  # prompt tokens in the cache
-    reserved: int = 0  # pages reserved and not yet allocated
+    sequence: list[int] = dataclasses.field(default_factory=list)  # what the cache must hold
+    cached: int = 0  # tokens of `sequence` (then of the decode) in the cache, dispatched steps
+    scheduled: int = 0  # tokens the dispatched steps will have emitted
     submitted: float = 0.0
     first_token: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.sequence)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one step did: decode rows, prompt chunks and their real tokens, pages held after
+    it, and the wall time from dispatching it to reading its tokens (the host one step
+    behind: consecutive records overlap)."""
+
+    step: int
+    decode_rows: int
+    chunks: int
+    prompt_tokens: int
+    pages_in_use: int
+    ms: float
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step}: {self.decode_rows} decoding, {self.chunks} prompt chunk(s) "
+            f"({self.prompt_tokens} tokens), {self.pages_in_use} pages held, {self.ms:.1f} ms"
+        )
+
+
+@dataclasses.dataclass
+class _Launched:
+    step: int
+    report: Array
+    owners: list[Request | None]
+    record: StepRecord
+    started: float
+
+
+def _check_count(name: str, value, *, low: int = 1) -> int:
+    """A count argument: an int (numpy's included, bool not) of at least `low`."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"Engine {name} must be an int >= {low}, got {value!r}")
+    return int(value)
 
 
 class Engine:
     """`Engine(model, max_batch=8, max_len=1024)`; `engine.submit(prompt, max_new_tokens=...)`
     returns a `Request`; `engine.run()` steps until every request is done.
 
-    `page_size` tokens per page (a power of two dividing 64); `n_pages` in the pool (default:
-    enough for `max_batch` rows of `max_len`, plus the scratch page); `chunk` prompt tokens per
-    prefill step (a multiple of 16: flash tiles); `prefill_rows` requests prefilled per step;
-    `decode_kernel` a paged attention kernel for decode steps (`PallasDecodeKernel()` on a GPU;
-    default: gather each row's pages and run the model's own kernel); `placement` where the
-    model lives (pools and batches follow it); `window_cache` gives each sliding layer whose
-    window is shorter than `max_len` a ring of its window per row instead of pages
+    `page_size` tokens per page; `n_pages` in the pool (default: enough for `max_batch` rows of
+    `max_len`, plus the scratch page); `chunk` prompt tokens per request per step and
+    `prefill_rows` requests prefilled per step (together the step's prompt budget); `placement`
+    where the model lives (pools and batches follow it); `window_cache` gives each sliding layer
+    whose window is shorter than `max_len` a ring of its window per row instead of pages
     (layers/window_cache.py: Gemma's local layers, Mistral's window); `prefix_sharing` reuses
     full pages of prompts that start alike (a shared system prompt is prefilled once), default
     on unless a layer keeps a ring (a ring holds one row's own tokens, so a shared prefix could
-    not fill it: choose `window_cache=False` to share prefixes); `warm_up` compiles both
-    programs now (an engine of the same configuration compiled before shares them).
+    not fill it: choose `window_cache=False` to share prefixes); `max_stop_tokens` per request;
+    `warm_up` compiles both programs now (an engine of the same configuration compiled before
+    shares them); `log_steps` prints a `StepRecord` per step (`engine.records` keeps them).
 
-    Use a model with unrolled layers (`model.unstacked()`) where per-layer arrays decode faster
-    (XLA:CPU); the engine never copies the weights.
+    The model runs as its policy says (`model.policy`: layer storage, paged decode kernel);
+    `zoo.load_pretrained` gives the fastest decode policy. `engine.model` may be replaced by a
+    model of the same structure between steps (new weights): nothing recompiles. The engine
+    never copies the weights.
     """
 
     def __init__(
         self,
         model: Transformer,
         *,
-        max_batch: int,
-        max_len: int,
-        page_size: int = 16,
-        n_pages: int | None = None,
-        chunk: int = 64,
-        prefill_rows: int = 1,
-        decode_kernel: PallasDecodeKernel | None = None,
+        max_batch: Count,
+        max_len: Count,
+        page_size: Count = 16,
+        n_pages: Count | None = None,
+        chunk: Count = 64,
+        prefill_rows: Count = 1,
         placement: Placement | None = None,
         window_cache: bool = True,
         prefix_sharing: bool | None = None,
+        max_stop_tokens: Count = 16,
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
+        log_steps: bool = False,
     ):
-        for name, value in [("max_batch", max_batch), ("max_len", max_len), ("chunk", chunk),
-                            ("prefill_rows", prefill_rows)]:  # fmt: skip
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Engine {name} must be a positive int, got {value!r}")
-        if page_size < 1 or page_size & (page_size - 1) or 64 % page_size:
-            raise ValueError(
-                f"Engine page_size must be a power of two dividing 64, got {page_size}"
-            )
-        if chunk % 16:
-            raise ValueError(f"Engine chunk must be a multiple of 16 (flash tiles), got {chunk}")
+        if not isinstance(model, Transformer):
+            raise ValueError(f"Engine needs a zoo.Transformer, got {type(model).__name__}")
+        max_batch, max_len = _check_count("max_batch", max_batch), _check_count("max_len", max_len)
+        page_size, chunk = _check_count("page_size", page_size), _check_count("chunk", chunk)
+        prefill_rows = _check_count("prefill_rows", prefill_rows)
+        max_stop_tokens = _check_count("max_stop_tokens", max_stop_tokens)
         if prefill_rows > max_batch:
             raise ValueError(f"Engine prefill_rows={prefill_rows} exceeds max_batch={max_batch}")
         model.config.check_length(max_len, "Engine max_len")
-        if decode_kernel is not None and any(stack.stacked for stack in model.stacks):
-            raise ValueError(
-                "the paged decode kernel reads one layer's pool at a time: give the engine a "
-                "model with unrolled layers (model.unstacked()), or no decode_kernel"
-            )
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
         self.page_size, self.chunk, self.prefill_rows = page_size, chunk, prefill_rows
-        # Each row's table spans a multiple of 64 tokens: the gathered view fits flash's tiles.
-        span = -(-max_len // 64) * 64
-        self.row_pages = span // page_size
-        n_pages = n_pages if n_pages is not None else max_batch * self.row_pages + 1
+        self.row_pages = -(-max_len // page_size)
+        default_pages = max_batch * self.row_pages + 1
+        n_pages = default_pages if n_pages is None else _check_count("n_pages", n_pages, low=2)
         self.pool = PagePool(n_pages, page_size)
-        self.decode_kernel = decode_kernel
         self.placement = placement or Placement()
+        if key is not None and not (
+            isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        ):
+            raise ValueError(f"Engine key must be a jax.random.key(...), got {key!r}")
         self.key = jax.random.key(0) if key is None else key
+        self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
-        self.pages = self.placement.place_arrays(
+        self.records: list[StepRecord] = []
+        pages = self.placement.place_arrays(
             model.init_pages(
                 n_pages, page_size, rows=max_batch if window_cache else 0, span=max_len
             )
         )
-        pools, rings = pools_and_rings(self.pages)
+        pools, rings = pools_and_rings(pages)
         nbytes = lambda layers: sum(x.nbytes for x in jax.tree.leaves(layers))  # noqa: E731
         self.page_bytes, self.ring_bytes = nbytes(pools) // n_pages, nbytes(rings) // max_batch
         if prefix_sharing and self.ring_bytes:
@@ -195,37 +292,39 @@ class Engine:
         self.prefix_sharing = not self.ring_bytes if prefix_sharing is None else prefix_sharing
         self.peak_bytes = 0
         if self.placement.sharded:
-            for rows, what in ((max_batch, "max_batch"), (prefill_rows, "prefill_rows")):
-                spec = self.placement.batch_sharding("batch").spec
-                check_divisible(f"Engine {what}", (rows,), ("batch",), spec,
-                                dict(self.placement.mesh.shape))  # fmt: skip
+            spec = self.placement.batch_sharding("batch").spec
+            mesh = dict(self.placement.mesh.shape)
+            mixed = max_batch + prefill_rows * chunk
+            for rows, what in (
+                (max_batch, "max_batch"),
+                (mixed, "max_batch + prefill_rows * chunk"),
+            ):
+                check_divisible(f"Engine {what}", (rows,), ("batch",), spec, mesh)
         self.table = np.zeros((max_batch, self.row_pages), np.int32)
-        self.lengths = np.zeros(max_batch, np.int32)
         self.rows: list[Request | None] = [None] * max_batch
-        self.waiting: list[Request] = []
-        self._prefill = functools.partial(
-            _prefill_program, decode_kernel=decode_kernel, placement=self.placement
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.submitted = 0
+        self.state = RowState(
+            pages,
+            jnp.zeros(max_batch, jnp.int32),
+            jnp.zeros(max_batch, jnp.int32),
+            jnp.ones(max_batch, bool),
         )
-        self._decode = functools.partial(
-            _decode_program, decode_kernel=decode_kernel, placement=self.placement
+        self._params_host = {
+            "temperature": np.zeros(max_batch, np.float32),
+            "top_k": np.zeros(max_batch, np.int32),
+            "top_p": np.ones(max_batch, np.float32),
+            "min_p": np.zeros(max_batch, np.float32),
+            "stops": np.full((max_batch, max_stop_tokens), -1, np.int32),
+            "budget": np.ones(max_batch, np.int32),
+        }
+        self._params: RowParams | None = None
+        self._launched: _Launched | None = None
+        self._program = functools.partial(
+            _step_program, page_size=page_size, placement=self.placement
         )
         if warm_up:
             self._warm_up()
-
-    def _warm_up(self) -> None:
-        """Compile both programs now (rows idle: nothing written), not on the first request."""
-        rows = self.prefill_rows
-        idle = Greedy().params().broadcast(rows)
-        self.pages, _ = self._prefill(
-            self.model, self.pages, np.zeros((rows, self.chunk), np.int32),
-            np.zeros(rows, np.int32), self.table[:rows], self.lengths[:rows],
-            np.zeros(rows, np.int32), idle, self.key,
-        )  # fmt: skip
-        b = self.max_batch
-        self.pages, _ = self._decode(
-            self.model, self.pages, np.zeros(b, np.int32), np.zeros(b, bool), self.table,
-            self.lengths, Greedy().params().broadcast(b), self.key,
-        )  # fmt: skip
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -235,18 +334,22 @@ class Engine:
 
     def submit(
         self,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | np.ndarray,
         *,
-        max_new_tokens: int,
+        max_new_tokens: Count,
         sampler: Sampler | None = None,
         stop_tokens: Sequence[int] = (),
         on_tokens: OnTokens | None = None,
     ) -> Request:
         """Queue a prompt (a list of token ids). Bad input is a ValueError here, before it can
         disturb anything in flight: an empty prompt, ids outside the vocabulary, a prompt plus
-        `max_new_tokens` beyond `max_len` or beyond the whole page pool."""
+        `max_new_tokens` beyond `max_len` or beyond the whole page pool, more stop tokens than
+        `max_stop_tokens`, a sampler or callback of the wrong type."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         total = row.size + max_new_tokens
         if total > self.max_len:
@@ -254,118 +357,238 @@ class Engine:
                 f"the prompt ({row.size} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
                 f"exceeds the engine's max_len={self.max_len}"
             )
-        if self.pages_needed(row.size, max_new_tokens) > self.pool.usable:
+        need = self.pages_needed(row.size, max_new_tokens)
+        if need > self.pool.usable:
             raise ValueError(
                 f"the prompt ({row.size} tokens) + max_new_tokens ({max_new_tokens}) needs "
-                f"{self.pages_needed(row.size, max_new_tokens)} pages of {self.page_size} tokens "
-                f"but the pool holds {self.pool.usable}; give the engine more n_pages"
+                f"{need} pages of {self.page_size} tokens but the pool holds {self.pool.usable}; "
+                "give the engine more n_pages"
             )
+        if sampler is not None and not isinstance(sampler, Sampler):
+            raise ValueError(
+                f"sampler must be an infer sampler (Greedy(), Temperature(t), TopK(k), TopP(p), "
+                f"MinP(p)), got {sampler!r}"
+            )
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be callable (tokens -> None), got {on_tokens!r}")
+        if isinstance(stop_tokens, str | bytes):
+            raise ValueError(f"stop_tokens must be token ids, got the string {stop_tokens!r}")
         stops = np.asarray(list(stop_tokens)).reshape(-1)
         check_tokens(stops if stops.size else stops.astype(np.int64),
                      self.model.config.vocab_size, "stop_tokens")  # fmt: skip
+        stops = frozenset(int(t) for t in stops)
+        if len(stops) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(stops)} stop tokens, but the engine holds at most max_stop_tokens="
+                f"{self.max_stop_tokens} per request; make the engine with a larger one"
+            )
         request = Request(
             prompt=[int(t) for t in row],
             max_new_tokens=max_new_tokens,
             sampler=sampler if sampler is not None else Greedy(),
-            stop_tokens=frozenset(int(t) for t in stops),
+            stop_tokens=stops,
             on_tokens=on_tokens,
+            order=self.submitted,
             submitted=time.perf_counter(),
         )
         request.sampler.params()  # a bad sampler fails here, not mid-batch
+        self.submitted += 1
         self.waiting.append(request)
         return request
 
     def run(self) -> None:
         """Step until every submitted request (including those submitted meanwhile) is done."""
-        while self.waiting or any(self.rows):
+        while self.waiting or any(self.rows) or self._launched is not None:
             self.step()
 
     # --- one engine step --------------------------------------------------------------------
 
     def step(self) -> None:
-        self._admit()
-        # A request whose prefill ends in this step decodes from the next one.
-        decoding = [r for r in self.rows if r is not None and r.cached == len(r.prompt)]
-        prefilling = [r for r in self.rows if r is not None and r.cached < len(r.prompt)]
-        if prefilling:
-            self._prefill_chunk(prefilling[: self.prefill_rows])
-        decoding = [r for r in decoding if not r.done]
-        if decoding:
-            self._decode_rows(decoding)
-        self.steps += 1
-        self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
+        """Dispatch the next step (when there is work), then read the previous step's tokens:
+        the host runs one step behind the device."""
+        launched = self._dispatch()
+        if self._launched is not None:
+            self._consume(self._launched)
+        self._launched = launched
+
+    def _warm_up(self) -> None:
+        """Compile both programs now (every row idle: nothing written, nothing emitted)."""
+        for chunks in (0, self.prefill_rows):
+            plan = self._plan([], [], chunks)
+            self.state, report = self._program(
+                self.model, self.state, self._row_params(), plan, self.key, np.int32(0)
+            )
+        report.block_until_ready()
 
     def _admit(self) -> None:
-        """Waiting requests, oldest first, into free rows while the pool can hold them."""
+        """Waiting requests, oldest first (preempted ones are at the head), into free rows
+        while the pool holds their prompt and their first new token."""
         while self.waiting and None in self.rows:
             request = self.waiting[0]
-            shared = self._shared_prefix(request)
-            need = self.pages_needed(len(request.prompt), request.max_new_tokens) - len(shared)
-            if not self.pool.reserve(need):
+            sequence = request.prompt + request.tokens
+            shared = self._shared_prefix(sequence)
+            need = -(-(len(sequence) + 1) // self.page_size) - len(shared)
+            if need > self.pool.available():
                 self.pool.release(shared)
                 return
-            self.waiting.pop(0)
-            request.row, request.reserved, request.pages = self.rows.index(None), need, shared
+            self.waiting.popleft()
+            row = self.rows.index(None)
+            request.row, request.pages, request.sequence = row, shared, sequence
             request.cached = request.reused_tokens = len(shared) * self.page_size
-            self.rows[request.row] = request
-            self.table[request.row] = 0
-            self.table[request.row, : len(shared)] = shared
-            self.lengths[request.row] = request.cached
+            request.scheduled = len(request.tokens)
+            self.rows[row] = request
+            self.table[row] = 0
+            self.table[row, : len(shared)] = shared
+            self._set_params(row, request)
 
-    def _shared_prefix(self, request: Request) -> list[int]:
-        """Cached pages of the prompt's leading full pages; at least one prompt token is left
-        to compute (its logits give the first new token)."""
+    def _shared_prefix(self, sequence: list[int]) -> list[int]:
+        """Cached pages of the sequence's leading full pages; at least one token is left to
+        compute (its logits give the next token)."""
         if not self.prefix_sharing:
             return []
         shared = []
-        for key in self.pool.prefix_keys(request.prompt[:-1]):
+        for key in self.pool.prefix_keys(sequence[:-1]):
             page = self.pool.lookup(key)
             if page is None:
                 break
             shared.append(page)
         return shared
 
-    def _cover(self, request: Request, n_tokens: int) -> None:
-        """Allocate pages until the request's first `n_tokens` positions have one."""
+    def _set_params(self, row: int, request: Request) -> None:
+        params, host = request.sampler.params(), self._params_host
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            host[name][row] = np.asarray(getattr(params, name))[0]
+        host["stops"][row] = -1
+        host["stops"][row, : len(request.stop_tokens)] = sorted(request.stop_tokens)
+        host["budget"][row] = request.max_new_tokens
+        self._params = None  # uploaded again before the next step
+
+    def _row_params(self) -> RowParams:
+        """The rows' settings on the device (uploaded only after a request joined)."""
+        if self._params is None:
+            host = jax.device_put(self._params_host)
+            sampling = SamplingParams(
+                temperature=host["temperature"], top_k=host["top_k"], top_p=host["top_p"],
+                min_p=host["min_p"],
+            )  # fmt: skip
+            self._params = RowParams(sampling, host["stops"], host["budget"])
+        return self._params
+
+    def _cover(self, request: Request, n_tokens: int) -> bool:
+        """Pages until the request's first `n_tokens` positions have one; False when the pool
+        is dry (what it got so far stays with it)."""
         while len(request.pages) * self.page_size < n_tokens:
             page = self.pool.allocate()
-            request.reserved -= 1
+            if page is None:
+                return False
             self.table[request.row, len(request.pages)] = page
             request.pages.append(page)
+        return True
 
-    def _params(self, requests: list[Request | None]) -> SamplingParams:
-        rows = [(r.sampler if r is not None else Greedy()).params() for r in requests]
-        return jax.tree.map(lambda *x: jnp.concatenate(x), *rows)
+    def _preempt(self, request: Request) -> None:
+        """Back to the head of the queue, pages returned; recomputed from its prompt and the
+        tokens it has when it is admitted again (a step in flight may still add one)."""
+        self.pool.release(request.pages)
+        self.rows[request.row] = None
+        request.row, request.pages, request.cached = -1, [], 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
 
-    def _next_key(self) -> PRNGKeyArray:
-        return jax.random.fold_in(self.key, self.steps)
+    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """This step's decode rows and prompt chunks, with their pages: oldest requests first;
+        when the pool is dry the youngest running request is preempted."""
+        running = sorted((r for r in self.rows if r is not None), key=lambda r: r.order)
+        decode, chunks = [], []
+        for request in running:
+            if request.row < 0:  # preempted below for an older request
+                continue
+            if request.prefilling:
+                if len(chunks) == self.prefill_rows:
+                    continue
+                n = min(self.chunk, len(request.sequence) - request.cached)
+                need = request.cached + n
+            elif request.scheduled < request.max_new_tokens:
+                n, need = 0, request.cached + 1
+            else:
+                continue  # its budget is spent; the device reports it done
+            while not self._cover(request, need):
+                victim = max((r for r in self.rows if r is not None), key=lambda r: r.order)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.row < 0:
+                continue
+            if n:
+                chunks.append((request, n))
+            else:
+                decode.append(request)
+        # Victims are always younger than the request that needed the page, so none of them
+        # was scheduled before it.
+        return decode, chunks
 
-    def _prefill_chunk(self, requests: list[Request]) -> None:
-        rows = self.prefill_rows
-        tokens = np.zeros((rows, self.chunk), np.int32)
-        n_valid = np.zeros(rows, np.int32)
-        table = np.zeros((rows, self.row_pages), np.int32)
-        lengths, owners = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        for i, r in enumerate(requests):
-            n = min(self.chunk, len(r.prompt) - r.cached)
-            self._cover(r, r.cached + n)
-            tokens[i, :n] = r.prompt[r.cached : r.cached + n]
-            n_valid[i], table[i], lengths[i], owners[i] = n, self.table[r.row], r.cached, r.row
-        padded = requests + [None] * (rows - len(requests))
-        self.pages, first = self._prefill(
-            self.model, self.pages, tokens, n_valid, table, lengths, owners,
-            self._params(padded), self._next_key(),
-        )  # fmt: skip
-        first = np.asarray(first)
-        for i, r in enumerate(requests):
-            r.cached += int(n_valid[i])
-            self.prefill_tokens += int(n_valid[i])
-            self.lengths[r.row] = r.cached
-            if r.cached == len(r.prompt):
-                self._share_pages(r, r.prompt)
-                r.first_token = time.perf_counter()
-                r.ttft_s = r.first_token - r.submitted
-                self._emit(r, int(first[i]))
+    def _plan(self, decode: list[Request], chunks: list[tuple[Request, int]], width: int):
+        rows, size = self.max_batch, self.chunk
+        plan = {
+            "decoding": np.zeros(rows, bool),
+            "lengths": np.zeros(rows, np.int32),
+            "table": self.table.copy(),
+            "row": np.zeros(width, np.int32),
+            "tokens": np.zeros((width, size), np.int32),
+            "n": np.zeros(width, np.int32),
+            "start": np.zeros(width, np.int32),
+            "final": np.zeros(width, bool),
+            "had": np.zeros(width, np.int32),
+        }
+        for r in decode:
+            plan["decoding"][r.row], plan["lengths"][r.row] = True, r.cached
+        for i, (r, n) in enumerate(chunks):
+            plan["row"][i], plan["n"][i], plan["start"][i] = r.row, n, r.cached
+            plan["tokens"][i, :n] = r.sequence[r.cached : r.cached + n]
+            plan["final"][i] = r.cached + n == len(r.sequence)
+            plan["had"][i] = len(r.sequence) - len(r.prompt)
+        return StepPlan(**plan)
+
+    def _dispatch(self) -> _Launched | None:
+        """Admit, schedule, launch this step's program (without waiting for it)."""
+        self._admit()
+        decode, chunks = self._schedule()
+        if not decode and not chunks:
+            return None
+        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0)
+        self.state, report = self._program(
+            self.model, self.state, self._row_params(), plan, self.key, np.int32(self.steps)
+        )
+        owners = list(self.rows)
+        for r in decode:
+            r.cached += 1
+            r.scheduled += 1
+        for r, n in chunks:
+            r.cached += n
+            self.prefill_tokens += n
+            if not r.prefilling:
+                r.scheduled += 1
+                self._share_pages(r, r.sequence)
+        record = StepRecord(
+            self.steps, len(decode), len(chunks), sum(n for _, n in chunks), self.pool.in_use, 0.0
+        )
+        self.steps += 1
+        self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
+        return _Launched(record.step, report, owners, record, time.perf_counter())
+
+    def _consume(self, launched: _Launched) -> None:
+        """Read a dispatched step's tokens (waiting for it) and act on them: record, stream,
+        finish the requests the device found done."""
+        tokens, emitted, done = np.asarray(launched.report)
+        record = dataclasses.replace(
+            launched.record, ms=(time.perf_counter() - launched.started) * 1e3
+        )
+        self.records.append(record)
+        if self.log_steps:
+            print(record, flush=True)
+        for row, request in enumerate(launched.owners):
+            if request is None or request.done or not emitted[row]:
+                continue
+            self._emit(request, int(tokens[row]), bool(done[row]))
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""
@@ -373,47 +596,40 @@ class Engine:
             for key, page in zip(self.pool.prefix_keys(tokens), request.pages, strict=False):
                 self.pool.share(key, page)
 
-    def _decode_rows(self, requests: list[Request]) -> None:
-        tokens = np.zeros(self.max_batch, np.int32)
-        active = np.zeros(self.max_batch, bool)
-        for r in requests:
-            self._cover(r, int(self.lengths[r.row]) + 1)
-            tokens[r.row], active[r.row] = r.tokens[-1], True
-        self.pages, new = self._decode(
-            self.model, self.pages, tokens, active, self.table, self.lengths,
-            self._params(self.rows), self._next_key(),
-        )  # fmt: skip
-        new = np.asarray(new)
-        for r in requests:
-            self.lengths[r.row] += 1
-            self._emit(r, int(new[r.row]))
-
-    def _emit(self, request: Request, token: int) -> None:
-        """Record a new token, stream it, and finish the request at a stop token or its
-        budget (a failing callback finishes only its own request)."""
+    def _emit(self, request: Request, token: int, done: bool) -> None:
+        """Record a new token, stream it, and finish the request when the device says it is
+        done (a failing callback finishes only its own request)."""
+        now = time.perf_counter()
+        if not request.tokens:
+            request.first_token = now
+            request.ttft_s = now - request.submitted
         request.tokens.append(token)
         if request.on_tokens is not None:
             try:
                 request.on_tokens([token])
             except Exception as error:
                 request.error = error
-                self._finish(request)
+                self._finish(request, share=False)
                 return
-        if token in request.stop_tokens or len(request.tokens) >= request.max_new_tokens:
-            self._finish(request)
+        if done:
+            self._finish(request, share=True)
 
-    def _finish(self, request: Request) -> None:
-        # What the request wrote (its prompt and all but its last new token) stays reusable:
-        # the next turn of a conversation starts with it.
-        written = int(self.lengths[request.row])
-        self._share_pages(request, (request.prompt + request.tokens)[:written])
+    def _finish(self, request: Request, *, share: bool) -> None:
+        """Free the request's row and pages. What it wrote (its prompt and all but its last new
+        token) stays reusable when the device finished it (`share`): the next turn of a
+        conversation starts with it. A request the host ends (a failing callback) may still be
+        written by the step in flight, so its pages are not offered."""
         request.done = True
         request.decode_s = time.perf_counter() - request.first_token
+        if request.row < 0:  # preempted: waiting to be recomputed
+            self.waiting.remove(request)
+            return
+        if share:
+            written = len(request.prompt) + len(request.tokens) - 1
+            self._share_pages(request, (request.prompt + request.tokens)[:written])
         self.pool.release(request.pages)
-        self.pool.unreserve(request.reserved)
         self.rows[request.row] = None
-        self.lengths[request.row] = 0
-        request.pages, request.reserved = [], 0
+        request.row, request.pages = -1, []
 
     # --- what it holds ----------------------------------------------------------------------
 

@@ -47,10 +47,12 @@ def generate(
     max_new_tokens, rounded up to a multiple of 256, at most the model's max_seq_len). Bad input
     is a ValueError before anything runs.
 
-    Decode runs over the model's layer storage as it is: `model.unstacked()` (once, kept) runs
-    faster per token where slicing stacked weights copies them (bench/decode_layout.py); nothing
-    copies the weights. Sharded generation: give the `placement` the model was created or
-    loaded in (`shard.Placement(mesh, rules)`); the rows must divide by the mesh's batch axes.
+    Decode runs as the model's policy says: `zoo.load_pretrained` gives one array per layer,
+    the fastest decode (`Policy.inference`); a model built for training (stacked layers) works
+    the same, slower per token where slicing a stacked weight copies it (XLA:CPU;
+    `model.with_policy(storage="unrolled")` converts once). Nothing copies the weights per call.
+    Sharded generation: give the `placement` the model was created or loaded in
+    (`shard.Placement(mesh, rules)`); the rows must divide by the mesh's batch axes.
     """
     config = model.config
     rows = check_prompts(prompts, config.vocab_size)

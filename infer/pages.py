@@ -1,9 +1,9 @@
-"""Host bookkeeping of the paged KV cache's page pool: which pages are free, which hold a shared
-prompt prefix, and how many a running request may still need.
+"""Host bookkeeping of the paged KV cache's page pool: which pages are free and which hold a
+shared prompt prefix.
 
-Pages are allocated as tokens arrive (memory follows the tokens held), while admission reserves
-each request's worst case (prompt + max_new_tokens) so a running request never finds the pool
-empty: requests that do not fit yet wait their turn.
+Pages are allocated as tokens arrive (memory follows the tokens held). Nothing is reserved ahead:
+the engine admits a request when its prompt fits, and when the pool runs dry mid-decode it
+preempts its youngest request (infer/engine.py), which returns its pages and is recomputed later.
 
 Prefix reuse: a full page of prompt tokens is keyed by every token up to its end (a chain of
 page-sized token tuples), so two prompts share a page only when they agree on everything before
@@ -30,7 +30,6 @@ class PagePool:
         self.cached: dict[PrefixKey, int] = {}
         self.key_of: dict[int, PrefixKey] = {}
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU cache
-        self.reserved = 0
 
     @property
     def usable(self) -> int:
@@ -43,26 +42,19 @@ class PagePool:
         return len(self.refs)
 
     def available(self) -> int:
-        """Pages a new reservation may still count on: free, or cached and held by nobody."""
-        return len(self.free) + len(self.idle) - self.reserved
+        """Pages that can be handed out now: free, or cached and held by nobody."""
+        return len(self.free) + len(self.idle)
 
-    def reserve(self, n: int) -> bool:
-        if n > self.available():
-            return False
-        self.reserved += n
-        return True
-
-    def unreserve(self, n: int) -> None:
-        self.reserved -= n
-
-    def allocate(self) -> int:
-        """A fresh page for one reserved token-page (the caller's reservation shrinks by one)."""
+    def allocate(self) -> int | None:
+        """A fresh page (evicting the least recently used idle prefix if none is free), or None
+        when every page is held."""
         if self.free:
             page = self.free.pop()
-        else:
-            page, _ = self.idle.popitem(last=False)  # evict the least recently used prefix
+        elif self.idle:
+            page, _ = self.idle.popitem(last=False)
             del self.cached[self.key_of.pop(page)]
-        self.reserved -= 1
+        else:
+            return None
         self.refs[page] = 1
         return page
 

@@ -1,6 +1,7 @@
 """Prefill (a whole prompt block into the cache) and one decode step: the model's own forward
-with a KV cache (`Transformer.forward(..., cache=)`), jitted with the cache donated, so the cache
-is updated in place, never copied. infer/ only orchestrates; the model computes."""
+with a paged KV cache (`model.init_cache`, `Transformer.forward(..., cache=)`), jitted with the
+cache donated, so the cache is updated in place, never copied. infer/ only orchestrates; the model
+computes. Also the checks of token ids and prompts that every entry point of infer/ shares."""
 
 import functools
 
@@ -9,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from layers.kv_cache import KVCache
+from layers.paged_cache import PagedKVCache
 from zoo.transformer import Transformer
 
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _prefill(model, tokens, valid, cache):
-    out = model.forward(tokens, segment_ids=valid.astype(jnp.int32), cache=cache)
+    out = model.forward(tokens, valid=valid, cache=cache)
     return out.logits, out.cache
 
 
@@ -69,11 +70,11 @@ def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
     return rows
 
 
-def _check_room(cache: KVCache, n: int) -> None:
-    slot = int(cache.slot)
-    if slot + n > cache.max_len:
+def _check_room(cache: PagedKVCache, n: int) -> None:
+    held = int(np.max(np.asarray(cache.lengths)))
+    if held + n > cache.max_len:
         raise ValueError(
-            f"{n} new token(s) after {slot} cached ones do not fit the KV cache "
+            f"{n} new token(s) after {held} cached ones do not fit the KV cache "
             f"(max_len={cache.max_len}); make a larger cache with model.init_cache"
         )
 
@@ -81,26 +82,25 @@ def _check_room(cache: KVCache, n: int) -> None:
 def prefill(
     model: Transformer,
     tokens: Int[Array, "batch seq"],
-    cache: KVCache,
+    cache: PagedKVCache,
     *,
     lengths: Int[Array, " batch"] | None = None,
-) -> tuple[Float[Array, "batch seq vocab"], KVCache]:
+) -> tuple[Float[Array, "batch seq vocab"], PagedKVCache]:
     """Run a prompt block through the model, filling the cache; logits for every position.
 
     Rows shorter than `seq` are left-padded: `lengths[b]` real tokens sit at the end of row b
     (default: every token is real). The padding's logits are meaningless.
     """
     host = np.asarray(tokens)
-    if host.ndim != 2 or host.shape[0] != cache.batch:
-        raise ValueError(
-            f"prefill tokens must be [batch={cache.batch}, seq], got shape {host.shape}"
-        )
+    batch = cache.page_table.shape[0]
+    if host.ndim != 2 or host.shape[0] != batch:
+        raise ValueError(f"prefill tokens must be [batch={batch}, seq], got shape {host.shape}")
     if host.shape[1] == 0:
         raise ValueError("prefill got an empty prompt (seq = 0); give at least one token")
     check_tokens(host, model.config.vocab_size, "prefill tokens")
     _check_room(cache, host.shape[1])
     seq = host.shape[1]
-    lengths = np.full(cache.batch, seq) if lengths is None else np.asarray(lengths)
+    lengths = np.full(batch, seq) if lengths is None else np.asarray(lengths)
     if lengths.min() < 1 or lengths.max() > seq:
         raise ValueError(f"prefill lengths must be in [1, seq={seq}], got {lengths.tolist()}")
     valid = np.arange(seq)[None, :] >= (seq - lengths)[:, None]
@@ -108,15 +108,16 @@ def prefill(
 
 
 def decode_step(
-    model: Transformer, token: Int[Array, " batch"], cache: KVCache
-) -> tuple[Float[Array, "batch vocab"], KVCache]:
+    model: Transformer, token: Int[Array, " batch"], cache: PagedKVCache
+) -> tuple[Float[Array, "batch vocab"], PagedKVCache]:
     """One token per row through the model at each row's next position; next-token logits.
 
-    Checks the token ids and the cache's room on the host (one sync); `generate` runs the
-    unchecked step inside its on-device loop instead."""
+    Checks the token ids and the cache's room on the host (one sync); the serving engine runs
+    its own step with the checks done at submit instead."""
     host = np.asarray(token)
-    if host.shape != (cache.batch,):
-        raise ValueError(f"decode_step token must be [batch={cache.batch}], got {host.shape}")
+    batch = cache.page_table.shape[0]
+    if host.shape != (batch,):
+        raise ValueError(f"decode_step token must be [batch={batch}], got {host.shape}")
     check_tokens(host, model.config.vocab_size, "decode_step token")
     _check_room(cache, 1)
     return _decode_step(model, jnp.asarray(host, jnp.int32), cache)

@@ -11,7 +11,7 @@ from layers.lora import LoRA
 from layers.mlp import MLP, SwiGLU
 from layers.moe import MoE
 from layers.norm import LayerNorm, RMSNorm
-from layers.quantized import QuantizedLinear
+from layers.quantized import QuantizedEmbedding, QuantizedLinear
 from layers.rotary import RopeScaling, apply_rotary, rotary_frequencies
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "Linear",
     "LoRA",
     "MoE",
+    "QuantizedEmbedding",
     "QuantizedLinear",
     "RMSNorm",
     "RopeScaling",

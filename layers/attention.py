@@ -3,7 +3,6 @@ MQA when n_kv_heads == 1), optional QK-norm, rotary positions, a pluggable kerne
 KV cache; Gemma's score scale (query_pre_attn_scalar) and score soft-capping (Gemma 2)."""
 
 import math
-from typing import Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -12,18 +11,10 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from layers.kernels import AttentionKernel, AttentionMask
+from layers.kv_cache import LayerView
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
-
-
-@runtime_checkable
-class CacheView(Protocol):
-    """One layer's view of a KV cache: writes this step's keys and values, then attends."""
-
-    def attend(
-        self, q, k, v, mask: AttentionMask, kernel: AttentionKernel, *, softcap=None
-    ) -> tuple: ...
 
 
 class Attention(eqx.Module):
@@ -148,6 +139,28 @@ class Attention(eqx.Module):
             is_leaf=lambda x: x is None,
         )
 
+    def unfused(self) -> "Attention":
+        """The inverse of `fused`: q, k and v as separate projections again (a copy)."""
+        if self.qkv_proj is None:
+            return self
+        group = self.n_heads // self.n_kv_heads
+
+        def split(x):  # [..., kv_heads, group + 2, head_dim] -> q, k, v
+            q = x[..., :group, :].reshape(*x.shape[:-3], self.n_heads, self.head_dim)
+            return q, x[..., group, :], x[..., group + 1, :]
+
+        weights = split(self.qkv_proj.weight)
+        biases = (None,) * 3 if self.qkv_proj.bias is None else split(self.qkv_proj.bias)
+        axes = [("embed", "heads", "head_dim")] + [("embed", "kv_heads", "head_dim")] * 2
+        q, k, v = (Linear.of(w, b, n_in=1, axes=a)
+                   for w, b, a in zip(weights, biases, axes, strict=True))  # fmt: skip
+        return eqx.tree_at(
+            lambda a: (a.q_proj, a.k_proj, a.v_proj, a.qkv_proj),
+            self,
+            (q, k, v, None),
+            is_leaf=lambda x: x is None,
+        )
+
     def project(
         self,
         x: Float[Array, "batch seq embed"],
@@ -181,15 +194,14 @@ class Attention(eqx.Module):
         rope: tuple[Float[Array, "batch seq half"], Float[Array, "batch seq half"]] | None = None,
         *,
         kernel: AttentionKernel,
-        cache: CacheView | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], CacheView | None]:
-        """(output, updated cache view or None). With a `cache` (a layer's view of a KV cache:
-        `layers.kv_cache.KVSlot`, `layers.paged_cache.PagedSlot` or, for a sliding layer's ring,
-        `layers.window_cache.WindowSlot`), this step's keys and values
-        are written into it and attention runs over everything it holds (the mask hides the
-        empty slots)."""
+        cache: LayerView | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], LayerView | None]:
+        """(output, updated cache view or None). Without a cache `kernel` attends under `mask`;
+        with one (a layer's view of the KV cache, layers/kv_cache.py) this call's keys and values
+        are written into it and attention runs over everything its rows hold, within the mask's
+        window (the cache's own paged kernels: `kernel` is for uncached calls)."""
         q, k, v = self.project(x, rope)
         if cache is None:
             return self.o_proj(kernel(q, k, v, mask, softcap=self.softcap)), None
-        out, cache = cache.attend(q, k, v, mask, kernel, softcap=self.softcap)
+        out, cache = cache.attend(q, k, v, window=mask.sliding_window, softcap=self.softcap)
         return self.o_proj(out), cache

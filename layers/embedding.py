@@ -24,6 +24,13 @@ class Embedding(eqx.Module):
     ):
         self.weight = (init_std * jax.random.normal(key, (vocab_size, d_model))).astype(dtype)
 
+    @staticmethod
+    def of(weight: Float[Array, "vocab embed"]) -> "Embedding":
+        """An Embedding holding this table (no initialisation)."""
+        embedding = object.__new__(Embedding)
+        object.__setattr__(embedding, "weight", weight)
+        return embedding
+
     def __call__(
         self, tokens: Int[Array, "batch seq"], *, dtype: DTypeLike = jnp.float32
     ) -> Float[Array, "batch seq embed"]:

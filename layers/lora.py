@@ -113,8 +113,10 @@ class LoRA(eqx.Module):
         function up to float rounding, with no adapter left."""
         if not isinstance(self.base, Linear):
             raise TypeError(
-                f"merging a LoRA needs a Linear base to fold the update into, not "
-                f"{type(self.base).__name__}"
+                f"merging a LoRA needs a Linear base to fold the update into, not a "
+                f"{type(self.base).__name__}: its packed weight cannot hold the update; merge "
+                "into the float model (zoo.dequantize(model), then merge_adapter), or keep the "
+                "adapter apart"
             )
         weight = self.base.weight
         merged = (weight.astype(jnp.float32) + self.delta()).astype(weight.dtype)

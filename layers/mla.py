@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from layers.attention import CacheView
 from layers.kernels import AttentionKernel, AttentionMask
+from layers.kv_cache import LayerView
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from layers.rotary import apply_rotary
@@ -192,8 +192,8 @@ class MLA(eqx.Module):
         rope: Rope | None = None,
         *,
         kernel: AttentionKernel,
-        cache: CacheView | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], CacheView | None]:
+        cache: LayerView | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], LayerView | None]:
         """(output, updated cache view or None): expanded without a cache, absorbed with one
         (the view's `attend_latent` stores this step's latents and attends over all)."""
         if rope is None:
@@ -201,10 +201,6 @@ class MLA(eqx.Module):
         q_nope, q_pe, latent = self.project(x, rope)
         if cache is None:
             return self.o_proj(self._expanded(q_nope, q_pe, latent, mask, kernel)), None
-        if not hasattr(cache, "attend_latent"):
-            raise ValueError(
-                f"MLA needs a latent KV cache; got a {type(cache).__name__} without "
-                "attend_latent (build the cache with Transformer.init_cache / init_pages)"
-            )
-        out, cache = cache.attend_latent(self._absorbed_query(q_nope, q_pe), latent, mask, kernel)
+        query = self._absorbed_query(q_nope, q_pe)
+        out, cache = cache.attend_latent(query, latent, window=mask.sliding_window)
         return self.o_proj(self._absorbed_output(out)), cache

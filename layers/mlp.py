@@ -118,6 +118,23 @@ class SwiGLU(eqx.Module):
             is_leaf=lambda x: x is None,
         )
 
+    def unfused(self) -> "SwiGLU":
+        """The inverse of `fused`: gate and up as separate projections again (a copy)."""
+        if self.gate_up is None:
+            return self
+        w, b = self.gate_up.weight, self.gate_up.bias
+        gate, up = (
+            Linear.of(w[..., i, :], None if b is None else b[..., i, :], n_in=1,
+                      axes=("embed", "mlp"))
+            for i in (0, 1)
+        )  # fmt: skip
+        return eqx.tree_at(
+            lambda m: (m.gate, m.up, m.gate_up),
+            self,
+            (gate, up, None),
+            is_leaf=lambda x: x is None,
+        )
+
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         if self.gate_up is None:
             gate, up = self.gate(x), self.up(x)

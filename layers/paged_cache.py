@@ -1,18 +1,22 @@
-"""The paged KV cache: every layer's keys and values in a pool of fixed-size pages shared by all
-rows, and a page table per row (vLLM's PagedAttention, Kwon et al. 2023), so memory follows the
-tokens actually held rather than `batch x max_len`. The pool layout is
-layers/kernels/paged/pages.py's: `[kv_heads, pages, page_size, head_dim]` per layer (with leading
-stacked dims when the model's layers are stacked).
+"""The paged KV cache, the one cache family (layers/kv_cache.py's contract): every layer's keys and
+values in a pool of fixed-size pages shared by all rows, and a page table per row (vLLM's
+PagedAttention, Kwon et al. 2023), so memory follows the tokens actually held rather than
+`batch x max_len`. The pool layout is layers/kernels/paged/pages.py's: `[kv_heads, pages,
+page_size, head_dim]` per layer (with leading stacked dims when the model's layers are stacked).
 
 MLA layers (layers/mla.py) keep one pool, `LatentPages`: the latents `[1, pages, page_size,
-latent]` in the same layout with a single K/V head, passed to the kernels as keys and values.
+latent]` in the same layout with a single K/V head, read as both keys and values. A sliding layer
+whose window is shorter than a row's span keeps a `LayerWindow`, a ring of its window per row
+(layers/window_cache.py), instead of pages.
 
-The model's forward takes it like the contiguous cache (layers/kv_cache.py's protocol): `append`
-numbers the new tokens from each row's length; each layer's `PagedSlot` scatters the new keys and
-values into the row's pages, then attends. A decode step (one query per row) runs the
-`decode_kernel` over the pages when one is given (the Pallas kernel on GPU); otherwise, and for
-prefill chunks, the row's pages are gathered into a contiguous view and the model's own kernel
-(naive, xla or flash) runs on it, so every kernel serves every prompt length.
+A call's tokens form groups (layers/token_groups.py), each continuing one row of the page table:
+`model.init_cache(batch, max_len)` gives one group per batch row (prefill and decode as in any
+framework), the serving engine one group per decoding request and one per prompt chunk in the
+same call. Each layer's `PagedSlot` scatters the new keys and values into the rows' pages, then
+attends with `paged_attention` over the blocks of pages that hold visible keys: the decode
+kernel (`XlaPagedKernel()`, or the Pallas `PallasDecodeKernel()` on a GPU) for groups of one
+token, the XLA path for longer groups. Nothing reads a row's pages past its length, so a step
+costs the tokens the rows hold, not `max_len`.
 
 The page table and the lengths are host-managed (infer/engine.py allocates and frees pages): they
 are arguments of each call, so new tables never recompile anything.
@@ -24,9 +28,10 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
-from layers.kernels import AttentionMask
-from layers.kernels.paged import PallasDecodeKernel, paged_attention
+from layers.kernels.mask import causal_mask
+from layers.kernels.paged import PagedKernel, XlaPagedKernel, paged_attention, write_pages
 from layers.kv_cache import Appended
+from layers.token_groups import Segments, TokenGroups, check_segments
 from layers.window_cache import LayerWindow, WindowSlot
 
 POOL_AXES = ("kv_heads", "pages", "page_size", "head_dim")
@@ -64,99 +69,89 @@ class LatentPages(eqx.Module):
         return {"c": ("latent_heads", "pages", "page_size", "latent")}
 
 
+def _prefill_kernel(kernel: PagedKernel) -> XlaPagedKernel:
+    """Groups of several tokens always take the XLA path (the Pallas kernel decodes only)."""
+    return kernel if isinstance(kernel, XlaPagedKernel) else XlaPagedKernel()
+
+
 class PagedSlot(eqx.Module):
     """One layer's view for one call: its pools (`pages`, with `layer` its index when stacked),
-    the rows' page tables and lengths (after this call's tokens), and the new tokens' positions
-    and validity."""
+    the page table, the call's token groups and the paged kernel for one-token groups."""
 
     pages: LayerPages | LatentPages
     layer: Int[Array, ""] | None
-    page_table: Int[Array, "batch row_pages"]
-    lengths: Int[Array, " batch"]
-    positions: Int[Array, "batch seq"]
-    valid: Bool[Array, "batch seq"]
-    decode_kernel: PallasDecodeKernel | None = eqx.field(static=True)
+    page_table: Int[Array, "groups row_pages"]
+    call: TokenGroups
+    kernel: PagedKernel = eqx.field(static=True)
 
     @property
-    def kv(self) -> LayerPages | LatentPages:
+    def arrays(self) -> LayerPages | LatentPages:
         return self.pages
 
-    def _write(self, pool, new):
-        """Scatter `new` [batch, seq, kv_heads, head_dim] into `pool` at the tokens' pages and
-        offsets; padding and positions past a row's table write nothing (mode="drop")."""
-        page_size, n_pages = pool.shape[-2], pool.shape[-3]
-        row_pages = self.page_table.shape[1]
-        slot = self.positions // page_size
-        keep = self.valid & (self.positions >= 0) & (slot < row_pages)
-        page = jnp.take_along_axis(self.page_table, jnp.clip(slot, 0, row_pages - 1), axis=1)
-        page = jnp.where(keep, page, n_pages)  # out of bounds: dropped
-        offset = self.positions % page_size
-        new = new.astype(pool.dtype)
-        if self.layer is None:  # pool[:, page, offset] is [kv_heads, batch, seq, head_dim]
-            return pool.at[:, page, offset].set(jnp.transpose(new, (2, 0, 1, 3)), mode="drop")
-        # With the layer index apart from page/offset, NumPy indexing puts [batch, seq] first.
-        return pool.at[self.layer, :, page, offset].set(new, mode="drop")
+    def _write(self, pool, new: Float[Array, "batch seq kv_heads head_dim"]):
+        flat = new.reshape(-1, *new.shape[2:])
+        call = self.call
+        return write_pages(
+            pool, self.page_table, call.group, call.positions, flat, call.valid, layer=self.layer
+        )
 
-    def _contiguous(self, pool) -> Float[Array, "batch kv_seq kv_heads head_dim"]:
-        """The rows' pages as one `[batch, row_pages * page_size, kv_heads, head_dim]` view."""
-        if self.layer is None:
-            pages = pool[:, self.page_table]  # [kv_heads, batch, row_pages, page_size, d]
-            pages = jnp.moveaxis(pages, 0, 3)
-        else:
-            pages = pool[self.layer, :, self.page_table]  # [batch, row_pages, kv, page_size, d]
-            pages = jnp.swapaxes(pages, 2, 3)
-        b, p, page_size, kv, d = pages.shape
-        return pages.reshape(b, p * page_size, kv, d)
+    def _attend(self, q, k_pool, v_pool, window, softcap):
+        """Each run of groups against the pools (already written); `[batch, seq, heads, d]`."""
+        flat = q.reshape(-1, *q.shape[2:])
+        outs = []
+        for start, first, n, s in self.call.runs():
+            out = paged_attention(
+                flat[start : start + n * s].reshape(n, s, *flat.shape[1:]),
+                k_pool,
+                v_pool,
+                self.page_table[first : first + n],
+                self.call.after[first : first + n],
+                q_positions=self.call.positions[start : start + n * s].reshape(n, s),
+                sliding_window=window,
+                softcap=softcap,
+                kernel=self.kernel if s == 1 else _prefill_kernel(self.kernel),
+                layer=self.layer,
+            )
+            outs.append(out.reshape(n * s, *out.shape[2:]))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        return out.reshape(*q.shape[:2], *out.shape[1:])
 
     def attend(
         self,
         q: Float[Array, "batch seq heads head_dim"],
         k: Float[Array, "batch seq kv_heads head_dim"],
         v: Float[Array, "batch seq kv_heads head_dim"],
-        mask: AttentionMask,
-        kernel,
         *,
+        window: Int[Array, ""] | int | None,
         softcap: float | None = None,
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "PagedSlot"]:
-        """Write k, v into the pages, then attend (`_attend_pools`)."""
+        if not isinstance(self.pages, LayerPages):
+            raise ValueError(
+                "a layer with per-head keys and values got MLA's latent pool; build the cache "
+                "with the model's own init_cache / init_pages"
+            )
         pages = LayerPages(self._write(self.pages.k, k), self._write(self.pages.v, v))
-        view = eqx.tree_at(lambda s: s.pages, self, pages)
-        return self._attend_pools(q, pages.k, pages.v, mask, kernel, softcap), view
+        # Written in place before any read: fused into the reads, XLA would keep the old pool
+        # alive beside the new one and copy it (a pool-sized copy per layer and step).
+        pages = jax.lax.optimization_barrier(pages)
+        out = self._attend(q, pages.k, pages.v, window, softcap)
+        return out, eqx.tree_at(lambda s: s.pages, self, pages)
 
     def attend_latent(
         self,
         q: Float[Array, "batch seq heads latent"],
         latent: Float[Array, "batch seq latent"],
-        mask: AttentionMask,
-        kernel,
+        *,
+        window: Int[Array, ""] | int | None,
     ) -> tuple[Float[Array, "batch seq heads latent"], "PagedSlot"]:
-        """MLA: write the latents into the rows' pages, then attend with the latent pool as the
-        keys and values of one K/V head (layers/mla.py)."""
         if not isinstance(self.pages, LatentPages):
             raise ValueError(
-                "an MLA layer got per-head K/V pools; build the pools with the model's own "
-                "init_pages so that MLA layers get latent pools"
+                "an MLA layer got per-head K/V pools; build the cache with the model's own "
+                "init_cache / init_pages so that MLA layers get latent pools"
             )
-        pool = self._write(self.pages.c, latent[:, :, None, :])
-        view = eqx.tree_at(lambda s: s.pages, self, LatentPages(pool))
-        return self._attend_pools(q, pool, pool, mask, kernel), view
-
-    def _attend_pools(self, q, k_pool, v_pool, mask: AttentionMask, kernel, softcap=None):
-        """The paged decode kernel over the pools for one query per row, else `kernel` over the
-        rows' gathered pages. The window is the mask's (this layer's, possibly traced)."""
-        if self.decode_kernel is not None and q.shape[1] == 1:
-            if self.layer is not None:
-                raise ValueError(
-                    "the paged decode kernel reads one layer's pool: use a model with unrolled "
-                    "layers (model.unstacked()), or no decode kernel (the gather path)"
-                )
-            return paged_attention(
-                q, k_pool, v_pool, self.page_table, self.lengths,
-                q_positions=self.positions, sliding_window=mask.sliding_window,
-                softcap=softcap, kernel=self.decode_kernel,
-            )  # fmt: skip
-        k_all, v_all = self._contiguous(k_pool), self._contiguous(v_pool)
-        return kernel(q, k_all, v_all, mask, softcap=softcap)
+        pool = jax.lax.optimization_barrier(self._write(self.pages.c, latent[:, :, None, :]))
+        out = self._attend(q, pool, None, window, None)
+        return out, eqx.tree_at(lambda s: s.pages, self, LatentPages(pool))
 
 
 def pools_and_rings(
@@ -173,54 +168,57 @@ def pools_and_rings(
 class PagedKVCache(eqx.Module):
     """`layers`: every layer's `LayerPages` (shaped like the model's layer storage:
     `Transformer.cache_layers`), or a `LayerWindow` of per-row rings for a sliding layer whose
-    window is shorter than a row's span; `page_table` `[batch, row_pages]` and `lengths`
-    `[batch]` say where each row's tokens are and how many it holds; `rows` `[batch]` which
-    ring row each batch row owns (None: row i owns ring row i)."""
+    window is shorter than a row's span; `page_table` `[groups, row_pages]` and `lengths`
+    `[groups]` say where each group's row keeps its tokens and how many it holds; `rows`
+    `[groups]` which ring row each group owns (None: group g owns ring row g); `segments` how a
+    call's tokens form the groups (layers/token_groups.py; None: one group per batch row);
+    `kernel` the paged kernel of one-token groups (decode); `page_size` tokens per page (the
+    pools' own, checked; it sizes the rows of a model whose every layer keeps a ring)."""
 
     layers: PyTree[LayerPages | LatentPages | LayerWindow]
-    page_table: Int[Array, "batch row_pages"]
-    lengths: Int[Array, " batch"]
-    decode_kernel: PallasDecodeKernel | None = eqx.field(static=True, default=None)
-    rows: Int[Array, " batch"] | None = None
+    page_table: Int[Array, "groups row_pages"]
+    lengths: Int[Array, " groups"]
+    rows: Int[Array, " groups"] | None = None
+    segments: Segments | None = eqx.field(static=True, default=None)
+    kernel: PagedKernel = eqx.field(static=True, default=XlaPagedKernel())
+    page_size: int = eqx.field(static=True, default=16)
+
+    def __check_init__(self):
+        pools, _ = pools_and_rings(self.layers)
+        sizes = {jax.tree.leaves(pool)[0].shape[-2] for pool in pools}
+        if sizes - {self.page_size}:
+            raise ValueError(
+                f"PagedKVCache page_size={self.page_size} but its pools hold pages of "
+                f"{sorted(sizes)} tokens"
+            )
 
     def logical_axes(self) -> dict[str, tuple[str, ...]]:
-        return {"page_table": ("batch", "pages"), "lengths": ("batch",)}
+        return {"page_table": ("batch", "pages"), "lengths": ("batch",), "rows": ("batch",)}
 
     @property
-    def page_size(self) -> int:
-        """Tokens per page (1 when every layer keeps a ring: no layer reads the pages)."""
-        pools, _ = pools_and_rings(self.layers)
-        return jax.tree.leaves(pools[0])[0].shape[-2] if pools else 1
+    def max_len(self) -> int:
+        """The most tokens a row holds: its page table's slots."""
+        return self.page_table.shape[1] * self.page_size
 
     def with_layers(self, layers: PyTree[LayerPages | LatentPages | LayerWindow]) -> "PagedKVCache":
-        return PagedKVCache(layers, self.page_table, self.lengths, self.decode_kernel, self.rows)
+        return eqx.tree_at(lambda c: c.layers, self, layers)
 
     def append(
-        self, valid: Int[Array, "batch seq"], *, sliding_window: Int[Array, ""] | int | None = None
+        self, valid: Bool[Array, "batch seq"], *, sliding_window: Int[Array, ""] | int | None = None
     ) -> Appended:
-        """`seq` new tokens per row (`valid` marks real ones), at each row's next positions;
-        the mask lets each attend causally to its row's tokens (slot j of a row's contiguous
-        view holds position j)."""
-        valid = valid.astype(jnp.int32)
-        positions = jnp.where(valid > 0, self.lengths[:, None] + jnp.cumsum(valid, 1) - 1, 0)
-        lengths = self.lengths + valid.sum(axis=1)
-        cache = PagedKVCache(self.layers, self.page_table, lengths, self.decode_kernel, self.rows)
-        kv_seq = self.page_table.shape[1] * self.page_size
-        kv_positions = jnp.broadcast_to(jnp.arange(kv_seq), (valid.shape[0], kv_seq))
-        mask = AttentionMask(
-            q_positions=positions,
-            kv_positions=kv_positions,
-            q_segment_ids=valid,
-            kv_segment_ids=(kv_positions < lengths[:, None]).astype(jnp.int32),
-            causal=True,
-            sliding_window=sliding_window,
-        )
+        """`valid` marks the call's real tokens; each continues its group's row (positions from
+        the row's length, in order); the others write nothing and see nothing."""
+        batch, seq = valid.shape
+        segments = self.segments or ((batch, seq),)
+        check_segments(segments, batch, seq, self.page_table.shape[0])
+        call = TokenGroups.of(valid, self.lengths, self.rows, segments)
+        positions = call.positions.reshape(batch, seq)
+        cache = eqx.tree_at(lambda c: c.lengths, self, call.after)
 
-        def view(pages: LayerPages | LatentPages | LayerWindow, layer) -> PagedSlot | WindowSlot:
-            if isinstance(pages, LayerWindow):
-                return WindowSlot(pages, layer, self.rows, self.lengths, positions, valid > 0)
-            return PagedSlot(
-                pages, layer, self.page_table, lengths, positions, valid > 0, self.decode_kernel
-            )  # fmt: skip
+        def view(arrays: LayerPages | LatentPages | LayerWindow, layer) -> PagedSlot | WindowSlot:
+            if isinstance(arrays, LayerWindow):
+                return WindowSlot(arrays, layer, call)
+            return PagedSlot(arrays, layer, self.page_table, call, self.kernel)
 
-        return Appended(cache, positions, mask, view)
+        return Appended(cache, positions, causal_mask(positions, sliding_window=sliding_window),
+                        view)  # fmt: skip

@@ -1,30 +1,29 @@
 """A sliding-window layer's cache: each row's last keys and values in a ring of `R >= window`
 slots, so the layer's memory is `rows x R` whatever the context length (Mistral's rolling buffer,
-Jiang et al. 2023; Gemma 2/3's local layers). The contiguous and the paged cache
-(layers/kv_cache.py, layers/paged_cache.py) hold a `LayerWindow` instead of full-length arrays
-for each layer whose window is shorter than the cache (`Transformer.init_cache`).
+Jiang et al. 2023; Gemma 2/3's local layers). The paged cache (layers/paged_cache.py) holds a
+`LayerWindow` instead of pages for each layer whose window is shorter than a row's span
+(`Transformer.init_cache`, `init_pages`).
 
 The ring is indexed by position: a token at position p of its row lives in slot p mod R, so ring
 slot j of a row holding L tokens holds position L - 1 - ((L - 1 - j) mod R) when that is >= 0
 (left padding and page tables play no part). A call attends over the ring as it was before the
 call followed by the call's own keys and values, then keeps each row's last R tokens: a query at
 position p needs the keys at (p - window, p], which the old ring and the call's tokens cover
-however long the call (a prefill chunk may be longer than the window).
+however long the call (a prefill chunk may be longer than the window). The ring is at most the
+window long, so a step over it costs the window, never `max_len`; it attends with the naive
+kernel's einsums (a window-sized score row per query).
 """
-
-from collections.abc import Callable
 
 import equinox as eqx
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from layers.kernels.mask import AttentionMask
+from layers.kernels.naive import naive_attention
+from layers.token_groups import TokenGroups
 
 RING_AXES = ("batch", "kv_seq", "kv_heads", "head_dim")
-# Keys + new tokens of a multi-token call are padded to a multiple of this (invisible slots),
-# so the flash kernel's key tiles divide them.
-KEY_TILE = 64
 
 
 class LayerWindow(eqx.Module):
@@ -56,28 +55,29 @@ def ring_positions(lengths: Int[Array, " batch"], ring: int) -> Int[Array, "batc
 
 class WindowSlot(eqx.Module):
     """One sliding layer's view for one call: its rings (`kv`, `layer` the index into stacked
-    rings or None), `rows` the ring row of each batch row (None: batch row i is ring row i),
-    `lengths` the tokens each row held before the call, and the call's positions and validity."""
+    rings or None) and the call's token groups (each group's ring row, its length before the
+    call, the tokens' positions and validity)."""
 
     kv: LayerWindow
     layer: Int[Array, ""] | None
-    rows: Int[Array, " batch"] | None
-    lengths: Int[Array, " batch"]
-    positions: Int[Array, "batch seq"]
-    valid: Bool[Array, "batch seq"]
+    call: TokenGroups
 
-    def _read(self, ring: Array) -> Float[Array, "batch ring kv_heads head_dim"]:
-        layer = ring if self.layer is None else ring[self.layer]
-        return layer if self.rows is None else layer[self.rows]
+    @property
+    def arrays(self) -> LayerWindow:
+        return self.kv
 
-    def _write(self, ring: Array, new: Float[Array, "batch seq kv_heads head_dim"]) -> Array:
-        """Each row's last `R` new tokens into slots position mod R; the rest (padding, tokens
-        a later one of the same call overwrites) are dropped."""
-        size = ring.shape[-3]
-        end = (self.lengths + self.valid.sum(axis=1))[:, None]
-        keep = self.valid & (self.positions >= end - size)
-        slot = jnp.where(keep, jnp.mod(self.positions, size), size)  # out of bounds: dropped
-        rows = (jnp.arange(new.shape[0]) if self.rows is None else self.rows)[:, None]
+    def _read(
+        self, ring: Array, rows: Int[Array, " n"]
+    ) -> Float[Array, "n ring kv_heads head_dim"]:
+        return ring[rows] if self.layer is None else ring[self.layer, rows]
+
+    def _write(self, ring: Array, new: Float[Array, "tokens kv_heads head_dim"]) -> Array:
+        """Each group's last `R` new tokens into slots position mod R of its ring row; the rest
+        (padding, tokens a later one of the same call overwrites) are dropped."""
+        size, call = ring.shape[-3], self.call
+        keep = call.valid & (call.positions >= call.after[call.group] - size)
+        slot = jnp.where(keep, jnp.mod(call.positions, size), size)  # out of bounds: dropped
+        rows = call.rows[call.group]
         index = (rows, slot) if self.layer is None else (self.layer, rows, slot)
         return ring.at[index].set(new.astype(ring.dtype), mode="drop")
 
@@ -86,33 +86,45 @@ class WindowSlot(eqx.Module):
         q: Float[Array, "batch seq heads head_dim"],
         k: Float[Array, "batch seq kv_heads head_dim"],
         v: Float[Array, "batch seq kv_heads head_dim"],
-        mask: AttentionMask,
-        kernel: Callable,
         *,
+        window: Int[Array, ""] | int | None,
         softcap: float | None = None,
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "WindowSlot"]:
-        """`kernel` over [the ring before this call, this call's k and v] (the mask's window
-        applies), then the rings with this call's tokens written."""
-        seq = self.valid.shape[1]
-        old_positions = ring_positions(self.lengths, self.kv.ring)
-        keys = jnp.concatenate([self._read(self.kv.k), k.astype(self.kv.k.dtype)], axis=1)
-        values = jnp.concatenate([self._read(self.kv.v), v.astype(self.kv.v.dtype)], axis=1)
-        kv_positions = jnp.concatenate([old_positions, self.positions], axis=1)
-        kv_segments = jnp.concatenate([old_positions >= 0, self.valid], axis=1).astype(jnp.int32)
-        pad = (-keys.shape[1]) % KEY_TILE if seq > 1 else 0
-        if pad:
-            widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-            keys, values = jnp.pad(keys, widths), jnp.pad(values, widths)
-            kv_positions = jnp.pad(kv_positions, ((0, 0), (0, pad)))
-            kv_segments = jnp.pad(kv_segments, ((0, 0), (0, pad)))
-        window_mask = AttentionMask(
-            q_positions=self.positions,
-            kv_positions=kv_positions,
-            q_segment_ids=self.valid.astype(jnp.int32),
-            kv_segment_ids=kv_segments,
-            causal=True,
-            sliding_window=mask.sliding_window,
-        )
-        out = kernel(q, keys, values, window_mask, softcap=softcap)
-        rings = LayerWindow(self._write(self.kv.k, k), self._write(self.kv.v, v))
+        """Each run of groups attends over [its rings before this call, its own k and v] (the
+        window applies), then the rings get this call's tokens."""
+        call = self.call
+        flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+        outs = []
+        for start, first, n, s in call.runs():
+            q_run, k_run, v_run = (x[start : start + n * s].reshape(n, s, *x.shape[1:])
+                                   for x in flat)  # fmt: skip
+            rows = call.rows[first : first + n]
+            old = ring_positions(call.before[first : first + n], self.kv.ring)
+            positions = call.positions[start : start + n * s].reshape(n, s)
+            keys = jnp.concatenate([self._read(self.kv.k, rows), k_run.astype(self.kv.k.dtype)], 1)
+            values = jnp.concatenate(
+                [self._read(self.kv.v, rows), v_run.astype(self.kv.v.dtype)], 1
+            )
+            kv_positions = jnp.concatenate([old, positions], axis=1)
+            mask = AttentionMask(
+                q_positions=positions,
+                kv_positions=kv_positions,
+                q_segment_ids=(positions >= 0).astype(jnp.int32),
+                kv_segment_ids=(kv_positions >= 0).astype(jnp.int32),
+                causal=True,
+                sliding_window=window,
+            )
+            out = naive_attention(q_run, keys, values, mask, softcap=softcap)
+            # A query that sees nothing (padding) outputs 0, as the paged kernels do.
+            out = jnp.where((positions >= 0)[..., None, None], out, 0)
+            outs.append(out.reshape(n * s, *out.shape[2:]))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        rings = LayerWindow(self._write(self.kv.k, flat[1]), self._write(self.kv.v, flat[2]))
+        out = out.reshape(*q.shape[:2], *out.shape[1:])
         return out, eqx.tree_at(lambda s: s.kv, self, rings)
+
+    def attend_latent(self, q, latent, *, window):
+        raise ValueError(
+            "an MLA layer got a sliding window's ring; MLA layers keep full-length latent pools "
+            "(build the cache with the model's own init_cache / init_pages)"
+        )

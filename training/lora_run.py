@@ -57,10 +57,10 @@ class LoraSettings:
 
 
 def nf4_block(config: Config) -> int:
-    """QLoRA's 64, or the largest divisor of 64 dividing every projection's last input dim
-    (d_model, d_ff, head_dim) where 64 does not."""
-    c = config
-    return math.gcd(NF4_BLOCK, c.d_model, c.head_dim, *([c.d_ff] if c.d_ff else []))
+    """QLoRA's 64, or the largest divisor of 64 dividing every projection's inputs where 64 does
+    not (groups run along a projection's flattened inputs)."""
+    rows_cols = zmath.quantized_matrices(config)["projections"]
+    return math.gcd(NF4_BLOCK, *(cols for _, cols in rows_cols))
 
 
 def adapt(

@@ -39,6 +39,7 @@ import equinox as eqx
 import jax
 
 from layers.moe import Capacity, expert_capacity
+from layers.paged_cache import POOL_AXES
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
 from shard.pipeline import check_pipeline
@@ -57,6 +58,8 @@ from zoo.config import Config
 from zoo.policy import Policy
 from zoo.stack import segments
 from zoo.transformer import Transformer
+
+PAGE_SIZE = 16  # tokens per page of `Transformer.init_cache`'s pools (its default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,19 +166,20 @@ def kv_cache_bytes_per_device(
     per_head: bool = False,
 ) -> int:
     """Bytes one device holds of the KV cache of `batch` rows of `context` tokens: the leaves of
-    the model's own cache (`jax.eval_shape` of `Transformer.init_cache`: per-head keys and
-    values, MLA's latent, a sliding layer's ring of its window), each sharded by the activation
-    rules from its logical axes. `per_head=True` counts, for an MLA model, per-head keys and
-    values of the same heads instead (what caching the latent saves)."""
-    itemsize = zmath.bytes_per_element(policy.compute_dtype)
+    the model's own cache (`jax.eval_shape` of `Transformer.init_cache`: the page pools of
+    layers/paged_cache.py with their page tables, MLA's latent pages, a sliding layer's ring of
+    its window), each sharded by the activation rules from its logical axes. `per_head=True`
+    counts, for an MLA model, per-head key and value pages of the same heads instead (what
+    caching the latent saves)."""
     if per_head:
-        total = 0
-        names = ("batch", "kv_heads", "kv_seq", "head_dim")
-        for width in (config.head_dim, config.mla_v_head_dim):
-            dims = {"batch": batch, "kv_heads": config.n_heads, "kv_seq": context}
-            shape = tuple(dims.get(n, width) for n in names)
-            total += _shard_bytes("KV cache", shape, names, rules.partition_spec(names), sizes,
-                                  itemsize)  # fmt: skip
+        itemsize = zmath.bytes_per_element(policy.compute_dtype)
+        pages = batch * -(-context // PAGE_SIZE)
+        spec = rules.partition_spec(POOL_AXES)
+        widths = (config.head_dim, config.mla_v_head_dim)
+        shapes = [(config.n_heads, pages, PAGE_SIZE, width) for width in widths]
+        total = sum(
+            _shard_bytes("KV cache", shape, POOL_AXES, spec, sizes, itemsize) for shape in shapes
+        )
         return config.n_layers * total
     model = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
     cache = jax.eval_shape(lambda: model.init_cache(batch, context))

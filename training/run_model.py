@@ -42,7 +42,7 @@ def lora_model(run_dir: str | Path, policy: Policy, placement: Placement) -> Tra
         if runs.is_run(source):
             base = run_model(source, policy=policy, placement=placement)
         else:
-            base = load_pretrained(source, policy=policy, placement=placement)
+            base = load_pretrained(source, policy=policy, placement=placement, quantized=False)
     else:
         config = Config.from_dict(record["config"], source=f"{run_dir}/{runs.RECORD}")
         make = lambda k: Transformer(config, policy=policy, key=k)  # noqa: E731

@@ -1,6 +1,6 @@
 """The model zoo: architecture configs and presets, the run-time policy, the Transformer assembly,
-LoRA adapters and the quantized frozen base of QLoRA, transformer math, and tokenizers with chat
-templates."""
+LoRA adapters, quantized models (packed weights for inference, the frozen base of QLoRA),
+transformer math, and tokenizers with chat templates."""
 
 from zoo import math
 from zoo.adapter import add_lora, merge_adapter
@@ -9,7 +9,7 @@ from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
-from zoo.quantize import dequantize_base, quantize_base
+from zoo.quantize import dequantize, dequantize_base, quantize, quantize_base
 from zoo.router_balance import update_router_bias
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer, from_tiktoken, load_tokenizer, save_tokenizer
@@ -24,6 +24,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "add_lora",
+    "dequantize",
     "dequantize_base",
     "from_tiktoken",
     "load_adapter",
@@ -33,6 +34,7 @@ __all__ = [
     "merge_adapter",
     "preset",
     "presets",
+    "quantize",
     "quantize_base",
     "save_adapter",
     "save_pretrained",

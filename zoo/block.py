@@ -12,8 +12,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from layers import MLP, Attention, LayerNorm, RMSNorm, SwiGLU
-from layers.attention import CacheView
 from layers.kernels import AttentionMask
+from layers.kv_cache import LayerView
 from layers.mla import MLA
 from layers.moe import MoE, MoEStats
 from shard import constrain
@@ -145,8 +145,8 @@ class Block(eqx.Module):
         rope: Rope | None,
         *,
         policy: Policy,
-        cache: CacheView | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, CacheView | None]:
+        cache: LayerView | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], MoEStats | None, LayerView | None]:
         """(output, router statistics or None, updated cache or None)."""
         with jax.named_scope("attention"):
             y, cache = self.attn(

@@ -20,14 +20,13 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
 """
 
 import dataclasses
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 
 from layers.moe import expert_capacity
-from layers.quantized import Kind, check_kind
+from layers.quantized import Kind, check_cols, group_size
 from zoo.config import Config
 from zoo.policy import Policy
 
@@ -246,42 +245,88 @@ def weight_bytes(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
     return param_count(config) * bytes_per_element(policy.param_dtype)
 
 
-def _projections(config: Config) -> list[tuple[tuple[int, ...], int]]:
-    """(in_shape, output size) of every `Linear` in the layer stacks: each layer's attention
-    q, k, v, o and each dense layer's MLP matrices (MoE experts are raw arrays, not Linears)."""
+def _attention_matrices(config: Config) -> list[tuple[int, int]]:
+    """(rows, cols) = (outputs, inputs) of one layer's attention projections that `zoo.quantize`
+    packs: q, k, v, o, or MLA's q (or q_a, q_b), kv_a and o (kv_b stays float)."""
     c = config
-    attention = [((c.d_model,), c.q_dim), ((c.d_model,), c.kv_dim), ((c.d_model,), c.kv_dim)]
-    attention.append(((c.n_heads, c.head_dim), c.d_model))
-    if c.mla:
-        rank, nope, v = c.mla_kv_rank, c.head_dim - c.mla_rope_dim, c.mla_v_head_dim
-        q = [((c.d_model,), c.q_dim)]
-        if c.mla_q_rank is not None:
-            q = [((c.d_model,), c.mla_q_rank), ((c.mla_q_rank,), c.q_dim)]
-        attention = [*q, ((c.d_model,), rank + c.mla_rope_dim), ((rank,), c.n_heads * (nope + v))]
-        attention.append(((c.n_heads, v), c.d_model))
-    up = [((c.d_model,), c.d_ff)] * (2 if c.mlp != "gelu" else 1)
-    mlp = [*up, ((c.d_ff,), c.d_model)]
-    n_dense = c.n_layers - len(c.moe_layers)
-    return attention * c.n_layers + mlp * n_dense
+    if not c.mla:
+        return [(c.q_dim, c.d_model), (c.kv_dim, c.d_model), (c.kv_dim, c.d_model),
+                (c.d_model, c.q_dim)]  # fmt: skip
+    q = [(c.q_dim, c.d_model)]
+    if c.mla_q_rank is not None:
+        q = [(c.mla_q_rank, c.d_model), (c.q_dim, c.mla_q_rank)]
+    return [
+        *q,
+        (c.mla_kv_rank + c.mla_rope_dim, c.d_model),
+        (c.d_model, c.n_heads * c.mla_v_head_dim),
+    ]
+
+
+def _swiglu_matrices(config: Config, width: int, n_up: int = 2) -> list[tuple[int, int]]:
+    return [(width, config.d_model)] * n_up + [(config.d_model, width)]
+
+
+def quantized_matrices(config: Config) -> dict[str, list[tuple[int, int]]]:
+    """Every weight matrix `zoo.quantize` packs, as (rows, cols) = (outputs, inputs), by what
+    it is: "projections" (attention, dense MLPs, shared experts, over all layers), "experts"
+    (each routed expert's three matrices) and "embeddings" (the token table, and the LM head
+    when untied)."""
+    c = config
+    n_moe = len(c.moe_layers)
+    projections = _attention_matrices(c) * c.n_layers
+    projections += _swiglu_matrices(c, c.d_ff, 2 if c.mlp != "gelu" else 1) * (c.n_layers - n_moe)
+    experts = []
+    if n_moe:
+        if c.n_shared_experts:
+            projections += _swiglu_matrices(c, c.n_shared_experts * c.expert_d_ff) * n_moe
+        experts = _swiglu_matrices(c, c.expert_d_ff) * c.n_experts * n_moe
+    embeddings = [(c.vocab_size, c.d_model)] * (1 if c.tie_embeddings else 2)
+    return {"projections": projections, "experts": experts, "embeddings": embeddings}
+
+
+def packed_bytes(rows: int, cols: int, kind: Kind, group: int | None = None) -> int:
+    """Bytes of a `[rows, cols]` matrix packed as `kind` by `layers.quantized.pack`: its codes
+    (int8: 1 byte per weight; int4, nf4: 1/2) and 4 bytes per group of `group` weights (int8,
+    nf4: a float32 scale; int4: a float16 scale and minimum)."""
+    group = group_size(kind, group, cols)
+    check_cols(cols, group, what=f"a {rows} x {cols} matrix ({kind})")
+    codes = rows * cols if kind == "int8" else rows * cols // 2
+    return codes + 4 * rows * (cols // group)
+
+
+def quantized_weight_bytes(
+    config: Config,
+    kind: Kind | None,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    group: int | None = None,
+    embeddings: Kind | None = "int8",
+    experts: bool = True,
+) -> int:
+    """The weights of `zoo.quantize(model, kind, group=group, embeddings=embeddings)`: the packed
+    matrices (`packed_bytes`), everything else in the policy's `param_dtype`; with
+    `experts=False` the experts stay float too. `kind=None` is the float model."""
+    if kind is None:
+        return weight_bytes(config, policy)
+    matrices = quantized_matrices(config)
+    packed = [(m, kind, group) for m in matrices["projections"]]
+    packed += [(m, kind, group) for m in matrices["experts"]] if experts else []
+    if embeddings is not None:
+        packed += [(m, embeddings, None) for m in matrices["embeddings"]]
+    float_params = param_count(config) - sum(rows * cols for (rows, cols), _, _ in packed)
+    n_bytes = sum(packed_bytes(rows, cols, k, g) for (rows, cols), k, g in packed)
+    return float_params * bytes_per_element(policy.param_dtype) + n_bytes
 
 
 def frozen_base_bytes(
     config: Config, kind: Kind | None, policy: Policy = DEFAULT_POLICY, *, block: int = 64
 ) -> int:
-    """The weights of `zoo.quantize_base(model, kind, block=block)`: each stacked projection as
-    its codes (int8: 1 byte per weight; nf4: 1/2 byte) and float32 scales (int8: one per output
-    channel; nf4: one per `block` weights), everything else (embeddings, LM head, norms, biases,
-    router, experts) in the policy's `param_dtype`. The base a LoRA adapter trains on top of (the
-    adapter and its optimizer state come on top); `kind=None` is the float model."""
-    if kind is None:
-        return weight_bytes(config, policy)
-    float_params, quantized = param_count(config), 0
-    for in_shape, n_out in _projections(config):
-        check_kind(kind, block, in_shape)
-        n = math.prod(in_shape) * n_out
-        float_params -= n
-        quantized += n + 4 * n_out if kind == "int8" else n // 2 + 4 * (n // block)
-    return float_params * bytes_per_element(policy.param_dtype) + quantized
+    """The weights of `zoo.quantize_base(model, kind, block=block)` (QLoRA's frozen base): the
+    projections packed (int8 per output channel, 4-bit kinds in groups of `block`), embeddings,
+    LM head and experts float. What a LoRA adapter trains on top of (the adapter and its
+    optimizer state come on top); `kind=None` is the float model."""
+    group = None if kind == "int8" else block
+    return quantized_weight_bytes(config, kind, policy, group=group, embeddings=None, experts=False)
 
 
 def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:

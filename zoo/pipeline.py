@@ -64,7 +64,7 @@ def run_stack(
     if not stack.stacked or not policy.scan_layers:
         raise ValueError(
             "a pipelined stack runs its stages with lax.scan over stacked layers: keep "
-            "Policy.scan_layers=True and the stacked storage (not unstacked())"
+            "Policy.scan_layers=True and Policy.storage='stacked'"
         )
     check_pipeline(
         layers=stack.repeats,

@@ -3,8 +3,16 @@
 A `Config` is the architecture (what a checkpoint determines: sizes, norms, positions); a
 `Policy` is everything that can change on the same weights: the compute and parameter dtypes,
 the remat policy of each block, the attention kernel (an object carrying its own settings, e.g.
-flash's tile sizes), whether the layer stack runs as a `lax.scan`, and how MoE layers dispatch
-tokens. A model holds one policy; `Transformer.with_policy` swaps it without rebuilding a layer.
+flash's tile sizes) and the paged kernel of cached decode, how the layers are stored (stacked
+for `lax.scan`, or one array per layer) and run, whether q/k/v and gate/up are fused into one
+projection each, and how MoE layers dispatch tokens. A model holds one policy;
+`Transformer.with_policy` swaps it, touching the weights only where the storage, the fusion or the
+parameter dtype changes (a one-time conversion).
+
+Two starting points: `Policy()` trains (stacked layers under `lax.scan`: compile time does not
+grow with depth); `Policy.inference(dtype)` is what `load_pretrained` gives and decodes fastest:
+one array per layer, because a step that slices a stacked weight copies it (XLA:CPU measured 2x
+slower per token; bench/RESULTS.md).
 """
 
 import dataclasses
@@ -15,12 +23,15 @@ import jax.numpy as jnp
 
 from layers.kernels import AttentionKernel, kernel_named
 from layers.kernels.kernel import DEFAULT_PREFERENCE, KERNELS
+from layers.kernels.paged import PagedKernel, PallasDecodeKernel, XlaPagedKernel
 from layers.kernels.support import Needs, default_kernel, refusal
 from layers.moe import Capacity, Dispatch, Dropless
 from zoo.config import Config
 
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
+Storage = Literal["stacked", "unrolled"]
+XLA_PAGED = XlaPagedKernel()  # frozen: one instance serves every policy
 MOE_DISPATCH = ("dropless", "capacity")
 
 
@@ -36,21 +47,30 @@ class Policy:
     or its name, or None: the default for the model, the first of xla, flash, naive that
     serves it and compiles on the backend (`for_model`; a Gemma 2 gets naive on a CPU, flash
     on a GPU, since xla cannot soft-cap); `scan_layers`: run stacked layers with `lax.scan`
-    (False: a Python loop over the same weights, compile time growing with depth);
-    `moe_dispatch`: `Dropless()`, `Capacity(factor)` or "dropless"/"capacity" (factor 1.25);
-    `microbatches`: how many micro-batches a pipelined layer stack streams through its stages
-    per forward (used only on a mesh with a `pipeline` axis, zoo/pipeline.py)."""
+    (False: a Python loop over the same weights, compile time growing with depth); `storage`:
+    "stacked" (a leading `[repeats]` axis per weight, what `lax.scan` and pipelines need) or
+    "unrolled" (one block per layer, what decode wants); `fused`: q/k/v and gate/up as one
+    projection each (fewer kernels per decode step; training, adapters, quantization and export
+    need them separate); `decode_kernel`: the paged attention kernel of cached one-token steps
+    (`XlaPagedKernel()` or, on a GPU, `PallasDecodeKernel()`); `moe_dispatch`: `Dropless()`,
+    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how many
+    micro-batches a pipelined layer stack streams through its stages per forward (used only on a
+    mesh with a `pipeline` axis, zoo/pipeline.py)."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: Remat = "none"
     attention: AttentionKernel | str | None = None
     scan_layers: bool = True
+    storage: Storage = "stacked"
+    fused: bool = False
+    decode_kernel: PagedKernel = XLA_PAGED
     moe_dispatch: Dispatch | str = "dropless"
     microbatches: int = 1
 
     def __post_init__(self):
-        for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat)]:
+        for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat),
+                           ("storage", Storage)]:  # fmt: skip
             value, allowed = getattr(self, name), get_args(kind)
             if value not in allowed:
                 raise ValueError(f"Policy.{name}={value!r} is unknown; choose one of {allowed}")
@@ -76,8 +96,14 @@ class Policy:
             )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"Policy.microbatches must be an int >= 1, got {self.microbatches!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"Policy.scan_layers must be a bool, got {self.scan_layers!r}")
+        for name in ("scan_layers", "fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel):
+            raise ValueError(
+                f"Policy.decode_kernel={self.decode_kernel!r} is not a paged attention kernel; "
+                "give layers.kernels.paged.XlaPagedKernel() or PallasDecodeKernel()"
+            )
 
     @property
     def compute(self) -> jnp.dtype:
@@ -110,6 +136,12 @@ class Policy:
     def of_dtype(dtype: str) -> "Policy":
         """Compute and store in `dtype` (what a checkpoint declares), everything else default."""
         return Policy(compute_dtype=dtype, param_dtype=dtype)
+
+    @staticmethod
+    def inference(dtype: str = "float32") -> "Policy":
+        """Compute and store in `dtype`, one array per layer: the fastest decode measured
+        (bench/RESULTS.md, "Engine v2"); what `load_pretrained` gives unless told otherwise."""
+        return Policy(compute_dtype=dtype, param_dtype=dtype, storage="unrolled")
 
 
 def attention_needs(config: Config) -> Needs:

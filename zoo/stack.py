@@ -8,10 +8,10 @@ setting of the policy (remat, scan, kernel, dispatch) applies to every stack ali
 
 Storage: `stacked` (each leaf of a period block carries a leading `[repeats]` axis, built with
 `eqx.filter_vmap`, run by `lax.scan` so compile time does not grow with depth, or by a Python loop
-over the same weights) or unrolled (`unstacked()`: one block per layer, run by a Python loop).
-Unrolled storage is a one-time conversion a caller asks for where per-layer arrays run faster
-(decode on backends that copy a stacked weight's slice inside a step; bench/decode_layout.py
-measures it); nothing converts implicitly.
+over the same weights) or unrolled (one block per layer, run by a Python loop), as the model's
+`Policy.storage` says: unrolled where per-layer arrays run faster (decode, on backends that copy
+a stacked weight's slice inside a step; bench/decode_layout.py measures it), stacked for
+training. `Transformer.with_policy` converts between them once; nothing converts per call.
 """
 
 from collections.abc import Callable
@@ -76,6 +76,19 @@ class Stack(eqx.Module):
         layers = tuple(self.layer(i) for i in range(self.n_layers))
         return Stack(layers, self.repeats, self.period, stacked=False)
 
+    def restacked(self) -> "Stack":
+        """The inverse of `unstacked`: each block of the period with its repeats' weights
+        stacked on a leading axis (a copy of the weights)."""
+        if self.stacked:
+            return self
+        blocks = []
+        for j in range(self.period):
+            layers = self.blocks[j :: self.period]
+            dynamic, static = eqx.partition(layers, eqx.is_array)
+            stacked = jax.tree.map(lambda *w: jnp.stack(w), *dynamic)
+            blocks.append(eqx.combine(stacked, static[0]))
+        return Stack(tuple(blocks), self.repeats, self.period, stacked=True)
+
     def cache_like(self, make: Callable[..., PyTree], windows: tuple[int | None, ...]) -> tuple:
         """A cache's layer arrays shaped like the storage: `make(layers=(repeats,), window=w)`
         per period block (stacked), or `make(layers=(), window=w)` per layer (unrolled). `w` is
@@ -125,7 +138,7 @@ class Stack(eqx.Module):
                     x, layer_stats, layer_view = block(
                         x, layer_mask, layer_rope, policy=policy, cache=layer_view
                     )
-                    new_kv.append(None if layer_view is None else layer_view.kv)
+                    new_kv.append(None if layer_view is None else layer_view.arrays)
                     stats += [] if layer_stats is None else [layer_stats]
                 return x, (None if kv is None else tuple(new_kv)), stats
 

@@ -3,7 +3,8 @@ GPT-2 (Radford et al. 2019), Llama (Touvron et al. 2023), Mixtral (Jiang et al. 
 DeepSeek-MoE (Dai et al. 2024) and Gemma 2/3 (Gemma Team 2024, 2025) are all configs of it.
 
 One forward serves training, prefill and decode: `forward(tokens, ..., cache=None)` takes an
-optional KV cache (`init_cache`) and returns it with this call's keys and values written."""
+optional paged KV cache (`init_cache`, or the serving engine's) and returns it with this call's
+keys and values written."""
 
 import functools
 import math
@@ -11,15 +12,26 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from layers import Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
+from layers import (
+    Attention,
+    Embedding,
+    LayerNorm,
+    LearnedPositions,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    RMSNorm,
+    SwiGLU,
+)
 from layers.kernels import causal_mask
 from layers.kernels.context import CONTEXT_KERNELS
 from layers.kernels.naive import soft_cap
-from layers.kv_cache import KVCache, LayerKV, LayerLatent
+from layers.kv_cache import KVCache
 from layers.moe import MoEStats
 from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
+from layers.quantized import PackedWeight
 from layers.rotary import rotary_frequencies
 from layers.window_cache import LayerWindow
 from shard import constrain
@@ -44,20 +56,32 @@ def positions_from_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, 
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
+def _stored(stacks: tuple[Stack, ...], policy: Policy) -> tuple[Stack, ...]:
+    """The stacks in the storage and projection layout `policy` asks for (a copy where that
+    differs from theirs; the same arrays where it does not)."""
+    fusable = lambda n: isinstance(n, (Attention, SwiGLU))  # noqa: E731
+    if policy.storage == "unrolled":
+        stacks = tuple(stack.unstacked() for stack in stacks)
+    else:
+        stacks = tuple(stack.restacked() for stack in stacks)
+    convert = (lambda n: n.fused()) if policy.fused else (lambda n: n.unfused())
+    return jax.tree.map(lambda n: convert(n) if fusable(n) else n, stacks, is_leaf=fusable)
+
+
 class Transformer(eqx.Module):
     """tokens `[batch, seq]` -> logits `[batch, seq, vocab]` (`forward` adds the MoE statistics
     and the KV cache).
 
     `config` is the architecture, `policy` how it runs (`with_policy` swaps it). `stacks` hold
-    the layers (zoo/stack.py): weights stacked on a leading axis and run by `lax.scan`, or
-    unrolled per layer after `unstacked()`.
+    the layers (zoo/stack.py) as `policy.storage` says: weights stacked on a leading axis and
+    run by `lax.scan`, or unrolled per layer; `policy.fused` fuses q/k/v and gate/up.
     """
 
-    embed: Embedding
+    embed: Embedding | QuantizedEmbedding
     positions: LearnedPositions | None
     stacks: tuple[Stack, ...]
     final_norm: LayerNorm | RMSNorm
-    lm_head: Linear | None
+    lm_head: Linear | QuantizedLinear | None
     config: Config = eqx.field(static=True)
     policy: Policy = eqx.field(static=True)
 
@@ -72,7 +96,7 @@ class Transformer(eqx.Module):
             if config.position == "learned"
             else None
         )
-        self.stacks = make_stacks(config, dtype=dtype, key=blocks_key)
+        self.stacks = _stored(make_stacks(config, dtype=dtype, key=blocks_key), policy)
         self.final_norm = make_norm(config, dtype)
         self.lm_head = (
             None
@@ -90,51 +114,35 @@ class Transformer(eqx.Module):
 
     def with_policy(self, policy: Policy | None = None, **changes) -> "Transformer":
         """The same weights under another policy (`policy`, or this one with `changes`). Only a
-        new `param_dtype` touches the weights (a cast); nothing else is rebuilt. A kernel that
-        cannot compute this model is refused here (`Policy.for_model`)."""
+        new `param_dtype` (a cast), `storage` (stacking or unstacking the layers) or `fused`
+        (fusing or splitting the projections) touches the weights, once: keep the result and
+        drop this model. Nothing else is rebuilt. A kernel that cannot compute this model is
+        refused here (`Policy.for_model`)."""
         policy = (policy or self.policy).replace(**changes).for_model(self.config)
         model = self
         if policy.param_dtype != self.policy.param_dtype:
             cast = lambda w: w.astype(policy.params) if eqx.is_inexact_array(w) else w  # noqa: E731
-            model = jax.tree.map(cast, self)
+            # Packed weights keep their own scale dtypes (layers/quantized/formats.py).
+            packed = lambda n: isinstance(n, PackedWeight)  # noqa: E731
+            model = jax.tree.map(lambda n: n if packed(n) else cast(n), self, is_leaf=packed)
+        if (policy.storage, policy.fused) != (self.policy.storage, self.policy.fused):
+            model = eqx.tree_at(lambda m: m.stacks, model, _stored(model.stacks, policy))
         # A static field: rebuilt from the same leaves (no copy) with the new policy set.
         model = jax.tree.map(lambda leaf: leaf, model)
         object.__setattr__(model, "policy", policy)
         return model
 
-    def unstacked(self) -> "Transformer":
-        """The same model with one block per layer (a one-time copy of the layer weights: keep
-        the result, drop this model). Decode runs faster this way where a step would otherwise
-        copy each stacked weight's slice (XLA:CPU; bench/decode_layout.py)."""
-        return eqx.tree_at(lambda m: m.stacks, self, tuple(s.unstacked() for s in self.stacks))
-
-    def fused(self) -> "Transformer":
-        """The same model with each layer's q/k/v projections as one matmul and its gate/up as
-        another (`Attention.fused`, `SwiGLU.fused`): fewer kernels per decode step. A one-time
-        copy of those weights (keep the result, drop this model), for inference: training,
-        adapters, quantization and export take the unfused model (`is_fused` says which)."""
-        fusable = lambda n: isinstance(n, (Attention, SwiGLU))  # noqa: E731
-        stacks = jax.tree.map(
-            lambda n: n.fused() if fusable(n) else n, self.stacks, is_leaf=fusable
-        )
-        return eqx.tree_at(lambda m: m.stacks, self, stacks)
-
     @property
     def is_fused(self) -> bool:
-        """Whether `fused()` made this model (some projection is a fused one)."""
-        return any(
-            (isinstance(b.attn, Attention) and b.attn.qkv_proj is not None)
-            or (isinstance(b.mlp, SwiGLU) and b.mlp.gate_up is not None)
-            for stack in self.stacks
-            for b in stack.blocks
-        )
+        """Whether the projections are fused (`Policy.fused`)."""
+        return self.policy.fused
 
     def check_unfused(self, what: str) -> None:
         """Refuse a fused model where the per-projection layout is needed."""
         if self.is_fused:
             raise ValueError(
                 f"{what} needs the model's separate q/k/v and gate/up projections, but this "
-                "model was fused for inference (model.fused()); use the model it was made from"
+                "model's policy fuses them (Policy.fused); use model.with_policy(fused=False)"
             )
 
     def layer_location(self, i: int) -> tuple[int, int]:
@@ -171,23 +179,26 @@ class Transformer(eqx.Module):
             return None
         return rotary_frequencies(positions, head_dim=c.head_dim, theta=c.local_rope_theta)
 
-    def init_cache(self, batch: int, max_len: int, *, dtype=None) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` tokens, shaped like the layer
-        storage, in the compute dtype unless `dtype` is given. A layer whose sliding window is
-        shorter than `max_len` keeps a ring of its window instead (layers/window_cache.py)."""
+    def init_cache(self, batch: int, max_len: int, *, page_size: int = 16, dtype=None):
+        """An empty paged KV cache for `batch` rows of up to `max_len` tokens, each row owning
+        its own pages (`max_len` rounded up to whole pages), shaped like the layer storage, in
+        the compute dtype unless `dtype` is given. A layer whose sliding window is shorter than
+        `max_len` keeps a ring of its window instead (layers/window_cache.py). Decode one-token
+        steps with the policy's `decode_kernel`."""
         if batch < 1 or max_len < 1:
             raise ValueError(
                 f"a KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}"
             )
         self.config.check_length(max_len, "the KV cache")
-        c, dtype = self.config, dtype or self.policy.compute
-        if c.mla:  # the latent [c, k_pe] per token, not per-head keys and values
-            width = c.mla_kv_rank + c.mla_rope_dim
-            full = functools.partial(LayerLatent.zeros, batch, max_len, width, dtype)
-        else:
-            full = functools.partial(LayerKV.zeros, batch, c.n_kv_heads, max_len, c.head_dim, dtype)
-        layers = self.cache_layers(full, rows=batch, span=max_len, dtype=dtype)
-        return KVCache.empty(layers, batch, max_len)
+        row_pages = -(-max_len // page_size)
+        layers = self.init_pages(
+            batch * row_pages, page_size, dtype=dtype, rows=batch, span=max_len
+        )
+        table = jnp.arange(batch * row_pages, dtype=jnp.int32).reshape(batch, row_pages)
+        return PagedKVCache(
+            layers, table, jnp.zeros(batch, jnp.int32), kernel=self.policy.decode_kernel,
+            page_size=page_size,
+        )  # fmt: skip
 
     def init_pages(
         self, n_pages: int, page_size: int, *, dtype=None, rows: int = 0, span: int = 0
@@ -260,18 +271,22 @@ class Transformer(eqx.Module):
         *,
         positions: Int[Array, "batch seq"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
-        cache: KVCache | PagedKVCache | None = None,
-        logits_at: Int[Array, "batch n"] | None = None,
+        cache: KVCache | None = None,
+        valid: Bool[Array, "batch seq"] | None = None,
+        logits_at: Int[Array, " n"] | None = None,
     ) -> ModelOutput:
         """Logits, the MoE layers' router statistics and the updated cache.
 
         Without a cache: `segment_ids` (packed documents) keep attention inside each document
         and restart positions per document unless `positions` are given.
-        With a cache (prefill and decode): the tokens go into the next `seq` slots; a
-        `segment_ids` of 0 marks left padding (invisible, no position), every real token gets
-        its row's next position and attends to everything its row cached.
-        `logits_at` `[batch, n]` picks the positions whose logits to compute (decode needs only
-        the last); default every position.
+        With a cache (prefill and decode; layers/kv_cache.py): `valid` marks the real tokens
+        (default: all); each continues its row of the cache (positions from the row's length, in
+        order) and attends to everything its row holds; the others (padding, idle slots) write
+        nothing and see nothing. The cache numbers the tokens: `positions` and `segment_ids`
+        are refused.
+        `logits_at` `[n]` picks the tokens whose logits to compute, as indices into the tokens
+        flattened in row-major order (decode needs one per row): logits `[n, vocab]`; default
+        every token, `[batch, seq, vocab]`.
         """
         c = self.config
         _, split = sequence_axis()
@@ -286,6 +301,11 @@ class Transformer(eqx.Module):
         # With a per-layer pattern each layer sets its own window on the shared mask.
         window = None if pattern is not None else c.sliding_window
         if cache is None:
+            if valid is not None:
+                raise ValueError(
+                    "valid= marks the real tokens of a cached call; without a cache, mark "
+                    "padding and packed documents with segment_ids"
+                )
             c.check_length(tokens.shape[1], "the sequence")
             if positions is None:
                 positions = (
@@ -304,12 +324,13 @@ class Transformer(eqx.Module):
                     "parallelism), which a KV cache (prefill, decode) does not support; run "
                     "inference on a mesh without a context axis"
                 )
-            if positions is not None:
+            if positions is not None or segment_ids is not None:
                 raise ValueError(
                     "forward with a KV cache numbers the tokens itself (each row continues from "
-                    "its cached length); do not pass positions"
+                    "its cached length): do not pass positions or segment_ids; mark padding "
+                    "with valid="
                 )
-            valid = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+            valid = jnp.ones(tokens.shape, bool) if valid is None else valid
             step = cache.append(valid, sliding_window=window)
             cache, positions, mask = step.cache, step.positions, step.mask
         x = self.embed_tokens(tokens)
@@ -332,11 +353,12 @@ class Transformer(eqx.Module):
             cache = cache.with_layers(tuple(layer_caches))
         if split > 1:
             x = from_zigzag(x, split)
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         aux = (
             jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
             if stats
             else MoEStats.empty(c.n_experts)
         )
-        return ModelOutput(logits=self.logits(x), aux=aux, cache=cache)
+        if logits_at is None:
+            return ModelOutput(logits=self.logits(x), aux=aux, cache=cache)
+        picked = x.reshape(-1, x.shape[-1])[logits_at][None]  # [1, n, embed]
+        return ModelOutput(logits=self.logits(picked)[0], aux=aux, cache=cache)

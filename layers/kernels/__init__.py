@@ -9,7 +9,8 @@ window may be a traced per-layer value; `softcap` (Gemma 2's score capping) is r
 
 `paged/` is attention over a paged KV pool (a decode step or a prefill chunk against pages):
 its own interface, `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
-sliding_window, softcap, kernel)`, with `GatherKernel()` (XLA) or `PallasDecodeKernel(...)`.
+sliding_window, softcap, kernel, layer)`, with `XlaPagedKernel()` (XLA: only the blocks of pages
+holding visible keys) or `PallasDecodeKernel(...)`.
 """
 
 from layers.kernels.context import AllGatherKV, Ring
@@ -18,8 +19,8 @@ from layers.kernels.kernel import KERNELS, AttentionKernel, Flash, Naive, Xla, k
 from layers.kernels.mask import AttentionMask, causal_mask
 from layers.kernels.naive import naive_attention
 from layers.kernels.paged import (
-    GatherKernel,
     PallasDecodeKernel,
+    XlaPagedKernel,
     check_page_table,
     paged_attention,
     write_pages,
@@ -33,11 +34,11 @@ __all__ = [
     "AttentionMask",
     "BlockSizes",
     "Flash",
-    "GatherKernel",
     "Naive",
     "PallasDecodeKernel",
     "Ring",
     "Xla",
+    "XlaPagedKernel",
     "causal_mask",
     "check_page_table",
     "flash_attention",

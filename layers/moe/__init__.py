@@ -1,8 +1,10 @@
-"""Mixture of experts: router, stacked experts, dropless and capacity dispatch, aux losses."""
+"""Mixture of experts: router, stacked experts (float or packed), dropless and capacity dispatch,
+aux losses."""
 
 from layers.moe.dispatch import Capacity, Dispatched, Dropless, expert_capacity
 from layers.moe.experts import Experts
 from layers.moe.layer import Dispatch, MoE
+from layers.moe.quantized import QuantizedExperts
 from layers.moe.router import Router, Routing
 from layers.moe.stats import MoEStats, aux_loss, routing_stats
 
@@ -14,6 +16,7 @@ __all__ = [
     "Experts",
     "MoE",
     "MoEStats",
+    "QuantizedExperts",
     "Router",
     "Routing",
     "aux_loss",

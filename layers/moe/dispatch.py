@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from layers.moe.experts import Experts
+from layers.moe.quantized import QuantizedExperts
 from shard.rules import constrain
 
 # The capacity buffer's layout: experts split over their mesh axis, sequences over the rest.
@@ -40,7 +41,7 @@ class Dropless(eqx.Module):
 
     def __call__(
         self,
-        experts: Experts,
+        experts: Experts | QuantizedExperts,
         x: Float[Array, "batch seq embed"],
         expert_ids: Int[Array, "batch seq topk"],
         weights: Float[Array, "batch seq topk"],
@@ -77,7 +78,7 @@ class Capacity(eqx.Module):
 
     def __call__(
         self,
-        experts: Experts,
+        experts: Experts | QuantizedExperts,
         x: Float[Array, "batch seq embed"],
         expert_ids: Int[Array, "batch seq topk"],
         weights: Float[Array, "batch seq topk"],

@@ -38,6 +38,18 @@ class Experts(eqx.Module):
         self.up = (in_std * jax.random.normal(up_key, shape_in)).astype(dtype)
         self.down = (out_std * jax.random.normal(down_key, shape_out)).astype(dtype)
 
+    @staticmethod
+    def of(
+        gate: Float[Array, "*layers experts embed mlp"],
+        up: Float[Array, "*layers experts embed mlp"],
+        down: Float[Array, "*layers experts mlp embed"],
+    ) -> "Experts":
+        """Experts holding these arrays (no initialisation; stacked layers may lead)."""
+        experts = object.__new__(Experts)
+        for name, value in [("gate", gate), ("up", up), ("down", down)]:
+            object.__setattr__(experts, name, value)
+        return experts
+
     @property
     def n_experts(self) -> int:
         return self.gate.shape[0]

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from layers.mlp import SwiGLU
 from layers.moe.dispatch import Capacity, Dropless
 from layers.moe.experts import Experts
+from layers.moe.quantized import QuantizedExperts
 from layers.moe.router import GroupScore, Router, Scoring
 from layers.moe.stats import MoEStats, routing_stats
 
@@ -27,7 +28,7 @@ class MoE(eqx.Module):
     """
 
     router: Router
-    experts: Experts
+    experts: Experts | QuantizedExperts
     shared: SwiGLU | None
 
     def __init__(

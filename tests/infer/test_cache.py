@@ -1,7 +1,9 @@
-"""The cached path: prefill + decode steps (the model's own forward with a KV cache) give the
-full forward pass's logits, for every kernel, every layer storage (stacked weights decoded by
-`lax.scan` or a Python loop, per-layer weights after `unstacked()`), dense and MoE models; the
-cache is donated; `generate`'s compiled programs hold no second copy of the weights."""
+"""The cached path: prefill + decode steps (the model's own forward with the paged KV cache) give
+the full forward pass's logits, for both paged decode kernels, every layer storage (stacked
+weights decoded by `lax.scan` or a Python loop, per-layer weights), dense and MoE models; a
+ragged step (decode rows and prompt chunks in one forward) equals the separate calls; the cache
+is donated and updated in place; the engine's programs hold no second copy of the weights and
+their memory does not grow with `max_len`."""
 
 import equinox as eqx
 import jax
@@ -12,18 +14,19 @@ import pytest
 import infer
 import infer.engine
 import zoo
-from infer.sampling import Greedy
+from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel
+from layers.paged_cache import PagedKVCache
 from shard import Placement
 from shard.axes import is_array_like
 
 # How a model stores and runs its layers: stacked weights through `lax.scan` (the default),
 # stacked weights through a Python loop, one block per layer.
-STORAGE = ["scan", "loop", "unstacked"]
+STORAGE = ["scan", "loop", "unrolled"]
 
 
 def stored(model: zoo.Transformer, storage: str) -> zoo.Transformer:
-    if storage == "unstacked":
-        return model.unstacked()
+    if storage == "unrolled":
+        return model.with_policy(storage="unrolled")
     return model.with_policy(scan_layers=storage == "scan")
 
 
@@ -45,22 +48,27 @@ def test_prefill_then_decode_equals_full_forward(model, storage):
     np.testing.assert_array_equal(cache.lengths, [11, 11])
 
 
-@pytest.mark.parametrize("storage", STORAGE)
-@pytest.mark.parametrize("kernel", ["naive", "xla", "flash"])
-def test_every_kernel_cached_equals_the_naive_full_forward(kernel, storage):
-    """Prefill (through the kernel, 16 tokens: a flash tile) and decode steps against the full
-    forward pass of the specification kernel."""
+DECODE_KERNELS = {
+    "xla": XlaPagedKernel(),
+    "xla-small-blocks": XlaPagedKernel(keys_per_block=16),  # several blocks per row
+    "pallas": PallasDecodeKernel(keys_per_block=16, interpret=True),
+}
+
+
+@pytest.mark.parametrize("kernel", list(DECODE_KERNELS))
+def test_every_decode_kernel_equals_the_naive_full_forward(kernel):
+    """Prefill and decode steps through each paged decode kernel (the Pallas one reads one
+    layer's pool: unrolled storage) against the full forward of the specification kernel."""
     config = zoo.preset("tiny-llama", max_seq_len=64)
     model = zoo.Transformer(config, policy=zoo.Policy(attention="naive"), key=jax.random.key(5))
-    tokens = jax.random.randint(jax.random.key(6), (2, 20), 0, config.vocab_size)
+    tokens = jax.random.randint(jax.random.key(6), (2, 40), 0, config.vocab_size)
     full = model(tokens)
-    cached_model = stored(model.with_policy(attention=kernel), storage)
-    assert cached_model.policy.kernel_name == kernel
-    cache = cached_model.init_cache(2, 32)
-    logits, cache = infer.prefill(cached_model, tokens[:, :16], cache)
-    close(logits, full[:, :16])
-    for t in range(16, 20):
-        logits, cache = infer.decode_step(cached_model, tokens[:, t], cache)
+    cached = model.with_policy(storage="unrolled", decode_kernel=DECODE_KERNELS[kernel])
+    cache = cached.init_cache(2, 48)
+    logits, cache = infer.prefill(cached, tokens[:, :35], cache)
+    close(logits, full[:, :35])
+    for t in range(35, 40):
+        logits, cache = infer.decode_step(cached, tokens[:, t], cache)
         close(logits, full[:, t])
 
 
@@ -80,6 +88,20 @@ def test_left_padded_prefill_matches_each_row_alone(model, storage):
     close(step[1], model(jnp.array([[9, 8, 7, 6, 5, 4]]))[0, -1])
 
 
+def test_valid_is_the_only_mark_of_padding_with_a_cache(model):
+    """With a cache, `valid` marks the real tokens anywhere in a row (right padding too);
+    `segment_ids` (documents) and `positions` are refused instead of silently renumbering."""
+    cache = model.init_cache(1, 8)
+    tokens = jnp.array([[5, 6, 0, 7]])
+    out = model.forward(tokens, cache=cache, valid=jnp.array([[True, True, False, True]]))
+    close(out.logits[0, [0, 1, 3]], model(jnp.array([[5, 6, 7]]))[0])
+    assert int(out.cache.lengths[0]) == 3
+    with pytest.raises(ValueError, match="do not pass positions or segment_ids"):
+        model.forward(tokens, cache=model.init_cache(1, 8), segment_ids=jnp.ones_like(tokens))
+    with pytest.raises(ValueError, match="valid= marks the real tokens of a cached call"):
+        model.forward(tokens, valid=jnp.ones(tokens.shape, bool))
+
+
 @pytest.mark.parametrize("storage", STORAGE)
 def test_prefill_and_decode_step_donate_the_cache(model, storage):
     cached_model = stored(model, storage)
@@ -91,42 +113,42 @@ def test_prefill_and_decode_step_donate_the_cache(model, storage):
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
 
 
-def test_unstacked_model_forward_equals_stacked(model):
+def test_unrolled_model_forward_equals_stacked_and_converts_back(model):
     tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, model.config.vocab_size)
-    close(model.unstacked()(tokens), model(tokens))
+    unrolled = model.with_policy(storage="unrolled")
+    close(unrolled(tokens), model(tokens))
+    back = unrolled.with_policy(storage="stacked")
+    assert all(stack.stacked for stack in back.stacks)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_cache_mirrors_the_layer_storage(model):
-    """Stacked weights get stacked cache arrays (`[layers, ...]`), unrolled ones one per layer;
-    either way the cache holds every layer once."""
+    """Stacked weights get stacked pools (`[layers, ...]`), unrolled ones one per layer; either
+    way the cache holds every layer once, in whole pages of each row."""
     c = model.config
-    stacked = model.init_cache(3, 8).layers
+    stacked = model.init_cache(3, 20).layers  # 20 tokens: 2 pages of 16 per row
     (k_shape,) = {kv.k.shape for stack in stacked for kv in stack}
-    assert k_shape == (c.n_layers, 3, c.n_kv_heads, 8, c.head_dim)
-    unrolled = model.unstacked().init_cache(3, 8).layers
+    assert k_shape == (c.n_layers, c.n_kv_heads, 3 * 2, 16, c.head_dim)
+    unrolled = model.with_policy(storage="unrolled").init_cache(3, 20).layers
     assert [len(stack) for stack in unrolled] == [c.n_layers]
-    assert {kv.v.shape for kv in unrolled[0]} == {(3, c.n_kv_heads, c.head_dim, 8)}
+    assert {kv.v.shape for kv in unrolled[0]} == {(c.n_kv_heads, 3 * 2, 16, c.head_dim)}
 
 
-@pytest.mark.parametrize("kernel", ["naive", "xla", "flash"])
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "window"), [(4, 1, None), (4, 2, 3), (4, 4, 5)])
-def test_ragged_decode_equals_each_row_alone(kernel, n_heads, n_kv_heads, window):
+def test_ragged_decode_equals_each_row_alone(n_heads, n_kv_heads, window):
     """MQA/GQA/MHA, with and without a sliding window, over left-padded rows of different
-    lengths: prefill then decode steps give each row's own full forward pass (the cache's
-    `[.., head_dim, kv_seq]` values and `[.., kv_seq, head_dim]` keys read in the kernels' view;
-    with a window, each layer's ring).
-    Flash prefills a whole tile (16 tokens, mostly padding)."""
+    lengths: prefill then decode steps give each row's own full forward pass (with a window,
+    each layer's ring)."""
     config = zoo.preset("tiny-llama", n_heads=n_heads, n_kv_heads=n_kv_heads, sliding_window=window)
-    model = zoo.Transformer(config, policy=zoo.Policy(attention=kernel), key=jax.random.key(3))
-    model = model.unstacked()
+    model = zoo.Transformer(config, policy=zoo.Policy.inference(), key=jax.random.key(3))
     rows = [[7, 3, 9], [1, 2, 3, 4, 5, 6], [11]]
     new = jax.random.randint(jax.random.key(4), (3, 4), 0, config.vocab_size)
-    width = 16 if kernel == "flash" else max(map(len, rows))
-    max_len = 32 if kernel == "flash" else width + 4
+    width = max(map(len, rows))
     padded = jnp.array([[0] * (width - len(r)) + r for r in rows])
-    cache = model.init_cache(3, max_len)
+    cache = model.init_cache(3, width + 4)
     if window is None:
-        assert cache.layers[0][0].v.shape == (3, n_kv_heads, config.head_dim, max_len)
+        assert cache.layers[0][0].v.shape == (n_kv_heads, 3, 16, config.head_dim)
     else:  # a ring of the window (layers/window_cache.py), in the kernels' layout
         assert cache.layers[0][0].v.shape == (3, window, n_kv_heads, config.head_dim)
     logits, cache = infer.prefill(model, padded, cache, lengths=jnp.array(list(map(len, rows))))
@@ -138,6 +160,36 @@ def test_ragged_decode_equals_each_row_alone(kernel, n_heads, n_kv_heads, window
     for i, row in enumerate(rows):
         full = reference(jnp.array([row + new[i, :3].tolist()]))[0, len(row) - 1 :]
         close(jnp.stack([s[i] for s in steps]), full)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_ragged_step_equals_its_parts(window):
+    """One forward over `[tokens, 1]` laid out as two decode groups and two prompt chunks
+    (layers/token_groups.py) gives each group the logits and the cache writes of its own call:
+    the engine's mixed step == separate decode and prefill calls."""
+    config = zoo.preset("tiny-llama", n_layers=2, sliding_window=window)
+    model = zoo.Transformer(config, policy=zoo.Policy.inference(), key=jax.random.key(9))
+    rng = np.random.default_rng(0)
+    first, second = rng.integers(0, 256, (2, 9)), rng.integers(0, 256, (2, 5))
+    # Rows 0, 1 hold 9 tokens each and decode one; rows 2, 3 prefill 5 tokens (one padded).
+    ragged = model.init_cache(4, 32)
+    _, ragged = infer.prefill(model, jnp.asarray(np.concatenate([first, first])), ragged)
+    ragged = eqx.tree_at(lambda c: c.lengths, ragged, jnp.array([9, 9, 0, 0], jnp.int32))
+    ragged = PagedKVCache(
+        ragged.layers, ragged.page_table, ragged.lengths, segments=((2, 1), (2, 5)),
+        kernel=ragged.kernel, page_size=16,
+    )  # fmt: skip
+    decode_tokens = rng.integers(0, 256, 2)
+    tokens = np.concatenate([decode_tokens, second.reshape(-1)])[:, None]
+    valid = np.ones((12, 1), bool)
+    valid[-1] = False  # the second chunk has 4 real tokens
+    out = model.forward(jnp.asarray(tokens), cache=ragged, valid=jnp.asarray(valid))
+    np.testing.assert_array_equal(out.cache.lengths, [10, 10, 5, 4])
+    alone = model.forward(jnp.asarray(np.concatenate([first, decode_tokens[:, None]], 1)))
+    close(out.logits[:2, 0], alone.logits[:, -1])
+    for g, n in ((0, 5), (1, 4)):
+        logits = out.logits[2 + 5 * g : 2 + 5 * g + n, 0]
+        close(logits, model(jnp.asarray(second[g : g + 1, :n]))[0])
 
 
 # --- MoE: interleaved dense and MoE layers --------------------------------------------------
@@ -156,7 +208,7 @@ def moe_model() -> zoo.Transformer:
 
 
 # Scanned and unrolled storage (the stacked Python loop runs the scan's body: test above).
-@pytest.mark.parametrize("storage", ["scan", "unstacked"])
+@pytest.mark.parametrize("storage", ["scan", "unrolled"])
 def test_moe_ragged_prefill_then_decode_equals_each_row_alone(moe_model, storage):
     """Left-padded rows through dense and MoE layers (dropless routing: a token's output does not
     depend on its batch), prefill then decode, against each row's own full forward pass; the
@@ -191,12 +243,13 @@ def test_moe_decode_step_donates_the_cache(moe_model, storage):
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
 
 
-# --- generate holds the weights once ---------------------------------------------------------
+# --- the engine's programs: weights once, memory independent of max_len ----------------------
 
 # Weights dominate: ~6.4M parameters (25.7 MB float32) against a page pool of about 2 MB.
 BIG = zoo.preset(
-    "tiny-llama", vocab_size=8192, d_model=256, n_heads=4, n_kv_heads=1, d_ff=512, n_layers=4
-)
+    "tiny-llama", vocab_size=8192, d_model=256, n_heads=4, n_kv_heads=1, d_ff=512, n_layers=4,
+    max_seq_len=4096,
+)  # fmt: skip
 
 
 def nbytes(tree) -> int:
@@ -205,62 +258,58 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in arrays)
 
 
+def compiled_step(model, rows: int, max_len: int, chunks: int):
+    """The engine's step program for these shapes, compiled from abstract arguments (nothing
+    allocated), and the bytes of its page pools."""
+    engine = infer.Engine(model, max_batch=rows, max_len=max_len, warm_up=False)
+    plan = engine._plan([], [], chunks)
+    state = eqx.filter_eval_shape(lambda: engine.state)
+    lowered = infer.engine._step_program.lower(
+        model, state, engine._row_params(), plan, engine.key, np.int32(0), page_size=16,
+        placement=Placement(),
+    )  # fmt: skip
+    return lowered.compile(), nbytes(state.pages)
+
+
 # The two storages: stacked weights run by `lax.scan`, and unrolled ones. (A stacked model run by a
 # Python loop, `scan_layers=False`, slices every layer's weights inside the program: a debugging
 # mode, not for serving.)
-@pytest.mark.parametrize("storage", ["scan", "unstacked"])
-def test_generate_programs_hold_no_second_copy_of_the_weights(storage):
-    """XLA's own memory analysis of each program `generate` compiles (the engine's prefill and
-    decode steps, lowered with the model as it is stored): the memory a program allocates beyond
-    its arguments (temporaries + outputs not aliased to a donated argument) stays below what the
-    cache, one layer's weights (a stacked weight's slice) and the logits need, which is a small
-    fraction of the weights. A second copy of the weights would add all of them."""
+@pytest.mark.parametrize("storage", ["scan", "unrolled"])
+def test_engine_programs_hold_no_second_copy_of_the_weights_nor_of_the_pools(storage):
+    """XLA's own memory analysis of the engine's two programs (decode rows alone; decode rows
+    and a prompt chunk): the memory a program allocates beyond its arguments (temporaries +
+    outputs not aliased to a donated argument) stays below what one layer's weights (a stacked
+    weight's slice), the logits and a block of keys need, a small fraction of the weights or
+    the pools: a copy of either would add all of it. The same bound holds at max_len 256 and
+    4096: nothing scales with max_len (attention reads the blocks of pages rows hold)."""
     model = stored(zoo.Transformer(BIG, key=jax.random.key(0)), storage)
     model = eqx.filter_eval_shape(lambda: model)  # shapes only: lowering allocates nothing
     weights = nbytes(model)
     one_layer = nbytes(model.stacks) // BIG.n_layers
-    rows, chunk, max_len, page_size = 4, 64, 256, 16
-    n_pages = rows * max_len // page_size + 1
-    pages = jax.eval_shape(lambda: model.init_pages(n_pages, page_size, dtype=jnp.float32))
-    cache = nbytes(pages)
-    table = jax.ShapeDtypeStruct((rows, max_len // page_size), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
-    params = Greedy().params().broadcast(rows)
-    key = jax.random.key(0)
-    settings = {"decode_kernel": None, "placement": Placement()}
-    programs = {
-        "prefill": infer.engine._prefill_program.lower(
-            model,
-            pages,
-            jax.ShapeDtypeStruct((rows, chunk), jnp.int32),
-            jax.ShapeDtypeStruct((rows,), jnp.int32),
-            table,
-            lengths,
-            lengths,  # the rows' ring rows (none here: BIG has no window)
-            params,
-            key,
-            **settings,
-        ),
-        "decode": infer.engine._decode_program.lower(
-            model,
-            pages,
-            jax.ShapeDtypeStruct((rows,), jnp.int32),
-            jax.ShapeDtypeStruct((rows,), jnp.bool_),
-            table,
-            lengths,
-            params,
-            key,
-            **settings,
-        ),
-    }
-    logits = rows * BIG.vocab_size * 4  # one position per row (`logits_at`)
-    bound = cache + 2 * one_layer + 2 * logits
-    assert bound < weights / 2, (bound, weights)  # the check can tell a copy apart
-    for name, lowered in programs.items():
-        memory = lowered.compile().memory_analysis()
-        extra = memory.temp_size_in_bytes + memory.output_size_in_bytes
-        extra -= memory.alias_size_in_bytes
-        print(f"{storage} {name}: weights {weights / 1e6:.2f} MB, cache {cache / 1e6:.2f} MB, "
-              f"allocated beyond the arguments {extra / 1e6:.2f} MB "
-              f"(bound {bound / 1e6:.2f} MB)")  # fmt: skip
-        assert extra < bound, (name, extra, bound, weights)
+    rows = 4
+    tokens = rows + 64  # the mixed step: every row's decode slot and a chunk of 64
+    logits = 2 * tokens * BIG.vocab_size * 4  # logits and the sampler's float32 copy
+    # A block of 256 keys: k and v for every group (4 decode rows, 1 chunk; d_model numbers a
+    # key bounds kv_heads x head_dim), and the chunk's scores and softmax weights.
+    block = 2 * (rows + 1) * 256 * BIG.d_model * 4 + 2 * 64 * BIG.n_heads * 256 * 4
+    bound = 2 * one_layer + logits + block
+    assert bound < weights / 2  # the check can tell a copy of the weights apart
+    extras = {}
+    for max_len in (256, 4096):
+        for chunks in (0, 1):
+            compiled, pools = compiled_step(model, rows, max_len, chunks)
+            memory = compiled.memory_analysis()
+            extra = memory.temp_size_in_bytes + memory.output_size_in_bytes
+            extra -= memory.alias_size_in_bytes
+            extras[max_len, chunks] = extra
+            print(
+                f"{storage} max_len {max_len} chunks {chunks}: {extra / 1e6:.2f} MB beyond "
+                f"the arguments (bound {bound / 1e6:.2f} MB, pools {pools / 1e6:.1f} MB)"
+            )
+            assert extra < bound, (storage, max_len, chunks, extra, bound, weights, pools)
+    assert bound < pools / 2  # at max_len 4096, and a copy of the pools too
+    # max_len 256 and 4096: gathering the rows' whole span of keys for even one layer would
+    # add this much; the programs differ by a small fraction of it (buffer assignment).
+    one_span = rows * (4096 - 256) * BIG.n_kv_heads * BIG.head_dim * 4
+    for chunks in (0, 1):
+        assert abs(extras[4096, chunks] - extras[256, chunks]) < one_span / 10

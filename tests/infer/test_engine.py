@@ -1,6 +1,8 @@
-"""The serving engine: continuous batching over a paged KV cache gives every request the tokens
-it would get alone; nothing recompiles after the start; pages come and go with the requests;
-prefixes are shared; bad input is refused at submit without disturbing what is in flight."""
+"""The serving engine: continuous batching over a paged KV cache, decode rows and prompt chunks in
+one program per step, gives every request the tokens it would get alone (every family's tiny
+config, stacked and unrolled); nothing recompiles after the start; pages come and go with the
+requests, and a dry pool preempts the youngest request without losing a token; prefixes are
+shared; bad input is refused at submit without disturbing what is in flight."""
 
 import equinox as eqx
 import jax
@@ -11,7 +13,7 @@ import pytest
 import infer
 import zoo
 from infer.engine import TRACES, Engine
-from layers.kernels import Flash, PallasDecodeKernel
+from layers.kernels import PallasDecodeKernel
 
 LLAMA = zoo.preset("tiny-llama", n_layers=2, max_seq_len=256)
 
@@ -42,23 +44,51 @@ def prompts(lengths, seed=0):
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-# Learned positions (GPT-2) and an MoE model of two stacks (a leading dense layer, then MoE
-# layers) on stacked storage; Llama on unrolled storage is test_paged_decode_kernel's model.
-@pytest.mark.parametrize(
-    "name, changes",
-    [("tiny-gpt2", {}), ("tiny-moe", {"first_dense_layers": 1, "moe_every": 1})],
-)
-def test_engine_equals_each_request_alone(name, changes):
-    config = zoo.preset(name, n_layers=3, **changes)
-    model = zoo.Transformer(config, key=jax.random.key(1))
-    engine = Engine(model, max_batch=3, max_len=96, page_size=8, chunk=16)
-    # More requests than rows, prompts shorter and longer than a chunk, different budgets.
-    cases = list(zip(prompts([5, 37, 16, 3, 50, 21]), [6, 3, 9, 1, 4, 7], strict=True))
+# Every family's distinguishing features, tiny: learned positions (GPT-2), GQA + rope (Llama,
+# Phi-3's shape), q/k/v biases (Qwen2), q/k norms (Qwen3), a uniform window kept as rings
+# (Mistral), alternating windows with score and logit soft-capping and sandwich norms
+# (Gemma 2), a 2-local-1-global pattern with a local rope theta (Gemma 3), experts (Mixtral),
+# q/k norms and a leading dense layer before experts (Qwen3-MoE), shared experts (DeepSeek-MoE),
+# latent attention with sigmoid routing (DeepSeek-V3).
+_GEMMA = dict(
+    norm_plus_one=True, mlp="geglu", sandwich_norm=True, embed_scale=True, n_heads=4, head_dim=16,
+)  # fmt: skip
+FAMILIES = {
+    "gpt2": zoo.preset("tiny-gpt2"),
+    "llama": zoo.preset("tiny-llama"),
+    "qwen2": zoo.preset("tiny-llama", qkv_bias=True),
+    "qwen3": zoo.preset("tiny-llama", qk_norm=True, head_dim=8),
+    "mistral": zoo.preset("tiny-llama", sliding_window=6),
+    "gemma2": zoo.preset(
+        "tiny-llama", **_GEMMA, n_layers=3, query_scale=10.0, attn_softcap=2.0, final_softcap=4.0,
+        sliding_window=5, layer_types=("sliding", "full", "sliding"),
+    ),
+    "gemma3": zoo.preset(
+        "tiny-llama", **_GEMMA, n_layers=3, n_kv_heads=1, qk_norm=True, sliding_window=6,
+        layer_types=("sliding", "sliding", "full"), local_rope_theta=50.0,
+    ),
+    "mixtral": zoo.preset("tiny-moe"),
+    "qwen3-moe": zoo.preset("tiny-moe", n_layers=3, qk_norm=True, first_dense_layers=1),
+    "deepseek-moe": zoo.preset("tiny-deepseek-moe"),
+    "deepseek-v3": zoo.preset("tiny-deepseek-v3"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("storage", ["stacked", "unrolled"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_equals_each_request_alone_on_every_family(family, storage):
+    """More requests than rows, prompts shorter and longer than a chunk, different budgets:
+    every request gets the greedy tokens of its own full forwards (the naive kernel)."""
+    config = FAMILIES[family]
+    policy = zoo.Policy(attention="naive", storage=storage)
+    model = zoo.Transformer(config, policy=policy, key=jax.random.key(1))
+    engine = Engine(model, max_batch=2, max_len=64, page_size=8, chunk=16)
+    cases = list(zip(prompts([5, 37, 3, 20]), [6, 3, 1, 7], strict=True))
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     for (prompt, n), request in zip(cases, requests, strict=True):
         assert request.done and request.tokens == alone(model, prompt, n)
-    assert engine.pool.in_use == 0 and engine.pool.reserved == 0
+    assert engine.pool.in_use == 0
 
 
 def test_nothing_compiles_after_the_start_for_any_prompt_length(llama):
@@ -72,33 +102,25 @@ def test_nothing_compiles_after_the_start_for_any_prompt_length(llama):
     assert dict(TRACES) == before
 
 
-def test_every_kernel_serves_every_prompt_length():
-    model = zoo.Transformer(LLAMA, key=jax.random.key(0))
-    flash = model.with_policy(attention=Flash())
-    engine = Engine(flash, max_batch=2, max_len=128, page_size=16, chunk=32)
-    cases = prompts([5, 37, 70])
-    requests = [engine.submit(p, max_new_tokens=4) for p in cases]
-    engine.run()
-    naive = model.with_policy(attention="naive")
-    for prompt, request in zip(cases, requests, strict=True):
-        assert request.tokens == alone(naive, prompt, 4)
-
-
-def test_paged_decode_kernel_equals_the_gather_path(llama):
+def test_the_pallas_decode_kernel_equals_the_xla_path(llama):
+    """The policy's paged decode kernel: the Pallas kernel (interpreted on CPU) gives the same
+    tokens as the XLA path and the specification; it reads one layer's pool, so a stacked model
+    is refused when the step is built."""
     cases = prompts([9, 30, 17])
+    unrolled = llama.with_policy(storage="unrolled")
+    pallas = unrolled.with_policy(
+        decode_kernel=PallasDecodeKernel(keys_per_block=16, interpret=True)
+    )
     results = []
-    for kernel in (None, PallasDecodeKernel(keys_per_block=16, interpret=True)):
-        engine = Engine(llama.unstacked(), max_batch=4, max_len=64, page_size=16, chunk=16,
-                        decode_kernel=kernel)  # fmt: skip
+    for model in (unrolled, pallas):
+        engine = Engine(model, max_batch=4, max_len=64, page_size=16, chunk=16)
         requests = [engine.submit(p, max_new_tokens=5) for p in cases]
         engine.run()
         results.append([r.tokens for r in requests])
     assert results[0] == results[1] == [alone(llama, p, 5) for p in cases]
-
-
-def test_the_paged_decode_kernel_needs_unrolled_layers(llama):
-    with pytest.raises(ValueError, match=r"model\.unstacked\(\)"):
-        Engine(llama, max_batch=1, max_len=64, chunk=16, decode_kernel=PallasDecodeKernel())
+    stacked = llama.with_policy(decode_kernel=PallasDecodeKernel(interpret=True))
+    with pytest.raises(ValueError, match="storage='unrolled'"):
+        Engine(stacked, max_batch=1, max_len=64, chunk=16)
 
 
 def test_pages_follow_the_tokens_and_come_back(llama):
@@ -111,17 +133,26 @@ def test_pages_follow_the_tokens_and_come_back(llama):
     assert engine.kv_bytes_in_use() == 0 < engine.contiguous_kv_bytes()
 
 
-def test_an_exhausted_pool_makes_requests_wait(llama):
-    # 4 usable pages of 8 tokens: one request of 12 + 12 tokens (3 pages) at a time.
-    engine = Engine(llama, max_batch=3, max_len=64, page_size=8, n_pages=5, chunk=16)
+def test_a_dry_pool_preempts_the_youngest_and_loses_no_token(llama):
+    """6 usable pages of 8 tokens for three requests of 12 + 20 tokens (4 pages each): all three
+    start, the pool runs dry mid-decode, the youngest running request gives its pages back and
+    is recomputed later (its prompt and the tokens it had), and every request still gets
+    exactly its greedy tokens, the oldest never preempted."""
+    engine = Engine(llama, max_batch=3, max_len=64, page_size=8, n_pages=7, chunk=16)
     cases = prompts([12, 12, 12])
-    requests = [engine.submit(p, max_new_tokens=12) for p in cases]
+    streamed = [[] for _ in cases]
+    requests = [
+        engine.submit(p, max_new_tokens=20, on_tokens=streamed[i].extend)
+        for i, p in enumerate(cases)
+    ]
     engine.step()
-    assert [r.row >= 0 for r in requests] == [True, False, False]
+    assert [r.row >= 0 for r in requests] == [True, True, True]
     engine.run()
-    for prompt, request in zip(cases, requests, strict=True):
-        assert request.tokens == alone(llama, prompt, 12)
-    with pytest.raises(ValueError, match="needs 8 pages of 8 tokens but the pool holds 4"):
+    assert requests[0].preemptions == 0 and sum(r.preemptions for r in requests) > 0
+    for prompt, request, got in zip(cases, requests, streamed, strict=True):
+        assert request.tokens == got == alone(llama, prompt, 20)
+    assert engine.pool.in_use == 0
+    with pytest.raises(ValueError, match="needs 8 pages of 8 tokens but the pool holds 6"):
         engine.submit(list(range(1, 40)), max_new_tokens=25)
 
 
@@ -186,6 +217,12 @@ def test_samplers_differ_per_row_in_one_batch(llama):
         ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be a positive int"),
         (list(range(60)), {}, r"the prompt \(60 tokens\) \+ max_new_tokens \(8\) = 68 exceeds "),
         ([1, 2], {"stop_tokens": [999]}, "stop_tokens holds token id 999"),
+        ([1, 2], {"stop_tokens": "ab"}, "stop_tokens must be token ids, got the string"),
+        ([1, 2], {"stop_tokens": list(range(17))}, "17 stop tokens, but .* max_stop_tokens=16"),
+        ([1, 2], {"max_new_tokens": True}, "max_new_tokens must be a positive int, got True"),
+        ([1, 2], {"max_new_tokens": 2.0}, "max_new_tokens must be a positive int, got 2.0"),
+        ([1, 2], {"sampler": "greedy"}, "sampler must be an infer sampler"),
+        ([1, 2], {"on_tokens": 3}, "on_tokens must be callable"),
     ],
 )
 def test_bad_requests_are_refused_at_submit(
@@ -202,13 +239,35 @@ def test_bad_requests_are_refused_at_submit(
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_batch": 0}, "max_batch must be a positive int"),
+        ({"max_batch": 0}, "max_batch must be an int >= 1, got 0"),
+        ({"max_batch": 2.0}, "max_batch must be an int >= 1, got 2.0"),
         ({"max_len": 300}, r"Engine max_len \(300 tokens\) exceeds Config.max_seq_len=256"),
-        ({"page_size": 12}, "page_size must be a power of two dividing 64"),
-        ({"chunk": 24}, "chunk must be a multiple of 16"),
+        ({"page_size": True}, "page_size must be an int >= 1, got True"),
+        ({"chunk": 0}, "chunk must be an int >= 1, got 0"),
         ({"prefill_rows": 3}, "prefill_rows=3 exceeds max_batch=2"),
+        ({"key": 3}, r"key must be a jax.random.key\(...\), got 3"),
     ],
 )
-def test_bad_engines_are_refused(llama, kwargs, message):
+def test_bad_engines_are_refused(llama, kwargs, message, without_runtime_typechecks):
     with pytest.raises(ValueError, match=message):
         Engine(llama, **{"max_batch": 2, "max_len": 64, **kwargs})
+
+
+def test_numpy_integer_counts_are_accepted(llama):
+    engine = Engine(llama, max_batch=np.int64(1), max_len=np.int32(64), chunk=np.int64(16))
+    request = engine.submit(np.array([1, 2, 3]), max_new_tokens=np.int64(3))
+    engine.run()
+    assert request.tokens == alone(llama, [1, 2, 3], 3)
+
+
+def test_new_weights_of_the_same_structure_compile_nothing(llama):
+    """`engine.model` replaced between runs (a policy update in RL, new adapter weights): the
+    next requests decode with the new weights, through the programs already compiled."""
+    engine = Engine(llama, max_batch=1, max_len=64, chunk=16)
+    other = zoo.Transformer(LLAMA, key=jax.random.key(42))
+    before = dict(TRACES)
+    engine.model = other
+    request = engine.submit([1, 2, 3], max_new_tokens=4)
+    engine.run()
+    assert dict(TRACES) == before
+    assert request.tokens == alone(other, [1, 2, 3], 4) != alone(llama, [1, 2, 3], 4)

@@ -63,7 +63,7 @@ def test_prompt_beyond_max_seq_len_for_every_position_kind(no_compile, name):
 
 
 def test_prefill_and_decode_step_reject_bad_input(llama):
-    cache = llama.init_cache(1, 4)
+    cache = llama.init_cache(1, 4, page_size=4)  # room for 4 tokens exactly
     with pytest.raises(ValueError, match="do not fit the KV cache"):
         infer.prefill(llama, jnp.ones((1, 5), jnp.int32), cache)
     with pytest.raises(ValueError, match="empty prompt"):

@@ -31,8 +31,8 @@ def test_sharded_greedy_equals_unsharded(model, preset, sizes):
     engine = infer.Engine(
         sharded, max_batch=len(prompts), max_len=64, prefill_rows=len(prompts), placement=placement
     )
-    pool = engine.pages[0][0].k
-    expected_sharding = placement.array_shardings(engine.pages)[0][0].k
+    pool = engine.state.pages[0][0].k
+    expected_sharding = placement.array_shardings(engine.state.pages)[0][0].k
     assert pool.sharding.is_equivalent_to(expected_sharding, pool.ndim)
 
 

@@ -1,5 +1,5 @@
-"""Sliding layers keep a ring of their window (layers/window_cache.py), in the contiguous cache
-and in the engine's paged one: the cache holds what zoo.math says, and decoding through the rings
+"""Sliding layers keep a ring of their window (layers/window_cache.py) in the paged cache, for
+`init_cache` and the engine: the cache holds what zoo.math says, and decoding through the rings
 (left-padded rows, prefill chunks longer than the window, rows reused by later requests) gives
 what the full forward gives."""
 
@@ -12,7 +12,7 @@ import pytest
 import infer
 import zoo
 from infer.engine import Engine
-from layers.kv_cache import LayerKV
+from layers.paged_cache import LayerPages
 from layers.window_cache import LayerWindow
 from tests.zoo.random_model import random_model
 
@@ -41,7 +41,7 @@ def models():
 
 
 def _is_layer(x) -> bool:
-    return isinstance(x, (LayerKV, LayerWindow))
+    return isinstance(x, (LayerPages, LayerWindow))
 
 
 def test_sliding_layers_hold_their_window_and_the_cache_is_what_zoo_math_counts(models):
@@ -53,7 +53,7 @@ def test_sliding_layers_hold_their_window_and_the_cache_is_what_zoo_math_counts(
     assert [type(x) for x in layers] == [
         LayerWindow,
         LayerWindow,
-        LayerKV,
+        LayerPages,
         LayerWindow,
         LayerWindow,
     ]
@@ -62,16 +62,16 @@ def test_sliding_layers_hold_their_window_and_the_cache_is_what_zoo_math_counts(
     assert held == batch * zoo.math.kv_cache_bytes(config, max_len, model.policy)
     # A cache no longer than the window gains nothing from a ring.
     short = model.init_cache(batch, config.sliding_window)
-    assert all(isinstance(x, LayerKV) for x in jax.tree.leaves(short.layers, is_leaf=_is_layer))
+    assert all(isinstance(x, LayerPages) for x in jax.tree.leaves(short.layers, is_leaf=_is_layer))
 
 
 # Storage is orthogonal to the window: each config once, on one storage each.
-@pytest.mark.parametrize(("name", "storage"), [("uniform", "unstacked"), ("pattern", "scan")])
+@pytest.mark.parametrize(("name", "storage"), [("uniform", "unrolled"), ("pattern", "scan")])
 def test_ragged_prefill_chunks_and_decode_equal_the_full_forward(models, name, storage):
     """Row 1 is left-padded by 3; a second prefill chunk of 6 tokens is longer than the window
     (its queries need keys from the ring and from the chunk); then 3 single-token steps."""
     model = models[name]
-    model = model.unstacked() if storage == "unstacked" else model
+    model = model.with_policy(storage="unrolled") if storage == "unrolled" else model
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 61, 16), rng.integers(0, 61, 13)]
     first = np.stack([rows[0][:7], np.concatenate([np.zeros(3, int), rows[1][:4]])])

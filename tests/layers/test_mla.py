@@ -1,6 +1,6 @@
-"""Multi-head latent attention: the absorbed form over a latent cache (contiguous, paged with
-the gather path and with the Pallas decode kernel) equals the expanded form; flash equals naive;
-a kernel or cache that cannot run it says so."""
+"""Multi-head latent attention: the absorbed form over a paged latent cache (the XLA path and
+the Pallas decode kernel) equals the expanded form; flash equals naive; a kernel or cache that
+cannot run it says so."""
 
 import equinox as eqx
 import jax
@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from layers.kernels import Flash, Naive, causal_mask
-from layers.kernels.paged import PallasDecodeKernel
-from layers.kv_cache import KVCache, LayerKV, LayerLatent
+from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel
 from layers.mla import MLA
-from layers.paged_cache import LatentPages, PagedKVCache
+from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
 from layers.quantized import QuantizedLinear
 from layers.rotary import rotary_frequencies
 
@@ -47,35 +46,44 @@ def relative_error(ours, reference) -> float:
     return float(jnp.max(jnp.abs(ours - reference)) / jnp.max(jnp.abs(reference)))
 
 
+def latent_cache(kernel=None, pools=None) -> PagedKVCache:
+    """One row of SEQ tokens in two pages of 8 (in reverse pool order) of one MLA layer."""
+    kernel = kernel or XlaPagedKernel()
+    pools = pools or (LatentPages.zeros(4, 8, 32, jnp.float32),)
+    return PagedKVCache(pools, jnp.array([[2, 1]]), jnp.zeros((1,), jnp.int32), kernel=kernel,
+                        page_size=8)  # fmt: skip
+
+
 @pytest.mark.parametrize("q_rank", [8, None])
 def test_latent_cache_and_flash_equal_the_expanded_naive_form(q_rank):
     layer, (x, positions, mask) = mla(q_rank), inputs()
     expected, _ = run(layer, x, mask, rope(positions), Naive())
     flash = Flash(interpret=True)
     assert relative_error(run(layer, x, mask, rope(positions), flash)[0], expected) < TOLERANCE
-    cache = KVCache.empty((LayerLatent.zeros(1, SEQ, 32, jnp.float32),), 1, SEQ)
-    step = cache.append(jnp.ones((1, SEQ), jnp.int32))
+    cache = latent_cache()
+    step = cache.append(jnp.ones((1, SEQ), bool))
     view = step.view(cache.layers[0], None)
     out, view = run(layer, x, step.mask, rope(step.positions), flash, view)
     assert relative_error(out, expected) < TOLERANCE
     # The cache holds the latent per token: kv_rank + rope_dim numbers, nothing per head.
-    assert view.kv.c.shape == (1, SEQ, 24 + ROPE)
+    assert view.arrays.c.shape == (1, 4, 8, 24 + ROPE)
 
 
-@pytest.mark.parametrize("decode_kernel", [None, PallasDecodeKernel(keys_per_block=16)])
+@pytest.mark.parametrize(
+    "decode_kernel", [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True)]
+)
 def test_paged_latent_pools_equal_the_expanded_form(decode_kernel):
-    """Prefill 12 tokens into a row's pages (gather path), then decode one (the decode kernel
-    when given): the expanded form's output at each position."""
+    """Prefill 12 tokens into a row's pages (the XLA path), then decode one (the decode
+    kernel): the expanded form's output at each position."""
     layer, (x, positions, mask) = mla(), inputs(13)
     expected, _ = run(layer, x, mask, rope(positions), Naive())
-    pools = (LatentPages.zeros(4, 8, 32, jnp.float32),)
-    cache = PagedKVCache(pools, jnp.array([[2, 1]]), jnp.zeros((1,), jnp.int32), decode_kernel)
+    cache = latent_cache(decode_kernel)
     outs = []
     for chunk in (x[:, :12], x[:, 12:]):
-        step = cache.append(jnp.ones(chunk.shape[:2], jnp.int32))
+        step = cache.append(jnp.ones(chunk.shape[:2], bool))
         view = step.view(cache.layers[0], None)
         out, view = run(layer, chunk, step.mask, rope(step.positions), Naive(), view)
-        cache = step.cache.with_layers((view.kv,))
+        cache = step.cache.with_layers((view.arrays,))
         outs.append(out)
     assert relative_error(jnp.concatenate(outs, axis=1), expected) < TOLERANCE
 
@@ -88,9 +96,9 @@ def test_flash_refuses_an_mla_width_it_cannot_tile():
 
 def test_a_per_head_cache_is_refused():
     layer, (x, _, _) = mla(), inputs()
-    cache = KVCache.empty((LayerKV.zeros(1, 2, SEQ, 16, jnp.float32),), 1, SEQ)
-    step = cache.append(jnp.ones((1, SEQ), jnp.int32))
-    with pytest.raises(ValueError, match=r"per-head KV cache.*init_cache"):
+    cache = latent_cache(pools=(LayerPages.zeros(4, 8, 2, 16, jnp.float32),))
+    step = cache.append(jnp.ones((1, SEQ), bool))
+    with pytest.raises(ValueError, match=r"per-head K/V pools.*init_cache"):
         layer(
             x,
             step.mask,
@@ -101,11 +109,12 @@ def test_a_per_head_cache_is_refused():
 
 
 def test_decode_with_a_quantized_up_projection_says_what_to_do():
-    layer, (x, _, _) = mla(), inputs()
+    # kv_rank 32: packed rows hold multiples of 32 inputs (the refusal comes before the cache).
+    layer, (x, _, _) = mla(kv_rank=32), inputs()
     quantized = QuantizedLinear.from_linear(layer.kv_b_proj, "int8")
     layer = eqx.tree_at(lambda m: m.kv_b_proj, layer, quantized)
-    cache = KVCache.empty((LayerLatent.zeros(1, SEQ, 32, jnp.float32),), 1, SEQ)
-    step = cache.append(jnp.ones((1, SEQ), jnp.int32))
+    cache = latent_cache()
+    step = cache.append(jnp.ones((1, SEQ), bool))
     view = step.view(cache.layers[0], None)
     with pytest.raises(ValueError, match=r"QuantizedLinear.*dequantize_base"):
         layer(x, step.mask, rope(step.positions), kernel=Naive(), cache=view)

@@ -1,6 +1,8 @@
-"""Paged attention: both kernels (the XLA gather path, the Pallas decode kernel interpreted on
-CPU) equal naive attention over the equivalent contiguous cache; write_pages scatters in place;
-bad inputs are refused; the Pallas kernel lowers for CUDA at GPU-like sizes.
+"""Paged attention: both kernels (the XLA path over the blocks of pages, the Pallas decode kernel
+interpreted on CPU) equal naive attention over the equivalent contiguous cache, also through a
+leading stacked-layers axis; the XLA path reads only the blocks that hold visible keys;
+write_pages scatters in place; bad inputs are refused; the Pallas kernel lowers for CUDA at
+GPU-like sizes.
 
 Pools are built from a contiguous cache by hand (numpy, pages in random pool order), every pool
 slot that no row owns holds large garbage, and table entries past a row's last page point at
@@ -16,8 +18,8 @@ import pytest
 
 from layers.kernels import AttentionMask, naive_attention
 from layers.kernels.paged import (
-    GatherKernel,
     PallasDecodeKernel,
+    XlaPagedKernel,
     check_page_table,
     paged_attention,
     write_pages,
@@ -92,7 +94,8 @@ def assert_close(got, want, case: Case, v):
 
 
 KERNELS = {
-    "gather": GatherKernel(),
+    "xla": XlaPagedKernel(),
+    "xla-blocks": XlaPagedKernel(keys_per_block=16),
     "pallas": PallasDecodeKernel(keys_per_block=16, splits=1),
     "pallas-splits": PallasDecodeKernel(keys_per_block=32, splits=3),
 }
@@ -125,7 +128,7 @@ def test_decode_equals_naive_over_contiguous_cache(name, kernel):
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
-@pytest.mark.parametrize("kernel", ["gather", "pallas-splits"])
+@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits"])
 def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
     """A query at position i < length - 1 (later keys already written) sees keys <= i; one at
     i >= length (its own key not written yet) sees the row's keys only, not the slots after."""
@@ -136,13 +139,47 @@ def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
+@pytest.mark.parametrize("keys_per_block", [16, 256])
 @pytest.mark.parametrize("window", [None, 7])
-def test_prefill_chunk_through_gather_equals_naive(window):
+def test_prefill_chunk_through_the_xla_path_equals_naive(window, keys_per_block):
     """seq > 1: a chunk of queries attends causally over pages that already hold it."""
     case = Case(lengths=(5, 16, 37), seq=5, window=window)
     paged, q_positions, contiguous = build(case, seed=2)
-    got = run(GatherKernel(), case, paged, q_positions)
+    got = run(XlaPagedKernel(keys_per_block=keys_per_block), case, paged, q_positions)
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+
+
+def test_a_stacked_layer_is_read_through_its_index():
+    """Pools with a leading layers axis: `layer` picks one, as if it were the only pool."""
+    case = Case(lengths=(5, 30, 17), window=12)
+    paged, q_positions, contiguous = build(case, seed=7)
+    q, k_pages, v_pages, table, lengths = paged
+    noise = 1e3 * jnp.ones_like(k_pages)
+    stacked = [jnp.stack([noise, pool, noise]) for pool in (k_pages, v_pages)]
+    got = jax.jit(
+        lambda *a: paged_attention(
+            *a, q_positions=q_positions, sliding_window=case.window,
+            kernel=XlaPagedKernel(keys_per_block=16), layer=jnp.int32(1),
+        )
+    )(q, *stacked, table, lengths)  # fmt: skip
+    assert_close(got, reference(case, q, q_positions, contiguous), case, contiguous[1])
+
+
+def test_the_xla_path_reads_only_the_blocks_that_hold_visible_keys():
+    """Rows of 40 and 44 tokens, a window of 8: every visible key is in each row's third page
+    (positions 32-47), so the walk reads that block alone; every other page holds NaN keys and
+    values, and reading one would poison the output (0 x NaN is NaN)."""
+    case = Case(lengths=(40, 44), window=8, row_pages=8)
+    paged, q_positions, contiguous = build(case, seed=8)
+    q, k_pages, v_pages, table, lengths = paged
+    keep = {int(table[0, 2]), int(table[1, 2])}
+    poisoned = []
+    for pool in (k_pages, v_pages):
+        pool = np.asarray(pool).copy()
+        pool[:, [p for p in range(pool.shape[1]) if p not in keep]] = np.nan
+        poisoned.append(jnp.asarray(pool))
+    got = run(XlaPagedKernel(keys_per_block=16), case, (q, *poisoned, table, lengths), q_positions)
+    assert_close(got, reference(case, q, q_positions, contiguous), case, contiguous[1])
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -155,7 +192,7 @@ def test_row_holding_nothing_outputs_zero(kernel):
     assert_close(got[1], want[1], case, contiguous[1])
 
 
-@pytest.mark.parametrize("kernel", ["gather", "pallas-splits"])
+@pytest.mark.parametrize("kernel", ["xla", "pallas-splits"])
 def test_lengths_past_the_table_under_jit_see_the_table_only(kernel):
     """Under jit nothing can check a length against the table: keys past the table's slots do
     not exist (no read through the padding or past the row's last page)."""
@@ -190,28 +227,22 @@ def test_write_pages_round_trip():
     kv, p, d = 2, 4, 8
     rng = np.random.default_rng(5)
     table = np.array([[5, 2, 7], [1, 0, 0]], np.int32)  # row 1 owns page 1 only
-    k_pages, v_pages = jnp.full((kv, 9, p, d), -1.0), jnp.full((kv, 9, p, d), -1.0)
+    pool = jnp.full((kv, 9, p, d), -1.0)
     k = rng.standard_normal((2, 7, kv, d), np.float32)
-    v = rng.standard_normal((2, 7, kv, d), np.float32)
-    positions = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]], np.int32)
-    valid = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]], bool)  # row 1: 3 tokens + padding
-    write = jax.jit(write_pages, donate_argnums=(0, 1))
-    k_pages, v_pages = write(
-        k_pages, v_pages, table, positions, k[:, :6], v[:, :6], jnp.asarray(valid)
-    )
+    groups = np.repeat([0, 1], 6)
+    positions = np.tile(np.arange(6), 2).astype(np.int32)
+    valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], bool)  # row 1: 3 tokens + padding
+    write = jax.jit(write_pages, donate_argnums=0)
+    pool = write(pool, table, groups, positions, k[:, :6].reshape(12, kv, d), jnp.asarray(valid))
     # Decode: row 0 writes position 6 (page 7, offset 2); row 1 is idle (not valid).
-    k_pages, v_pages = write(
-        k_pages, v_pages, table, np.array([[6], [3]], np.int32), k[:, 6:], v[:, 6:],
-        jnp.array([[True], [False]]),
-    )  # fmt: skip
-    want_k = np.full((kv, 9, p, d), -1.0, np.float32)
-    want_v = want_k.copy()
+    pool = write(
+        pool, table, np.array([0, 1]), np.array([6, 3], np.int32), k[:, 6], jnp.array([1, 0], bool)
+    )
+    want = np.full((kv, 9, p, d), -1.0, np.float32)
     for row, n in [(0, 7), (1, 3)]:
         for pos in range(n):
-            want_k[:, table[row, pos // p], pos % p] = k[row, pos]
-            want_v[:, table[row, pos // p], pos % p] = v[row, pos]
-    np.testing.assert_array_equal(k_pages, want_k)
-    np.testing.assert_array_equal(v_pages, want_v)
+            want[:, table[row, pos // p], pos % p] = k[row, pos]
+    np.testing.assert_array_equal(pool, want)
 
 
 def test_write_pages_drops_positions_without_a_page():
@@ -219,35 +250,35 @@ def test_write_pages_drops_positions_without_a_page():
     row's page."""
     table = jnp.array([[1, 2]], jnp.int32)
     pool = jnp.zeros((1, 4, 2, 16))
-    new = jnp.ones((1, 2, 1, 16))
-    k_pages, _ = write_pages(
-        pool, pool, table, jnp.array([[4, -1]], jnp.int32), new, new, jnp.ones((1, 2), bool)
+    new = jnp.ones((2, 1, 16))
+    out = write_pages(
+        pool, table, jnp.array([0, 0]), jnp.array([4, -1], jnp.int32), new, jnp.ones(2, bool)
     )
-    np.testing.assert_array_equal(k_pages, 0.0)
+    np.testing.assert_array_equal(out, 0.0)
 
 
 def test_write_pages_updates_the_donated_pool_in_place():
-    """The compiled step aliases each pool to its output and changes it by a scatter: no
+    """The compiled step aliases the pool to its output and changes it by a scatter: no
     instruction makes a pool-sized copy."""
     kv, n_pages, p, d = 2, 64, 16, 32
     pool = jax.ShapeDtypeStruct((kv, n_pages, p, d), jnp.float32)
-    new = jax.ShapeDtypeStruct((4, 3, kv, d), jnp.float32)
-    index = jax.ShapeDtypeStruct((4, 3), jnp.int32)
+    new = jax.ShapeDtypeStruct((12, kv, d), jnp.float32)
+    index = jax.ShapeDtypeStruct((12,), jnp.int32)
     table = jax.ShapeDtypeStruct((4, 8), jnp.int32)
-    valid = jax.ShapeDtypeStruct((4, 3), jnp.bool_)
+    valid = jax.ShapeDtypeStruct((12,), jnp.bool_)
     compiled = (
-        jax.jit(write_pages, donate_argnums=(0, 1))
-        .lower(pool, pool, table, index, new, new, valid)
+        jax.jit(write_pages, donate_argnums=0)
+        .lower(pool, table, index, index, new, valid)
         .compile()
     )
     hlo = compiled.as_text()
-    assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in hlo
+    assert "input_output_alias={ {}: (0, {}, may-alias) }" in hlo
     pool_type = f"f32[{kv},{n_pages},{p},{d}]"
     ops = [line.split("=", 1)[1].split() for line in hlo.splitlines() if f"= {pool_type}" in line]
-    # Per pool: the entry parameter, one fusion wrapping the scatter, and inside it the
-    # scatter and its operand: no copy, and no other pool-sized instruction.
+    # The entry parameter, one fusion wrapping the scatter, and inside it the scatter and its
+    # operand: no copy, and no other pool-sized instruction.
     kinds = collections.Counter(words[1].split("(")[0] for words in ops)
-    assert kinds == {"parameter": 4, "fusion": 2, "scatter": 2}, kinds
+    assert kinds == {"parameter": 2, "fusion": 1, "scatter": 1}, kinds
 
 
 def inputs(b=2, t=1, h=4, kv=2, d=16, p=16, n_pages=8, row_pages=4, dtype=jnp.float32):
@@ -265,7 +296,7 @@ def inputs(b=2, t=1, h=4, kv=2, d=16, p=16, n_pages=8, row_pages=4, dtype=jnp.fl
     [
         ({"h": 3}, {}, "heads=3 must be a multiple of kv_heads=2"),
         ({}, {"sliding_window": 0}, "sliding_window must be >= 1, got 0"),
-        ({"t": 4}, {"kernel": PallasDecodeKernel()}, r"seq == 1\), got seq=4; use GatherKernel"),
+        ({"t": 4}, {"kernel": PallasDecodeKernel()}, r"seq == 1\), got seq=4; use XlaPagedKernel"),
         ({"d": 24}, {"kernel": PallasDecodeKernel()}, "head_dim in"),
         ({"p": 12}, {"kernel": PallasDecodeKernel()}, "power-of-two page_size, got 12"),
         ({"dtype": jnp.float8_e4m3fn}, {"kernel": PallasDecodeKernel()}, "one dtype of"),
@@ -273,7 +304,7 @@ def inputs(b=2, t=1, h=4, kv=2, d=16, p=16, n_pages=8, row_pages=4, dtype=jnp.fl
 )
 def test_bad_inputs_are_refused(changes, kwargs, message):
     args, q_positions = inputs(**changes)
-    kwargs = {"kernel": GatherKernel(), **kwargs}
+    kwargs = {"kernel": XlaPagedKernel(), **kwargs}
     with pytest.raises(ValueError, match=message):
         paged_attention(*args, q_positions=q_positions, **kwargs)
 
@@ -283,15 +314,27 @@ def test_mismatched_shapes_are_refused(without_runtime_typechecks):
     with pytest.raises(ValueError, match="differs from the pools' head_dim 16"):
         paged_attention(
             q[..., :8], k_pages, v_pages, table, lengths, q_positions=q_positions,
-            kernel=GatherKernel(),
+            kernel=XlaPagedKernel(),
         )  # fmt: skip
     with pytest.raises(ValueError, match="must have the same shape and dtype"):
         paged_attention(
-            q, k_pages, v_pages[:1], table, lengths, q_positions=q_positions, kernel=GatherKernel()
+            q,
+            k_pages,
+            v_pages[:1],
+            table,
+            lengths,
+            q_positions=q_positions,
+            kernel=XlaPagedKernel(),
         )
     with pytest.raises(ValueError, match=r"lengths must be integers of shape \[2\]"):
         paged_attention(
-            q, k_pages, v_pages, table, lengths[:1], q_positions=q_positions, kernel=GatherKernel()
+            q,
+            k_pages,
+            v_pages,
+            table,
+            lengths[:1],
+            q_positions=q_positions,
+            kernel=XlaPagedKernel(),
         )
 
 
@@ -300,7 +343,7 @@ def test_page_table_values_are_checked():
     with pytest.raises(ValueError, match=r"row 1 holds 65 tokens but its page table has 4 pages"):
         paged_attention(
             q, k_pages, v_pages, table, jnp.array([3, 65], jnp.int32), q_positions=q_positions,
-            kernel=GatherKernel(),
+            kernel=XlaPagedKernel(),
         )  # fmt: skip
     with pytest.raises(ValueError, match="row 0's page table points at page 8, outside the pool"):
         check_page_table(np.array([[0, 8], [1, 2]]), np.array([17, 3]), page_size=16, n_pages=8)
@@ -314,7 +357,7 @@ def test_pallas_settings_are_checked(without_runtime_typechecks):
     with pytest.raises(ValueError, match="splits must be >= 1 or None, got 0"):
         PallasDecodeKernel(splits=0)
     args, q_positions = inputs()
-    with pytest.raises(TypeError, match="kernel must be GatherKernel"):
+    with pytest.raises(TypeError, match="kernel must be XlaPagedKernel"):
         paged_attention(*args, q_positions=q_positions, kernel="pallas")
 
 

@@ -100,7 +100,7 @@ def test_aux_loss_free_update_moves_each_layers_bias_against_its_load():
     load = jax.nn.softmax(jax.random.normal(jax.random.key(4), (3, EXPERTS)), axis=-1)
     rate = 0.01
     expected = rate * np.sign(np.mean(load, -1, keepdims=True) - load)
-    for storage in (model, model.unstacked()):
+    for storage in (model, model.with_policy(storage="unrolled")):
         updated = zoo.update_router_bias(storage, load, rate)
         for i, layer in enumerate(updated.config.moe_layers):
             before = storage.layer(layer).mlp.router.bias

@@ -54,7 +54,7 @@ def test_only_the_adapters_train_and_the_base_is_untouched(lora_run, base):
     assert has_lora(result.model)
     # The frozen part flattens as the base does (each LoRA holds its base where the Linear was).
     _, frozen = split_trainable(result.model)
-    loaded = zoo.load_pretrained(base)
+    loaded = zoo.load_pretrained(base, policy=zoo.Policy())  # stacked, as train.py loads it
     for a, b in zip(
         jax.tree.leaves(eqx.filter(loaded, eqx.is_array)),
         jax.tree.leaves(eqx.filter(frozen, eqx.is_array)),

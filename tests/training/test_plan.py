@@ -119,18 +119,19 @@ def test_cli_prints_the_table_and_a_verdict(capsys):
 def test_the_kv_cache_is_the_models_own_windows_counted():
     """Gemma 2's sliding layers keep a ring of their window: the plan counts the real cache
     (eval_shape of init_cache), not every layer at full length."""
-    gemma = zoo.preset(
-        "gemma2-2b", n_layers=2, layer_types=("sliding", "full"), sliding_window=4, d_model=64,
-        n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab_size=256, max_seq_len=64,
-    )  # fmt: skip
+    sizes = dict(n_layers=2, sliding_window=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                 d_ff=128, vocab_size=256, max_seq_len=64)  # fmt: skip
+    gemma = zoo.preset("gemma2-2b", layer_types=("sliding", "full"), **sizes)
     rules, mesh_shape = shard.ShardingRules.preset("fsdp"), {"fsdp": 8}
     p = plan(gemma, NAIVE, rules, mesh_shape, batch=8, seq=32, hardware=HARDWARE["h100"])
     mesh = shard.mesh(**mesh_shape)
     model = zeros_in_shardings(gemma, NAIVE, rules, mesh)
     cache = shard.Placement(mesh, rules).place_arrays(model.init_cache(8, 32))
     assert p.kv_cache == bytes_per_device(cache)
-    full_length = 2 * 2 * 8 * 32 * 2 * 16 * 4 // 8  # layers x K,V x batch x seq x heads x dim
-    assert p.kv_cache < 0.7 * full_length  # the sliding layer holds 4 of 32 positions
+    full = zoo.preset("gemma2-2b", layer_types=("full", "full"), **sizes)
+    full_length = plan(full, NAIVE, rules, mesh_shape, batch=8, seq=32, hardware=HARDWARE["h100"])
+    # The sliding layer holds 4 of 32 positions: about half of two full-length layers.
+    assert p.kv_cache < 0.7 * full_length.kv_cache
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ def base():
 
 @pytest.mark.parametrize("storage", ["stacked", "unstacked"])
 def test_new_adapters_leave_the_logits_unchanged(base, storage):
-    model = base if storage == "stacked" else base.unstacked()
+    model = base if storage == "stacked" else base.with_policy(storage="unrolled")
     adapted = zoo.add_lora(model, ALL, rank=4, alpha=8, key=jax.random.key(0))
     np.testing.assert_array_equal(forward(adapted, TOKENS), forward(model, TOKENS))
     q = adapted.stacks[0].blocks[0].attn.q_proj
@@ -58,8 +58,12 @@ def test_new_adapters_leave_the_logits_unchanged(base, storage):
 
 
 def test_stacked_and_unrolled_get_the_same_adapters(base):
-    stacked = zoo.add_lora(base, ALL, rank=4, alpha=8, key=jax.random.key(0)).unstacked()
-    unrolled = zoo.add_lora(base.unstacked(), ALL, rank=4, alpha=8, key=jax.random.key(0))
+    stacked = zoo.add_lora(base, ALL, rank=4, alpha=8, key=jax.random.key(0)).with_policy(
+        storage="unrolled"
+    )
+    unrolled = zoo.add_lora(
+        base.with_policy(storage="unrolled"), ALL, rank=4, alpha=8, key=jax.random.key(0)
+    )
     for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(unrolled), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -72,7 +76,7 @@ def test_merged_equals_unmerged(base, storage):
     The logits see 7 such projections per layer, each error carried through the layers above
     at about unit gain (random weights of std 0.1), so their difference stays below
     2 · n_layers · 7 · (d_ff + rank + 2) · eps of the logits' scale."""
-    model = base if storage == "stacked" else base.unstacked()
+    model = base if storage == "stacked" else base.with_policy(storage="unrolled")
     adapted = randomize_adapters(zoo.add_lora(model, ALL, rank=4, alpha=8, key=jax.random.key(0)))
     merged = zoo.merge_adapter(adapted)
     assert not any(
@@ -197,7 +201,7 @@ def test_save_load_round_trip_and_bad_files(base, tmp_path):
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["o_proj", "q_proj", "up_proj"]
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
-    loaded = zoo.load_adapter(base.unstacked(), tmp_path / "a")
+    loaded = zoo.load_adapter(base.with_policy(storage="unrolled"), tmp_path / "a")
     np.testing.assert_array_equal(forward(loaded, TOKENS), forward(adapted, TOKENS))
     with pytest.raises(ValueError, match="already holds"):
         zoo.save_adapter(adapted, tmp_path / "a")

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 import zoo
 from infer.engine import Engine
-from layers.kv_cache import LayerLatent
+from layers.paged_cache import LatentPages
 from layers.rotary import RopeScaling
 from tests.reference.runner import run_reference
 from tests.zoo.random_model import VOCAB, random_model
@@ -258,8 +258,8 @@ def test_latent_cache_decode_equals_full_forward(loaded, name):
     up-projections): the logits of the full forward (expanded keys and values)."""
     model, tokens = loaded[name], jnp.asarray(TOKENS)
     cache, c = model.init_cache(2, 16), model.config
-    layers = jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, LayerLatent))
-    assert all(isinstance(x, LayerLatent) for x in layers)  # one array per layer: the latent
+    layers = jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, LatentPages))
+    assert all(isinstance(x, LatentPages) for x in layers)  # one pool per layer: the latent
     assert {x.c.shape[-1] for x in layers} == {c.mla_kv_rank + c.mla_rope_dim}
     step = eqx.filter_jit(lambda m, t, cache: m.forward(t, cache=cache))
     out = step(model, tokens[:, :5], cache)

@@ -1,6 +1,7 @@
-"""`Transformer.fused()`: q/k/v as one projection and gate/up as another compute what the
-separate projections compute, in fewer matmuls per decode step, and whatever needs the separate
-projections (training adapters, quantization, export) refuses a fused model."""
+"""`Policy.fused`: q/k/v as one projection and gate/up as another compute what the separate
+projections compute, in fewer matmuls per decode step; `with_policy(fused=False)` splits them back
+exactly; whatever needs the separate projections (training adapters, quantization, export)
+refuses a fused model."""
 
 import equinox as eqx
 import jax
@@ -36,20 +37,25 @@ def test_fused_projections_compute_the_same_logits_in_fewer_matmuls(name):
     config = CONFIGS[name]
     model = random_model(config, 3)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, config.vocab_size)
-    for storage in (model, model.unstacked()):
-        fused = storage.fused()
+    for storage in (model, model.with_policy(storage="unrolled")):
+        fused = storage.with_policy(fused=True)
         assert fused.is_fused and not storage.is_fused
         # The same products over the same embed-wide sums, in one matmul instead of several: any
         # difference is float32 reordering of sums of 64 terms (a few ulps of logits below 10).
         np.testing.assert_allclose(forward(fused, tokens), forward(storage, tokens), atol=2e-5)
     gated = config.mlp != "gelu"
     # Per layer: q, k, v -> 1 matmul (2 fewer), gate, up -> 1 (1 fewer).
-    unrolled = model.unstacked()
-    assert _dots(unrolled) - _dots(unrolled.fused()) == config.n_layers * (2 + gated)
+    unrolled = model.with_policy(storage="unrolled")
+    fused = unrolled.with_policy(fused=True)
+    assert _dots(unrolled) - _dots(fused) == config.n_layers * (2 + gated)
+    # Split back: exactly the weights it was fused from.
+    back = fused.with_policy(fused=False)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_what_needs_separate_projections_refuses_a_fused_model(tmp_path):
-    model = random_model(CONFIGS["qwen2-like"], 4).fused()
+    model = random_model(CONFIGS["qwen2-like"], 4).with_policy(fused=True)
     for call, what in [
         (lambda: zoo.add_lora(model, ["q_proj"], 2, 4, key=jax.random.key(0)), "add_lora"),
         (lambda: zoo.quantize_base(model, "int8"), "quantize_base"),
@@ -62,4 +68,4 @@ def test_what_needs_separate_projections_refuses_a_fused_model(tmp_path):
         random_model(CONFIGS["qwen2-like"], 4), ["q_proj"], 2, 4, key=jax.random.key(0)
     )
     with pytest.raises(ValueError, match="merge LoRA adapters"):
-        adapted.fused()
+        adapted.with_policy(fused=True)

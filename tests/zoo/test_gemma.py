@@ -423,5 +423,5 @@ def test_scan_loop_and_unrolled_layers_agree(loaded):
     looped over stacked weights, or stored one block per layer."""
     model, tokens = loaded["gemma3-gqa-linear-rope"], jnp.asarray(TOKENS)
     want = forward(model, tokens)
-    for variant in (model.with_policy(scan_layers=False), model.unstacked()):
+    for variant in (model.with_policy(scan_layers=False), model.with_policy(storage="unrolled")):
         np.testing.assert_allclose(forward(variant, tokens), want, rtol=1e-6, atol=1e-6)

@@ -42,16 +42,16 @@ def test_names_become_objects():
     assert hash(policy) == hash(zoo.Policy(attention=Flash(), moe_dispatch=Capacity(1.25)))
 
 
-@pytest.mark.parametrize("unstacked", [False, True])
-def test_swapping_kernel_and_remat_touches_no_weight(unstacked):
-    model = zoo.Transformer(CONFIG, key=jax.random.key(0))
-    model = model.unstacked() if unstacked else model
+@pytest.mark.parametrize("storage", ["stacked", "unrolled"])
+def test_swapping_kernel_and_remat_touches_no_weight(storage):
+    model = zoo.Transformer(CONFIG, policy=zoo.Policy(storage=storage), key=jax.random.key(0))
     naive = model.with_policy(attention=Naive(), remat="full")
-    assert naive.policy == zoo.Policy(attention="naive", remat="full")
+    assert naive.policy == zoo.Policy(attention="naive", remat="full", storage=storage)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(naive), strict=True):
         assert a is b  # the same arrays: nothing rebuilt, nothing copied
     np.testing.assert_allclose(naive(TOKENS), model(TOKENS), rtol=1e-5, atol=1e-5)
-    flash = model.with_policy(zoo.Policy(attention="flash"))
+    flash = model.with_policy(zoo.Policy(attention="flash"))  # stacked storage, whatever before
+    assert all(stack.stacked for stack in flash.stacks)
     np.testing.assert_allclose(flash(TOKENS), model(TOKENS), rtol=1e-5, atol=1e-5)
 
 

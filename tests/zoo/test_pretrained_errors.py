@@ -260,7 +260,7 @@ def test_overwrite_leaves_no_stale_index_or_tokenizer(checkpoint):
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "config.json", "model.safetensors", "notes.txt"
     ]  # fmt: skip
-    loaded = zoo.load_pretrained(checkpoint)
+    loaded = zoo.load_pretrained(checkpoint, policy=new.policy)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(new), strict=True):
         np.testing.assert_array_equal(a, b)
 

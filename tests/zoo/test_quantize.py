@@ -1,13 +1,13 @@
-"""zoo.quantize_base: which projections become QuantizedLinear, the quantized model against the
-float one, stacked == unrolled, the base is frozen under jit and AdamW, bytes == zoo.math's
-prediction, sharding, errors.
+"""zoo.quantize (inference) and zoo.quantize_base (QLoRA's frozen base): what is packed for every
+family, the quantized model against the float model of its dequantized weights, stacked ==
+unrolled, bytes == zoo.math's prediction, the engine and generate on quantized models, the
+frozen base under jit and AdamW, LoRA on a quantized base, export, sharding, bad inputs.
 
-Logits bound: quantization error does not pass through attention's softmax and SwiGLU by a bound
-worth stating, so the model is checked in two parts that together pin it down: (1) every
-projection of the quantized model is within the per-weight bound of tests/layers/
-test_quantized.py, carried through its matmul on inputs of the model's width; (2) the quantized
-model computes exactly the float model that holds its dequantized weights
-(`zoo.dequantize_base`), so nothing but those weights changed.
+Tolerance: a quantized model and the float model holding its dequantized weights compute the
+same function with each matrix product summed in another order (the kernels: per group, then
+scaled; layers/kernels/quantized), so they are compared with the tolerance of
+tests/zoo/test_transformer.py for the same weights under another schedule; each product's own
+bound is tests/layers/test_quantized.py's.
 """
 
 import equinox as eqx
@@ -17,94 +17,160 @@ import numpy as np
 import optax
 import pytest
 
+import infer
 import shard
 import zoo
-from layers import Linear, QuantizedLinear
-from tests.layers.test_quantized import EPS, error_bound
+from layers import Embedding, Linear, LoRA, QuantizedEmbedding, QuantizedLinear
+from layers.kernels.quantized import KERNEL_TOKENS
+from layers.moe import Experts, QuantizedExperts
 from training.step import split_model
 
-KINDS = [("int8", 64), ("nf4", 16)]  # tiny-llama's head_dim (o_proj's last input dim) is 16
-TOKENS = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)  # the kernel path
+LONG = jax.random.randint(jax.random.key(2), (1, KERNEL_TOKENS + 8), 0, 256)  # dequant + XLA
+FAMILIES = {
+    "tiny-llama": {},
+    "tiny-gpt2": {},  # biases (kept float), learned positions, a GELU MLP, tied head
+    "tiny-moe": {},  # experts packed, router float
+    "tiny-deepseek-moe": {},  # shared experts, dense first layer
+    "tiny-deepseek-v3": {"mla_q_rank": 32},  # MLA: every row a multiple of 32 but kv_b (float)
+}
+SAME = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def tiny(name="tiny-llama", **changes):
+    changes = FAMILIES.get(name, {}) | changes
     return zoo.Transformer(zoo.preset(name, **changes), key=jax.random.key(0))
 
 
-def is_projection(node) -> bool:
-    return isinstance(node, Linear | QuantizedLinear)
+def of_type(model, kind) -> list:
+    return [
+        n
+        for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, kind))
+        if isinstance(n, kind)
+    ]
 
 
-def projections(model):
-    leaves = jax.tree.leaves(model.stacks, is_leaf=is_projection)
-    return [leaf for leaf in leaves if is_projection(leaf)]
+def n_bytes(model) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
 
 
-@pytest.mark.parametrize("kind, block", KINDS)
-def test_projections_are_quantized_embeddings_norms_head_are_not(kind, block):
-    model = tiny(tie_embeddings=False)
-    q = zoo.quantize_base(model, kind, block=block)
+def test_what_is_packed_and_what_stays_float():
+    model = tiny("tiny-moe", tie_embeddings=False)
+    q = zoo.quantize(model, "int4")
     layer = q.layer(0)
     for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj):
-        assert isinstance(proj, QuantizedLinear) and proj.kind == kind
-    for proj in (layer.mlp.gate, layer.mlp.up, layer.mlp.down):
-        assert isinstance(proj, QuantizedLinear)
-    assert isinstance(q.lm_head, Linear)
-    assert q.embed.weight is model.embed.weight and q.lm_head.weight is model.lm_head.weight
+        assert isinstance(proj, QuantizedLinear) and proj.kind == "int4"
+    assert isinstance(layer.mlp.experts, QuantizedExperts) and layer.mlp.experts.kind == "int4"
+    assert layer.mlp.router.weight.dtype == jnp.float32  # the router stays float
+    assert isinstance(q.embed, QuantizedEmbedding) and q.embed.kind == "int8"
+    assert isinstance(q.lm_head, QuantizedLinear) and q.lm_head.kind == "int8"
     assert q.final_norm.scale is model.final_norm.scale
-    assert layer.attn_norm.scale.dtype == jnp.float32
+    float_head = zoo.quantize(model, "int8", embeddings=None)
+    assert isinstance(float_head.embed, Embedding) and isinstance(float_head.lm_head, Linear)
+    base = zoo.quantize_base(model, "nf4", block=64)
+    assert isinstance(base.layer(0).attn.q_proj, QuantizedLinear)
+    assert isinstance(base.layer(0).mlp.experts, Experts) and isinstance(base.embed, Embedding)
 
 
-@pytest.mark.parametrize("kind, block", KINDS)
-def test_every_projection_within_its_matmul_bound(kind, block):
-    model = tiny()
-    q = zoo.quantize_base(model, kind, block=block)
-    for float_proj, q_proj in zip(projections(model), projections(q), strict=True):
-        n_in = len(q_proj.in_shape)
-        # Stacked: [layers, *in, *out] weights; one input row per layer, batched over layers.
-        x = jax.random.normal(jax.random.key(2), (float_proj.weight.shape[0], 3, *q_proj.in_shape))
-        y = jax.vmap(lambda p, x: p(x))(q_proj, x)
-        reference = jax.vmap(lambda p, x: p(x))(float_proj, x)
-        w, bound = float_proj.weight, jax.vmap(error_bound)(q_proj, float_proj.weight)
-        contract = (tuple(range(1, 1 + n_in)), tuple(range(n_in)))
-        dot = jax.vmap(lambda a, b, c=contract: jnp.tensordot(a, b, axes=c))
-        n = int(np.prod(q_proj.in_shape))
-        allowed = dot(jnp.abs(x), bound) + n * EPS * dot(jnp.abs(x), jnp.abs(w) + bound)
-        assert bool(jnp.all(jnp.abs(y - reference) <= allowed))
+def test_mla_keeps_its_up_projection_float():
+    q = zoo.quantize(tiny("tiny-deepseek-v3"), "int8")
+    attn = q.layer(0).attn
+    assert isinstance(attn.q_a_proj, QuantizedLinear) and isinstance(attn.o_proj, QuantizedLinear)
+    assert type(attn.kv_b_proj) is Linear  # decode multiplies by its weight (absorbed form)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
-@pytest.mark.parametrize("kind, block", KINDS)
-def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, kind, block):
-    q = zoo.quantize_base(tiny(name), kind, block=block)
-    dequantized = zoo.dequantize_base(q)
-    assert not any(isinstance(p, QuantizedLinear) for p in projections(dequantized))
-    np.testing.assert_array_equal(q(TOKENS), dequantized(TOKENS))
+# Each family once, the kinds spread over them (suite time; every kind's products are checked
+# against their bound in tests/layers/test_quantized.py).
+@pytest.mark.parametrize(
+    "name, kind",
+    [("tiny-llama", "nf4"), ("tiny-gpt2", "int8"), ("tiny-moe", "int4"),
+     ("tiny-deepseek-moe", "int4"), ("tiny-deepseek-v3", "int8")],
+)  # fmt: skip
+def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, kind):
+    group = 32 if kind == "nf4" and name.startswith("tiny-deepseek") else None
+    q = zoo.quantize(tiny(name), kind, group=group)
+    dequantized = zoo.dequantize(q)
+    assert not of_type(dequantized, QuantizedLinear) and not of_type(dequantized, QuantizedExperts)
+    forward = eqx.filter_jit(lambda m, t: m(t))
+    for tokens in (TOKENS, LONG):
+        np.testing.assert_allclose(forward(q, tokens), forward(dequantized, tokens), **SAME)
 
 
-@pytest.mark.parametrize("kind, block", KINDS)
-def test_stacked_and_unrolled_quantize_alike(kind, block):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_stacked_and_unrolled_quantize_alike(kind):
     model = tiny(n_layers=3)
-    stacked = zoo.quantize_base(model, kind, block=block)
-    unrolled = zoo.quantize_base(model.unstacked(), kind, block=block)
-    for a, b in zip(jax.tree.leaves(stacked.unstacked()), jax.tree.leaves(unrolled), strict=True):
+    stacked = zoo.quantize(model, kind)
+    unrolled = zoo.quantize(model.with_policy(storage="unrolled"), kind)
+    converted = stacked.with_policy(storage="unrolled")
+    for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(unrolled), strict=True):
         np.testing.assert_array_equal(a, b)
-    # Same weights, scan vs Python loop: the tolerance of tests/zoo/test_transformer.py.
-    np.testing.assert_allclose(stacked(TOKENS), unrolled(TOKENS), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stacked(TOKENS), unrolled(TOKENS), **SAME)
 
 
-@pytest.mark.parametrize("kind, block", KINDS)
-def test_base_is_frozen_under_jit_and_adamw(kind, block):
-    q = zoo.quantize_base(tiny(), kind, block=block)
+@pytest.mark.parametrize(
+    "name, changes, dtype",
+    [
+        ("tiny-llama", {}, "float32"),
+        ("tiny-llama", {"tie_embeddings": False}, "bfloat16"),
+        ("tiny-gpt2", {}, "float32"),
+        ("tiny-moe", {}, "float32"),
+        ("tiny-deepseek-moe", {}, "float32"),
+    ],
+)
+@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32), ("nf4", 32)])
+def test_bytes_match_the_prediction(name, changes, dtype, kind, group):
+    policy = zoo.Policy.of_dtype(dtype)
+    model = zoo.Transformer(zoo.preset(name, **changes), policy=policy, key=jax.random.key(0))
+    predicted = zoo.math.quantized_weight_bytes(model.config, kind, policy, group=group)
+    assert n_bytes(zoo.quantize(model, kind, group=group)) == predicted
+    assert predicted < zoo.math.weight_bytes(model.config, policy)
+    base = zoo.math.frozen_base_bytes(model.config, kind, policy, block=group or 64)
+    assert n_bytes(zoo.quantize_base(model, kind, block=group or 64)) == base
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_cached_decode_runs_on_the_quantized_model(kind):
+    # Prefill + decode == the full forward (the cache path calls the same projections).
+    q = zoo.quantize(tiny(n_layers=2), kind)
+    full = q(TOKENS)
+    out = q.forward(TOKENS[:, :8], cache=q.init_cache(2, 12))
+    np.testing.assert_allclose(out.logits, full[:, :8], **SAME)
+    step = q.forward(TOKENS[:, 8:9], cache=out.cache)
+    np.testing.assert_allclose(step.logits[:, 0], full[:, 8], **SAME)
+
+
+_forward = eqx.filter_jit(lambda model, tokens: model(tokens))
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by full forwards (the specification), right-padded to 32 tokens."""
+    tokens = list(prompt)
+    for _ in range(n):
+        row = jnp.asarray([tokens + [0] * (32 - len(tokens))])
+        tokens.append(int(jnp.argmax(_forward(model, row)[0, len(tokens) - 1])))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("name, kind", [("tiny-llama", "int4"), ("tiny-moe", "int8")])
+def test_engine_and_generate_run_quantized_models_unchanged(name, kind):
+    q = zoo.quantize(tiny(name, n_layers=2), kind).with_policy(storage="unrolled")
+    cases = [([5, 17, 3, 99, 4], 6), ([7] * 12, 4), ([1, 2], 8)]
+    engine = infer.Engine(q, max_batch=2, max_len=32)
+    requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+    engine.run()
+    generated = infer.generate(
+        q, [p for p, _ in cases], max_new_tokens=4, sampler=infer.Greedy(), key=jax.random.key(0)
+    )
+    for (prompt, n), request, tokens in zip(cases, requests, generated, strict=True):
+        expected = greedy(q, prompt, n)
+        assert request.done and request.tokens == expected
+        assert tokens == expected[:4]
+
+
+def test_quantized_base_is_frozen_under_jit_and_adamw():
+    q = zoo.quantize_base(tiny(), "nf4", block=64)
     params, static = split_model(q)
-    # No array of a quantized projection is trainable (its codes, scales and bias alike).
-    assert not any(
-        jax.tree.leaves(p) for p in projections(params) if isinstance(p, QuantizedLinear)
-    )
-    n_trainable = sum(x.size for x in jax.tree.leaves(params))
-    assert n_trainable == zoo.math.param_count(q.config) - sum(
-        int(np.prod(p.weight.shape)) for p in projections(tiny())
-    )
+    assert not any(jax.tree.leaves(p) for p in of_type(params, QuantizedLinear))
 
     def loss(p):
         return jnp.mean(eqx.combine(p, static)(TOKENS) ** 2)
@@ -113,75 +179,81 @@ def test_base_is_frozen_under_jit_and_adamw(kind, block):
 
     @jax.jit
     def step(p, state):
-        grads = jax.grad(loss)(p)
-        updates, state = optimizer.update(grads, state, p)
-        return optax.apply_updates(p, updates), grads
+        updates, state = optimizer.update(jax.grad(loss)(p), state, p)
+        return optax.apply_updates(p, updates)
 
-    new_params, grads = step(params, optimizer.init(params))
-    assert not any(jax.tree.leaves(g) for g in projections(grads) if isinstance(g, QuantizedLinear))
-    moved = eqx.combine(new_params, static)
-    for before, after in zip(projections(q), projections(moved), strict=True):
+    moved = eqx.combine(step(params, optimizer.init(params)), static)
+    for before, after in zip(
+        of_type(q, QuantizedLinear), of_type(moved, QuantizedLinear), strict=True
+    ):
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
             np.testing.assert_array_equal(a, b)
     assert not np.array_equal(moved.embed.weight, q.embed.weight)  # the rest does train
 
 
-@pytest.mark.parametrize("kind, block", KINDS)
-@pytest.mark.parametrize(
-    "name, changes, dtype",
-    [
-        ("tiny-llama", {}, "float32"),
-        ("tiny-llama", {"tie_embeddings": False}, "bfloat16"),
-        ("tiny-gpt2", {}, "float32"),  # biases (kept float) and a GELU MLP
-        ("tiny-moe", {}, "float32"),  # experts and router kept float
-    ],
-)
-def test_bytes_match_the_prediction(kind, block, name, changes, dtype):
-    policy = zoo.Policy.of_dtype(dtype)
-    model = zoo.Transformer(zoo.preset(name, **changes), policy=policy, key=jax.random.key(0))
-    q = zoo.quantize_base(model, kind, block=block)
-    measured = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(q, eqx.is_array)))
-    predicted = zoo.math.frozen_base_bytes(model.config, kind, policy, block=block)
-    assert measured == predicted
-    assert predicted < zoo.math.frozen_base_bytes(model.config, None, policy)
-    assert zoo.math.frozen_base_bytes(model.config, None, policy) == zoo.math.weight_bytes(
-        model.config, policy
-    )
+def test_lora_trains_on_a_quantized_base_and_refuses_to_merge_into_it():
+    q = zoo.quantize(tiny(), "int4")
+    adapted = zoo.add_lora(q, ["q_proj", "v_proj"], 4, 8, key=jax.random.key(3))
+    assert isinstance(adapted.layer(0).attn.q_proj, LoRA)
+    trainable, frozen = zoo.adapter.split_trainable(adapted)
+
+    def loss(t):
+        return jnp.mean(eqx.combine(t, frozen)(TOKENS) ** 2)
+
+    grads = jax.grad(loss)(trainable)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
+    with pytest.raises(TypeError, match=r"QuantizedLinear.*zoo\.dequantize"):
+        zoo.merge_adapter(adapted)
 
 
-@pytest.mark.parametrize("kind, block", KINDS)
-def test_cached_decode_runs_on_the_quantized_base(kind, block):
-    # The KV-cache path calls the same projections: prefill + decode == the full forward, with
-    # the tolerance of tests/zoo/test_transformer.py (same weights, another schedule).
-    q = zoo.quantize_base(tiny(n_layers=2), kind, block=block)
-    full = q(TOKENS)
-    out = q.forward(TOKENS[:, :8], cache=q.init_cache(2, 12))
-    np.testing.assert_allclose(out.logits, full[:, :8], rtol=1e-5, atol=1e-5)
-    step = q.forward(TOKENS[:, 8:9], cache=out.cache)
-    np.testing.assert_allclose(step.logits[:, 0], full[:, 8], rtol=1e-5, atol=1e-5)
+def test_export_refuses_packed_weights_or_writes_their_float(tmp_path):
+    q = zoo.quantize(tiny(), "int8")
+    with pytest.raises(ValueError, match=r"quantized \(int8\).*dequantize=True"):
+        zoo.save_pretrained(q, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    zoo.save_pretrained(q, tmp_path / "float", dequantize=True)
+    loaded = zoo.load_pretrained(tmp_path / "float")
+    for a, b in zip(jax.tree.leaves(zoo.dequantize(q)), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
-def test_nf4_shards_like_the_float_weights_and_refuses_uneven_blocks():
+def test_nf4_shards_like_the_float_weights_and_refuses_uneven_groups():
     q = zoo.quantize_base(tiny(), "nf4", block=16)
     rules = shard.ShardingRules.preset("fsdp")
-    # embed 64 / block 16 = 4 blocks per channel: 4-way fsdp splits them evenly...
+    # embed 64 / group 16 = 4 groups per row: 4-way fsdp splits them evenly...
     placed = shard.shard_model(q, rules, shard.mesh(data=2, fsdp=4))
-    np.testing.assert_allclose(placed(TOKENS), q(TOKENS), rtol=1e-5, atol=1e-5)
-    # ...8-way cannot: the packed codes (32) would split, their scales (4) not.
-    with pytest.raises(ValueError, match=r"q_proj\.scales: dimension 'embed' of size 4 does not"):
+    np.testing.assert_allclose(placed(TOKENS), q(TOKENS), **SAME)
+    # ...8-way cannot: the packed codes (32 bytes per row) would split, their scales (4) not.
+    with pytest.raises(ValueError, match=r"q_proj\.packed\.scales: dimension 'embed' of size 4"):
         shard.param_shardings(q, rules, shard.mesh(fsdp=8))
 
 
-def test_bad_kind_and_block_are_refused(without_runtime_typechecks):
+# --- bad inputs -----------------------------------------------------------------------------
+
+
+def test_bad_kind_and_group_are_refused_before_anything_is_packed(without_runtime_typechecks):
     model = tiny()
     with pytest.raises(ValueError, match="kind 'fp8' is not one of"):
-        zoo.quantize_base(model, "fp8")
-    # q_proj's last input dim is embed (64), o_proj's head_dim (16): block 64 fits one, not both.
-    with pytest.raises(
-        ValueError, match=r"nf4 block 64 must .* last input dim 16 \(in_shape \(4, 16\)\)"
-    ):
-        zoo.quantize_base(model, "nf4", block=64)
-    with pytest.raises(
-        ValueError, match=r"nf4 block 64 must .* last input dim 16 \(in_shape \(4, 16\)\)"
-    ):
-        zoo.math.frozen_base_bytes(model.config, "nf4", block=64)
+        zoo.quantize(model, "fp8")
+    with pytest.raises(ValueError, match=r"group size 96 must divide the 64 inputs of a row"):
+        zoo.quantize(model, "int4", group=96)
+    with pytest.raises(ValueError, match=r"experts\.down .*group size 64 must divide the 32"):
+        zoo.quantize(tiny("tiny-deepseek-moe"), "nf4")  # its experts' rows are 32 wide
+    with pytest.raises(ValueError, match=r"16 inputs per row is not a multiple of 32"):
+        zoo.quantize(zoo.Transformer(zoo.preset("tiny-deepseek-v3"), key=jax.random.key(0)), "int8")
+
+
+def test_quantized_fused_or_adapted_models_are_refused():
+    model = tiny()
+    q = zoo.quantize(model, "int8")
+    with pytest.raises(ValueError, match=r"already quantized \(int8\); quantize the float model"):
+        zoo.quantize(q, "int4")
+    with pytest.raises(ValueError, match=r"already quantized"):
+        zoo.quantize_base(q, "nf4")
+    with pytest.raises(ValueError, match=r"Policy.fused"):
+        zoo.quantize(model.with_policy(fused=True), "int8")
+    adapted = zoo.add_lora(model, ["q_proj"], 4, 8, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"without LoRA adapters: merge them first"):
+        zoo.quantize(adapted, "int8")
+    with pytest.raises(ValueError, match=r"plain Linear projections.*quantized"):
+        q.with_policy(fused=True)

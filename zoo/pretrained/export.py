@@ -15,6 +15,8 @@ from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
 from zoo.pretrained.safetensors import INDEX
 from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
+from zoo.quantize import dequantize as zoo_dequantize
+from zoo.quantize import quantized_formats
 from zoo.tokenizer import Tokenizer, save_tokenizer
 from zoo.transformer import Transformer
 
@@ -56,6 +58,7 @@ def save_pretrained(
     tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     architecture: str | None = None,
+    dequantize: bool = False,
 ) -> None:
     """Write `model` in the HF layout of `architecture` (an HF class name, e.g.
     "Phi3ForCausalLM"), by default the first of `architectures.ARCHITECTURES` that holds its
@@ -63,7 +66,19 @@ def save_pretrained(
     dtype, and with `tokenizer` its files (`zoo.save_tokenizer`) and generation_config.json
     (bos and the ids generation stops at, `tokenizer.stop_ids()`). Gathers the weights on the
     host (one copy of the model). A non-empty `directory` is refused unless `overwrite`, which
-    first removes every HF model file there (weights, shard index, config, tokenizer)."""
+    first removes every HF model file there (weights, shard index, config, tokenizer). A
+    quantized model (packed weights: `zoo.quantize`, a GGUF loaded as it is) is refused unless
+    `dequantize`, which writes the float weights its blocks stand for (in the policy's parameter
+    dtype)."""
+    formats = quantized_formats(model)
+    if formats and not dequantize:
+        raise ValueError(
+            f"save_pretrained: the model's weights are quantized ({', '.join(formats)}), which an "
+            "HF safetensors directory does not hold; pass dequantize=True to write the float "
+            "weights they stand for, or keep the original file"
+        )
+    if formats:
+        model = zoo_dequantize(model)
     if has_lora(model):
         raise ValueError(
             "save_pretrained: the model holds LoRA adapters, which an HF model directory has no "

@@ -11,6 +11,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+from layers.quantized import PackedWeight
 from shard import Placement
 from zoo.config import Config
 from zoo.policy import Policy
@@ -89,6 +91,64 @@ def _read_layer(source: TensorSource, group: TensorGroup, layer: int | None) -> 
     return group.to_zoo(*arrays)
 
 
+def _packable(skeleton: Transformer, group: TensorGroup, layer: int | None) -> list[str] | None:
+    """The owners (dotted paths of the Linear / Embedding modules) of a `rows` group's leaves in
+    `skeleton`, or None where one of them is not a projection or token table (a router)."""
+    owners = []
+    for path, _ in group.rows or ():
+        target = path if layer is None else layer_path(skeleton, layer, path)[0]
+        owner = target.removesuffix(".weight")
+        if not isinstance(leaf(skeleton, owner), Linear | Embedding):
+            return None
+        owners.append(owner)
+    return owners or None
+
+
+def _packed_modules(
+    source, skeleton: Transformer, group: TensorGroup, layer: int | None, placement: Placement
+) -> dict[str, PackedWeight] | None:
+    """This group's packed weights by owner path, read from the checkpoint's blocks (never in
+    float) and placed; None where the tensor is float or its leaves are not projections."""
+    owners = _packable(skeleton, group, layer)
+    if owners is None:
+        return None
+    (name,) = hf_names(group, layer)
+    packed = source.read_packed(name)
+    if packed is None:
+        return None
+    weights, start = {}, 0
+    for owner, (_, rows) in zip(owners, group.rows, strict=True):
+        module = leaf(skeleton, owner)
+        axes = (
+            ("vocab", "embed")
+            if isinstance(module, Embedding)
+            else (module.axes[len(module.in_shape)], module.axes[0])
+        )
+        weight = packed.take(slice(start, start + rows)).weight(axes)
+        if placement.sharded:
+            weight = jax.device_put(weight, placement.param_shardings(weight))
+        weights[owner] = weight
+        start += rows
+    return weights
+
+
+def _as_quantized(model: Transformer, packed: dict[str, PackedWeight]) -> Transformer:
+    """`model` with the modules at `packed`'s owner paths replaced by quantized ones holding
+    those weights (a Linear's bias, already read, carried over)."""
+
+    def quantized(owner: str, weight: PackedWeight):
+        module = leaf(model, owner)
+        if isinstance(module, Embedding):
+            return QuantizedEmbedding(weight)
+        return QuantizedLinear.of(
+            weight, module.bias, module.in_shape, module.out_shape, module.axes
+        )
+
+    owners = list(packed)
+    modules = [quantized(owner, packed[owner]) for owner in owners]
+    return eqx.tree_at(lambda m: [leaf(m, o) for o in owners], model, modules)
+
+
 def load_weights(
     source: TensorSource,
     arch: Architecture,
@@ -96,18 +156,40 @@ def load_weights(
     *,
     policy: Policy,
     placement: Placement,
+    quantized: bool = False,
 ) -> Transformer:
     """A Transformer of `config` under `policy` whose every weight comes from `source`, each
-    placed in its sharding under `placement` as it is read."""
-    skeleton = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
-    # Checked before any tensor is read: a dim that does not divide by its mesh axes fails here.
-    shardings = placement.param_shardings(skeleton)
+    placed in its sharding under `placement` as it is read, in the policy's layer storage (a
+    fused policy fuses the projections once they are loaded). With `quantized` (a source with
+    `read_packed`: GGUF), a projection or token table stored in quantized blocks is kept in them
+    (`layers.QuantizedLinear` / `QuantizedEmbedding`) on unrolled storage whatever the policy
+    says (a GGUF may hold each layer in its own block type, which a stacked array cannot)."""
     if not any(name.startswith(arch.prefix) for name in source.names()):
         source = _Prefixed(source, arch.prefix)
     groups = arch.tensors_in(config, source.names())
     _check_tensor_names(source, arch, groups, config)
-    paths, arrays = [], []
+    quantized = quantized and any(
+        source.is_quantized(name)
+        for group in groups
+        if group.rows is not None
+        for i in group.layers(config.n_layers)
+        for name in hf_names(group, i)
+    )
+    layout = policy.replace(fused=False, storage="unrolled" if quantized else policy.storage)
+    skeleton = eqx.filter_eval_shape(Transformer, config, policy=layout, key=jax.random.key(0))
+    # Checked before any tensor is read: a dim that does not divide by its mesh axes fails here.
+    shardings = placement.param_shardings(skeleton)
+    paths, arrays, packed = [], [], {}
     for group in groups:
+        if quantized and group.rows is not None:
+            weights = [
+                _packed_modules(source, skeleton, group, i, placement)
+                for i in group.layers(config.n_layers)
+            ]
+            if all(w is not None for w in weights):
+                for w in weights:
+                    packed.update(w)
+                continue
         # One group at a time (all layers of it), placed before the next is read: the host
         # holds one group's tensors, never the whole checkpoint.
         buffers: dict[str, np.ndarray] = {}
@@ -128,6 +210,8 @@ def load_weights(
             arrays.append(place(buffer, like, sharding))
         del buffers
     n_leaves = len(jax.tree.leaves(skeleton))
-    if len(paths) != n_leaves:
+    if len(paths) + len(packed) != n_leaves:
         raise AssertionError(f"{arch.name} mapping fills {len(paths)} of {n_leaves} weights")
-    return eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
+    model = eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
+    model = _as_quantized(model, packed) if packed else model
+    return model.with_policy(policy.replace(storage=layout.storage))

@@ -18,7 +18,7 @@ import types
 from zoo.config import Config
 from zoo.pretrained.field_map import sizes_from_hf, sizes_to_hf
 from zoo.pretrained.rope import rope_from_hf, rope_to_hf, scaling_from_hf
-from zoo.pretrained.tensor_map import TensorGroup, linear, same
+from zoo.pretrained.tensor_map import TensorGroup, embedding, linear, same
 
 _COMMON_READS = (
     "vocab_size",
@@ -223,7 +223,7 @@ def tensors(c: Config) -> list[TensorGroup]:
         "post_mlp_norm": "post_feedforward_layernorm",
     }
     groups = [
-        same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
+        embedding("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
         same("final_norm.scale", "model.norm.weight", (d,)),
     ]
     for ours, theirs in norms.items():

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp) seen as HF checkpoints: the config comes from the GGUF metadata, tensor
-names are mapped to the HF architecture's, quantized tensors are dequantized
-(`gguf.quants.dequantize`, to float32) one at a time, and llama.cpp's permutation of the Q/K rows
-is undone where its converter applies one, and so is the 1 Gemma's converter adds to every norm
+names are mapped to the HF architecture's, quantized tensors are kept in their blocks
+(`read_packed`: zoo/pretrained/gguf_blocks.py) or dequantized (`gguf.quants.dequantize`, to
+float32) one at a time, and llama.cpp's permutation of the Q/K rows is undone where its
+converter applies one, and so is the 1 Gemma's converter adds to every norm
 weight (HF stores the offset from 1). SmolLM2's GGUF is a llama one.
 
 One row of `ARCHITECTURES` per llama.cpp architecture: its HF class, the GGUF tensor names that
@@ -19,6 +20,8 @@ from collections.abc import Callable
 
 import gguf
 import numpy as np
+
+from zoo.pretrained.gguf_blocks import FLOAT_TYPES, PackedRows, packed_rows
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -259,7 +262,8 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
 
 
 class GGUFSource:
-    """Name -> float32 tensor, in the HF architecture's names and layout, dequantized on read."""
+    """Name -> float32 tensor, in the HF architecture's names and layout, dequantized on read;
+    or (`read_packed`) a quantized tensor's blocks as the zoo's packed rows, never in float."""
 
     def __init__(self, reader: gguf.GGUFReader, hf: dict):
         arch = metadata(reader, "general.architecture")
@@ -277,6 +281,22 @@ class GGUFSource:
     def shape(self, name: str) -> tuple[int, ...]:
         # GGUF lists dims fastest-first; NumPy (and HF) slowest-first.
         return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the tensor is stored in quantized blocks (not F32, F16 or BF16)."""
+        return self._tensors[name].tensor_type not in FLOAT_TYPES
+
+    def read_packed(self, name: str) -> PackedRows | None:
+        """The tensor's blocks as packed rows (an `[out, in]` matrix: rows are outputs) in the HF
+        row order, or None for a float tensor; a quantized type the zoo does not pack is an
+        error naming it."""
+        tensor = self._tensors[name]
+        rows = self.shape(name)[0]
+        packed = packed_rows(np.asarray(tensor.data), tensor.tensor_type, rows, tensor.name)
+        projection = name.split(".")[-2]
+        if packed is None or projection not in self._heads:
+            return packed
+        return packed.take(unpermute(np.arange(rows), self._heads[projection]))
 
     def read(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]

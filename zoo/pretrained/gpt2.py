@@ -4,7 +4,7 @@ q/k/v fused in one `c_attn` tensor, learned positions, LayerNorm with bias, tied
 import numpy as np
 
 from zoo.config import Config
-from zoo.pretrained.tensor_map import TensorGroup, linear, same
+from zoo.pretrained.tensor_map import TensorGroup, embedding, linear, same
 
 _ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh-approximate GELU we use
 
@@ -112,7 +112,7 @@ def tensors(c: Config) -> list[TensorGroup]:
     d, f, heads = c.d_model, c.d_ff, (c.n_heads, c.head_dim)
     h = "transformer.h.{i}."
     groups = [
-        same("embed.weight", "transformer.wte.weight", (c.vocab_size, d)),
+        embedding("embed.weight", "transformer.wte.weight", (c.vocab_size, d)),
         same("positions.weight", "transformer.wpe.weight", (c.max_seq_len, d)),
         same("blocks.attn_norm.scale", h + "ln_1.weight", (d,)),
         same("blocks.attn_norm.bias", h + "ln_1.bias", (d,)),

@@ -5,7 +5,7 @@ optional Llama-3 frequency scaling, tied or untied head. SmolLM2 is a Llama."""
 from zoo.config import Config
 from zoo.pretrained.field_map import sizes_from_hf, sizes_to_hf
 from zoo.pretrained.rope import rope_from_hf, rope_to_hf
-from zoo.pretrained.tensor_map import TensorGroup, bias, linear, same
+from zoo.pretrained.tensor_map import TensorGroup, bias, embedding, linear, same
 
 READS = (
     "vocab_size",
@@ -102,7 +102,7 @@ def tensors_around_mlp(
     ]
     projections = [*(separate_qkv if qkv is None else []), ("attn.o_proj", a + "o_proj", q, (d,))]
     groups = [
-        same("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
+        embedding("embed.weight", "model.embed_tokens.weight", (c.vocab_size, d)),
         same("blocks.attn_norm.scale", "model.layers.{i}.input_layernorm.weight", (d,)),
         same("blocks.mlp_norm.scale", "model.layers.{i}.post_attention_layernorm.weight", (d,)),
         same("final_norm.scale", "model.norm.weight", (d,)),

@@ -16,16 +16,25 @@ def load_pretrained(
     *,
     policy: Policy | None = None,
     placement: Placement | None = None,
+    quantized: bool | None = None,
 ) -> Transformer:
     """The model stored at `path`: an HF directory (config.json + model.safetensors or a sharded
     model.safetensors.index.json) or a `.gguf` file of a llama.cpp architecture in
-    `gguf.ARCHITECTURES` (llama, qwen2, qwen3, phi3).
+    `gguf.ARCHITECTURES` (llama, qwen2, qwen3, phi3, gemma2, gemma3).
 
     The architecture and sizes always come from the checkpoint; how the model runs is `policy`,
-    by default computing and storing in the dtype config.json declares (float32 if none), and
-    float32 for GGUF (quantized tensors are dequantized to float32). Weights are read one tensor
-    group at a time (no second copy of the checkpoint is held) and each goes straight into its
-    sharding under `placement` (`shard.Placement(mesh, rules)`) as it is read.
+    by default `Policy.inference`: the fastest decode (one array per layer), computing and
+    storing in the dtype config.json declares (float32 if none), float32 for GGUF. Training
+    takes stacked layers: pass a policy with `storage="stacked"` (train.py does). Weights are
+    read one tensor group at a time (no second copy of the checkpoint is held) and each goes
+    straight into its sharding under `placement` (`shard.Placement(mesh, rules)`) as it is read.
+
+    A GGUF's quantized projections and token table stay in their blocks (`quantized`, default:
+    on one device) as packed weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: layers/quantized), on
+    unrolled storage, which decode reads 4 to 6x fewer bytes of than float32 and which the
+    quantized kernels multiply without a float copy (bench/RESULTS.md); another quantized type
+    is an error naming it. `quantized=False` dequantizes every tensor to float32 instead (a
+    model to fine-tune, or to shard over a mesh whose axes do not divide the blocks).
     """
     placement = placement or Placement()
     path = os.fspath(path)
@@ -35,9 +44,17 @@ def load_pretrained(
         reader = gguf.open_gguf(path)
         hf = gguf.hf_config(reader)
         arch, config = config_from_hf(hf)
-        policy = policy or Policy.of_dtype("float32")
+        policy = policy or Policy.inference("float32")
         source = gguf.GGUFSource(reader, hf)
-        return load_weights(source, arch, config, policy=policy, placement=placement)
+        keep = not placement.sharded if quantized is None else quantized
+        return load_weights(
+            source, arch, config, policy=policy, placement=placement, quantized=keep
+        )
+    if quantized:
+        raise ValueError(
+            f"quantized=True keeps a GGUF file's quantized blocks, and {path!r} is not a .gguf "
+            "file; quantize a float model with zoo.quantize(model, 'int8' | 'int4' | 'nf4')"
+        )
     if not os.path.isdir(path):
         raise ValueError(
             f"{path!r} is neither an HF model directory nor a .gguf file; pass a directory with "
@@ -45,5 +62,5 @@ def load_pretrained(
         )
     hf = read_hf_config(path)
     arch, config = config_from_hf(hf)
-    policy = policy or Policy.of_dtype(declared_dtype(hf))
+    policy = policy or Policy.inference(declared_dtype(hf))
     return load_weights(SafetensorsSource(path), arch, config, policy=policy, placement=placement)

@@ -80,7 +80,8 @@ def _fused(zoo: tuple[str, ...], hf: str, out_shapes: tuple[tuple[int, ...], ...
     def to_hf(*ws):
         return (np.concatenate([w.reshape(d, -1).T for w in ws], axis=0),)
 
-    return TensorGroup(zoo, (hf,), ((sum(sizes), d),), to_zoo, to_hf)
+    rows = tuple(zip(zoo, sizes, strict=True))
+    return TensorGroup(zoo, (hf,), ((sum(sizes), d),), to_zoo, to_hf, rows=rows)
 
 
 def tensors(c: Config) -> list[TensorGroup]:

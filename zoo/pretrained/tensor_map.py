@@ -25,6 +25,9 @@ class TensorGroup:
     `to_zoo(*hf_arrays) -> tuple of our arrays` and `to_hf(*our_arrays) -> tuple of HF arrays`,
     one layer at a time for per-layer groups. `only_layers` restricts a per-layer group to some
     layers (DeepSeek's dense first layers and MoE ones hold different tensors); None: all.
+    `rows`, for a group of one `[out, in]` tensor (nn.Linear's layout, an embedding table): its
+    consecutive rows as (our leaf, number of rows), which is how a quantized checkpoint's blocks
+    become packed weights without going through float (zoo/pretrained/fill.py).
     """
 
     zoo: tuple[str, ...]
@@ -33,6 +36,7 @@ class TensorGroup:
     to_zoo: Callable[..., tuple[np.ndarray, ...]]
     to_hf: Callable[..., tuple[np.ndarray, ...]]
     only_layers: tuple[int, ...] | None = None
+    rows: tuple[tuple[str, int], ...] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -46,8 +50,15 @@ class TensorGroup:
 
 
 def same(zoo: str, hf: str, shape: Shape) -> TensorGroup:
-    """A tensor stored exactly as we store it (embeddings, norm scales, biases of flat outputs)."""
+    """A tensor stored exactly as we store it (norm scales, biases of flat outputs)."""
     return TensorGroup((zoo,), (hf,), (shape,), lambda w: (w,), lambda w: (w,))
+
+
+def embedding(zoo: str, hf: str, shape: Shape) -> TensorGroup:
+    """A token table `[vocab, embed]`, stored as we store it: one row per token."""
+    return TensorGroup(
+        (zoo,), (hf,), (shape,), lambda w: (w,), lambda w: (w,), rows=((zoo, shape[0]),)
+    )
 
 
 def linear(zoo: str, hf: str, in_shape: Shape, out_shape: Shape, *, hf_in_out: bool = False):
@@ -71,6 +82,7 @@ def linear(zoo: str, hf: str, in_shape: Shape, out_shape: Shape, *, hf_in_out: b
         ((n_out, n_in),),
         lambda w: (w.T.reshape(in_shape + out_shape),),
         lambda w: (w.reshape(n_in, n_out).T,),
+        rows=((zoo, n_out),),
     )
 
 

@@ -4,24 +4,25 @@ PagedAttention, Kwon et al. 2023), so memory follows the tokens each request act
 - `pages.py`: the pool layout, the visibility rule, `write_pages` (scatter new keys/values in
   place) and `check_page_table` (host-side check of a table's values).
 - `attention.py`: `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
-  sliding_window, kernel)` and the two kernel choices, `GatherKernel()` and
+  sliding_window, softcap, kernel, layer)` and the two kernel choices, `XlaPagedKernel()` and
   `PallasDecodeKernel(...)`.
-- `gather.py`: the XLA path (gather the pages, masked attention); any backend, any seq.
+- `blocked.py`: the XLA path (an online softmax over the blocks of pages that hold visible keys);
+  any backend, any seq.
 - `decode.py`: the Pallas decode kernel (seq == 1; GPU through Triton, interpreted on CPU).
 """
 
 from layers.kernels.paged.attention import (
-    GatherKernel,
     PagedKernel,
     PallasDecodeKernel,
+    XlaPagedKernel,
     paged_attention,
 )
 from layers.kernels.paged.pages import check_page_table, visible, write_pages
 
 __all__ = [
-    "GatherKernel",
     "PagedKernel",
     "PallasDecodeKernel",
+    "XlaPagedKernel",
     "check_page_table",
     "paged_attention",
     "visible",

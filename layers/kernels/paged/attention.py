@@ -1,7 +1,8 @@
-"""`paged_attention`: attention from a batch of query tokens to each row's pages of the pool,
+"""`paged_attention`: attention from groups of query tokens to each group's pages of the pool,
 with two implementations chosen explicitly by the caller (never one falling back on the other):
 
-- `GatherKernel()`: XLA, any backend, any number of query tokens (decode and prefill chunks);
+- `XlaPagedKernel()`: XLA, any backend, any number of query tokens per group (decode and prefill
+  chunks), walking only the blocks of pages that hold visible keys (blocked.py);
 - `PallasDecodeKernel(...)`: the Pallas decode kernel (GPU; interpreted on CPU), seq == 1 only.
 """
 
@@ -13,8 +14,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from layers.kernels.flash.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from layers.kernels.paged.blocked import blocked_attention
 from layers.kernels.paged.decode import DecodePlan, default_splits, paged_decode
-from layers.kernels.paged.gather import gather_attention
 from layers.kernels.paged.pages import check_page_table, is_concrete
 
 
@@ -22,9 +23,19 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherKernel:
-    """The XLA path: gathers each row's pages into a contiguous view, then masked attention."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XlaPagedKernel:
+    """The XLA path (blocked.py): an online softmax over blocks of `keys_per_block` keys (whole
+    pages, at least one), only the blocks that hold visible keys. Larger blocks mean fewer loop
+    iterations and more masked keys at the edges; bench/RESULTS.md has the measurement."""
+
+    keys_per_block: int = 256
+
+    def __post_init__(self):
+        if not isinstance(self.keys_per_block, int) or self.keys_per_block < 1:
+            raise ValueError(
+                f"XlaPagedKernel.keys_per_block must be a positive int, got {self.keys_per_block!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,30 +66,34 @@ class PallasDecodeKernel:
             raise ValueError(f"PallasDecodeKernel.splits must be >= 1 or None, got {self.splits}")
 
 
-PagedKernel = GatherKernel | PallasDecodeKernel
+PagedKernel = XlaPagedKernel | PallasDecodeKernel
 
 
-def _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window):
-    if q.ndim != 4 or k_pages.ndim != 4:
+def _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, layer):
+    pool_dims = 4 if layer is None else 5
+    if q.ndim != 4 or k_pages.ndim != pool_dims:
+        pools = "[kv_heads, pages, page_size, head_dim]"
+        if layer is not None:
+            pools = "[layers, kv_heads, pages, page_size, head_dim] (a layer index is given)"
         raise ValueError(
-            f"paged attention: q must be [batch, seq, heads, head_dim] and the pools [kv_heads, "
-            f"pages, page_size, head_dim], got q {q.shape} and k_pages {k_pages.shape}"
+            f"paged attention: q must be [batch, seq, heads, head_dim] and the pools {pools}, got "
+            f"q {q.shape} and k_pages {k_pages.shape}"
         )
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+    if v_pages is not None and (k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype):
         raise ValueError(
             f"paged attention: k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
             f"{v_pages.shape} {v_pages.dtype} must have the same shape and dtype"
         )
     b, t, n_heads, d = q.shape
-    n_kv = k_pages.shape[0]
-    if k_pages.shape[3] != d:
+    n_kv = k_pages.shape[-4]
+    if k_pages.shape[-1] != d:
         raise ValueError(
-            f"paged attention: q head_dim {d} differs from the pools' head_dim {k_pages.shape[3]}"
+            f"paged attention: q head_dim {d} differs from the pools' head_dim {k_pages.shape[-1]}"
         )
     if n_heads % n_kv != 0:
         raise ValueError(
             f"paged attention: heads={n_heads} must be a multiple of kv_heads={n_kv} (the pools' "
-            "first axis)"
+            "K/V head axis)"
         )
     for name, x, shape in [
         ("page_table", page_table, (b, page_table.shape[-1])),
@@ -100,17 +115,17 @@ def _check_pallas(q, k_pages):
     if t != 1:
         raise ValueError(
             f"paged attention: the Pallas decode kernel takes one query token per row (seq == 1), "
-            f"got seq={t}; use GatherKernel() (the XLA gather path) for prefill chunks"
+            f"got seq={t}; use XlaPagedKernel() (the XLA path) for prefill chunks"
         )
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"paged attention: the Pallas decode kernel needs head_dim in {SUPPORTED_HEAD_DIMS} "
-            f"(Triton tiles are powers of two >= 16), got {d}; use GatherKernel()"
+            f"(Triton tiles are powers of two >= 16), got {d}; use XlaPagedKernel()"
         )
     if not _is_power_of_two(k_pages.shape[2]):
         raise ValueError(
             f"paged attention: the Pallas decode kernel needs a power-of-two page_size, got "
-            f"{k_pages.shape[2]}; use GatherKernel()"
+            f"{k_pages.shape[2]}; use XlaPagedKernel()"
         )
     if q.dtype != k_pages.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(
@@ -121,8 +136,8 @@ def _check_pallas(q, k_pages):
 
 def paged_attention(
     q: Float[Array, "batch seq heads head_dim"],
-    k_pages: Float[Array, "kv_heads pages page_size head_dim"],
-    v_pages: Float[Array, "kv_heads pages page_size head_dim"],
+    k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
+    v_pages: Float[Array, "*layers kv_heads pages page_size head_dim"] | None,
     page_table: Int[Array, "batch row_pages"],
     lengths: Int[Array, " batch"],
     *,
@@ -130,34 +145,44 @@ def paged_attention(
     sliding_window: Int[Array, ""] | int | None = None,
     softcap: float | None = None,
     kernel: PagedKernel,
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """softmax(softcap(q k^T / sqrt(d)) + mask) v over each row's keys in the page pool (layout
     in `pages.py`), with K/V heads shared by groups of query heads (GQA/MQA). `sliding_window`
     may be traced (one layer's window under `lax.scan`); `softcap` caps the scaled scores at
-    softcap * tanh(s / softcap) (Gemma 2).
+    softcap * tanh(s / softcap) (Gemma 2). `v_pages=None`: the values are the keys (MLA's
+    latent pool). `layer`: the pools carry a leading stacked-layers axis and this layer's pages
+    are read (XLA path only; never a copy of the layer's whole pool).
 
     The key at position j is visible to the query at position `q_positions[b, i]` iff
     j <= that position, j < lengths[b] and (no window or position - j < sliding_window): a decode
     step (seq == 1) and a causal prefill chunk over pages already written (seq == C) are the same
-    call. A query that sees no key (an idle row with length 0) outputs 0.
+    call. A query that sees no key (an idle row with length 0, or a negative position: padding)
+    outputs 0.
 
     Shapes, dtypes and the window are checked before tracing (ValueError). Page table values are
     checked with `check_page_table` when the arguments are concrete; under jit the caller
     guarantees them (keys past a row's table are then ignored, out-of-pool page ids are
     undefined behaviour).
     """
-    _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window)
-    n_kv, n_pages, page_size, d = k_pages.shape
+    _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, layer)
+    n_kv, n_pages, page_size, d = k_pages.shape[-4:]
     if is_concrete(page_table, lengths):
         check_page_table(page_table, lengths, page_size=page_size, n_pages=n_pages)
-    if isinstance(kernel, GatherKernel):
-        return gather_attention(
-            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap
-        )
+    if isinstance(kernel, XlaPagedKernel):
+        return blocked_attention(
+            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap,
+            keys_per_block=kernel.keys_per_block, layer=layer,
+        )  # fmt: skip
     if not isinstance(kernel, PallasDecodeKernel):
         raise TypeError(
-            f"paged attention: kernel must be GatherKernel() or PallasDecodeKernel(...), got "
+            f"paged attention: kernel must be XlaPagedKernel() or PallasDecodeKernel(...), got "
             f"{kernel!r}"
+        )
+    if layer is not None:
+        raise ValueError(
+            "paged attention: the Pallas decode kernel reads one layer's pool; use unrolled layer "
+            "storage (Policy(storage='unrolled')) or XlaPagedKernel()"
         )
     _check_pallas(q, k_pages)
     ppb = max(1, kernel.keys_per_block // page_size)
@@ -177,4 +202,5 @@ def paged_attention(
         if sliding_window is None
         else jnp.broadcast_to(jnp.asarray(sliding_window, jnp.int32), lengths.shape)
     )
+    v_pages = k_pages if v_pages is None else v_pages
     return paged_decode(q, k_pages, v_pages, page_table, lengths, q_positions, window, plan)

@@ -34,42 +34,38 @@ def visible(
 
 
 def write_pages(
-    k_pages: Float[Array, "kv_heads pages page_size head_dim"],
-    v_pages: Float[Array, "kv_heads pages page_size head_dim"],
-    page_table: Int[Array, "batch row_pages"],
-    positions: Int[Array, "batch seq"],
-    k_new: Float[Array, "batch seq kv_heads head_dim"],
-    v_new: Float[Array, "batch seq kv_heads head_dim"],
-    valid: Bool[Array, "batch seq"],
-) -> tuple[
-    Float[Array, "kv_heads pages page_size head_dim"],
-    Float[Array, "kv_heads pages page_size head_dim"],
-]:
-    """The pools with each valid new token's key and value written at its position (one scatter
-    per pool; cast to the pool's dtype). A decode step passes seq = 1, a prefill chunk seq = C.
+    pool: Float[Array, "*layers kv_heads pages page_size head_dim"],
+    page_table: Int[Array, "groups row_pages"],
+    groups: Int[Array, " tokens"],
+    positions: Int[Array, " tokens"],
+    new: Float[Array, "tokens kv_heads head_dim"],
+    valid: Bool[Array, " tokens"],
+    *,
+    layer: Int[Array, ""] | None = None,
+) -> Float[Array, "*layers kv_heads pages page_size head_dim"]:
+    """The pool with each valid new token's key (or value, or latent) written at its position in
+    its group's pages (`groups[t]` is token t's row of `page_table`): one scatter, cast to the
+    pool's dtype. `layer` indexes a leading stacked-layers axis (None: no such axis).
 
-    Padding (`valid` False) writes nothing, and so does a position outside the row's page table
-    (negative, or >= row_pages * page_size): the engine allocates pages before writing, and a
-    token without a page must not land in another row's page. Two valid tokens of one row at the
-    same position leave either one. Donate the pools (`jax.jit(..., donate_argnums=...)`) and the
-    scatter updates them in place: a step costs the bytes written, not a copy of the pool.
+    Padding (`valid` False) writes nothing, and so does a position outside the group's page
+    table (negative, or >= row_pages * page_size): the engine allocates pages before writing,
+    and a token without a page must not land in another row's page. Two valid tokens at the same
+    slot leave either one. Donate the pool (`jax.jit(..., donate_argnums=...)`) and the scatter
+    updates it in place: a step costs the bytes written, not a copy of the pool.
     """
-    n_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    n_pages, page_size = pool.shape[-3], pool.shape[-2]
     row_pages = page_table.shape[1]
     slot = positions // page_size
     in_table = valid & (positions >= 0) & (slot < row_pages)
-    page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, row_pages - 1), axis=1)
+    page = page_table[groups, jnp.clip(slot, 0, row_pages - 1)]
     # Out of bounds (a positive index: JAX wraps negative ones), so mode="drop" skips the write.
     page = jnp.where(in_table, page, n_pages)
     offset = positions % page_size
-
-    def write(pool, new):
-        # pool.at[:, page, offset] has shape [kv_heads, batch, seq, head_dim].
-        return pool.at[:, page, offset].set(
-            jnp.transpose(new, (2, 0, 1, 3)).astype(pool.dtype), mode="drop"
-        )
-
-    return write(k_pages, k_new), write(v_pages, v_new)
+    new = new.astype(pool.dtype)
+    if layer is None:  # pool.at[:, page, offset] is [kv_heads, tokens, head_dim]
+        return pool.at[:, page, offset].set(jnp.swapaxes(new, 0, 1), mode="drop")
+    # With the layer index apart from page/offset, NumPy indexing puts [tokens] first.
+    return pool.at[layer, :, page, offset].set(new, mode="drop")
 
 
 def check_page_table(

@@ -1,0 +1,24 @@
+"""Matrix products with weights held packed (layers/quantized/formats.py), dequantized inside the
+kernel: `quantized_matmul(x, weight)` and, per expert, `quantized_ragged_matmul(x, weight,
+group_sizes)`, dispatched per backend (ops.py): the jax.ffi CPU kernel (matmul.cc, built by
+build.py), the Pallas GPU kernel (pallas.py), or dequantize + XLA matmul (the specification)."""
+
+from layers.kernels.quantized.cpu import KernelNotBuilt, cpu_matmul, ensure_built
+from layers.kernels.quantized.ops import (
+    KERNEL_TOKENS,
+    quantized_matmul,
+    quantized_ragged_matmul,
+    reference_matmul,
+    reference_ragged_matmul,
+)
+
+__all__ = [
+    "KERNEL_TOKENS",
+    "KernelNotBuilt",
+    "cpu_matmul",
+    "ensure_built",
+    "quantized_matmul",
+    "quantized_ragged_matmul",
+    "reference_matmul",
+    "reference_ragged_matmul",
+]

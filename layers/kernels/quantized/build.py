@@ -1,0 +1,67 @@
+"""Compile the CPU kernel (matmul.cc) into `_matmul.so` beside it: what `make setup` runs after
+installing the package (the Makefile's kernel target), and what to run by hand after editing the
+C++ or on a machine set up without make:
+
+    python -m layers.kernels.quantized.build
+
+The headers come from jaxlib (`jax.ffi.include_dir()`), so the library matches the installed
+JAX's FFI. The code is built for the baseline of the machine's architecture; the AVX-512 path
+inside is compiled for AVX-512 alone and chosen at run time when the CPU has it, so a library
+built here runs on any x86-64 CPU.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("matmul.cc")
+LIBRARY = Path(__file__).with_name("_matmul.so")
+STAMP = LIBRARY.with_suffix(".so.sha256")
+
+
+def source_hash() -> str:
+    """SHA-256 of matmul.cc: recorded beside the library, so a stale build is detected."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def compiler() -> str:
+    """The C++ compiler: $CXX, else g++ or clang++ from the PATH."""
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError(
+        "no C++ compiler found (set CXX, or install g++): the quantized CPU kernel needs one"
+    )
+
+
+def build(*, verbose: bool = False) -> Path:
+    """Compile `matmul.cc` into `_matmul.so` (written beside a temporary name first, then
+    renamed, so a failed build never leaves a broken library behind). Returns its path."""
+    import jax.ffi
+
+    partial = LIBRARY.with_suffix(".so.partial")
+    command = [
+        compiler(),
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-Wno-return-type",  # XLA's own headers trip it
+        f"-I{jax.ffi.include_dir()}",
+        str(SOURCE),
+        "-o",
+        str(partial),
+    ]
+    if verbose:
+        print(" ".join(command))
+    subprocess.run(command, check=True)
+    partial.replace(LIBRARY)
+    STAMP.write_text(source_hash() + "\n")
+    return LIBRARY
+
+
+if __name__ == "__main__":
+    print(f"built {build(verbose='-v' in sys.argv[1:])}")

@@ -1,0 +1,476 @@
+// y = x · W^T for a weight W [N, K] held in packed blocks, dequantized in registers: the CPU
+// kernel of layers/kernels/quantized (called through jax.ffi; built by build.py).
+//
+// XLA:CPU does not fuse an int8 -> float convert into a matrix-vector product (bench/
+// quantized_kernels.py measures it ~10x slower than float32), so decode with quantized weights
+// needs this: each 32-weight chunk of a row is loaded as its codes, turned into floats in
+// registers and multiplied into every token's accumulator; no float copy of W is written.
+// Decode reads each weight once per step, so 1/2 to 1 byte per weight instead of 4 is the gain.
+//
+// Formats (a row holds K weights along the input, K % 32 == 0; a group of G consecutive weights
+// shares a scale and, where present, a minimum; G == 16 or G % 32 == 0; the arrays are
+// layers/quantized/formats.py's):
+//   "i8":  codes int8 [N, K]; scales f32|f16 [N, K/G].             w = code * scale
+//   "u4":  codes u8 [N, K/2], 16 bytes per 32 weights (byte j: weight j in the low nibble,
+//          j + 16 in the high one); scales f32|f16 [N, K/G]; mins f32|f16 [N, K/G] (optional);
+//          table f32 [16], the level of each code.                   w = table[code] * scale
+//          (+ min); `linear`: table[c] == c + offset, computed instead of looked up
+//   "q4k": codes as "u4"; sub-scales and sub-mins u8 [N, K/32]; d and dmin f16 [N, K/256]
+//          (llama.cpp's Q4_K).                                        w = d sc code - dmin m
+//   "q6k": low 4 bits as "u4" [N, K/2]; high 2 bits u8 [N, K/4], 4 bytes per 16 weights (byte b
+//          holds weights b, b + 4, b + 8, b + 12 in bit pairs 0, 2, 4, 6); sub-scales int8
+//          [N, K/16]; d f16 [N, K/256] (llama.cpp's Q6_K).            w = d sc (code - 32)
+// An expert-stacked weight [E, N, ...] with `group_sizes` [E] runs each expert on its own rows
+// of x (sorted by expert, as jax.lax.ragged_dot takes them); experts with no rows are not read.
+//
+// The sum is reordered: y = sum_g s_g (sum_{i in g} code_i x_i) + sum_g (min_g + offset s_g)
+// sum_{i in g} x_i, so a group's scale multiplies once per token and the minimums meet the
+// per-group sums of x (computed once per call) sixteen groups at a time.
+//
+// Two code paths: AVX-512 (chosen at run time where the CPU has it) and a portable one that
+// dequantizes one row at a time into a K-float buffer (no float copy of W either).
+//
+// Threads: rows are split into work items taken from an atomic counter by the calling thread
+// and by tasks on XLA's intra-op thread pool; a task that starts after the work is gone returns
+// at once (its state is shared-owned, so it never touches a finished call).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum class Kind { kInt8, kInt4, kInt4K, kInt6K };
+enum class Type { kF32, kF16, kU8, kI8 };
+
+// One expert's weight: pointers to row 0 of each array and the format's constants.
+struct Weight {
+  Kind kind;
+  int64_t k, group;
+  const uint8_t* codes;  // int8 / packed 4-bit / Q6_K's low nibbles
+  const uint8_t* high;   // Q6_K: the high 2-bit planes
+  const void* scales;    // [N, K/G]; k-quants: the sub-scales
+  const void* mins;      // [N, K/G] or null; Q4_K: the sub-mins
+  const uint16_t* super_scales;  // k-quants: d [N, K/256]
+  const uint16_t* super_mins;    // Q4_K: dmin [N, K/256]
+  Type scale_type, min_type;
+  const float* table;  // 4-bit levels (16)
+  bool linear;         // table[c] == c + offset
+  float offset;        // added to every code: Q4_0's -8, Q6_K's -32 (through the scale)
+  int64_t codes_row() const { return kind == Kind::kInt8 ? k : k / 2; }
+  int64_t groups() const { return k / group; }
+};
+
+inline float half(uint16_t h) {
+  _Float16 f;
+  std::memcpy(&f, &h, 2);
+  return static_cast<float>(f);
+}
+
+inline float element(const void* p, Type t, int64_t i) {
+  switch (t) {
+    case Type::kF32: return static_cast<const float*>(p)[i];
+    case Type::kF16: return half(static_cast<const uint16_t*>(p)[i]);
+    case Type::kU8: return static_cast<const uint8_t*>(p)[i];
+    case Type::kI8: return static_cast<const int8_t*>(p)[i];
+  }
+  return 0.0f;
+}
+
+// Scale and minimum (offset included) of group g of row n.
+inline float scale_of(const Weight& w, int64_t n, int64_t g) {
+  float s = element(w.scales, w.scale_type, n * w.groups() + g);
+  if (w.super_scales) s *= half(w.super_scales[n * (w.k / 256) + g * w.group / 256]);
+  return s;
+}
+
+inline float min_of(const Weight& w, int64_t n, int64_t g) {
+  if (!w.mins) return 0.0f;
+  float m = element(w.mins, w.min_type, n * w.groups() + g);
+  if (w.super_mins) m = -m * half(w.super_mins[n * (w.k / 256) + g * w.group / 256]);
+  return m;
+}
+
+// The code of weight i of row n (before table, offset and scale).
+inline int32_t code_of(const Weight& w, int64_t n, int64_t i) {
+  if (w.kind == Kind::kInt8) return reinterpret_cast<const int8_t*>(w.codes)[n * w.k + i];
+  const uint8_t byte = w.codes[n * (w.k / 2) + (i / 32) * 16 + i % 16];
+  int32_t c = (i % 32 < 16) ? (byte & 15) : (byte >> 4);
+  if (w.kind == Kind::kInt6K) {
+    const uint8_t h = w.high[n * (w.k / 4) + (i / 16) * 4 + i % 4];
+    c |= ((h >> (2 * ((i % 16) / 4))) & 3) << 4;
+  }
+  return c;
+}
+
+// --- portable path: one row dequantized into a buffer, then a dot per token -----------------
+
+void rows_portable(const Weight& w, const float* x, int64_t stride, float* y, int64_t tokens, int64_t n_out,
+                   int64_t n0, int64_t n1) {
+  std::vector<float> row(w.k);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      const float s = scale_of(w, n, g), m = min_of(w, n, g);
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) {
+        const int32_t c = code_of(w, n, i);
+        const float level = (w.kind == Kind::kInt4 && !w.linear) ? w.table[c] : c + w.offset;
+        row[i] = level * s + m;
+      }
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < w.k; ++i) sum += row[i] * x[t * stride + i];
+      y[t * n_out + n] = sum;
+    }
+  }
+}
+
+// --- AVX-512 path ---------------------------------------------------------------------------
+
+#if defined(__x86_64__)
+#define ZOO_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+ZOO_AVX512 inline __m512 load_groups(const void* p, Type t, int64_t count) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  switch (t) {
+    case Type::kF32: return _mm512_maskz_loadu_ps(mask, p);
+    case Type::kF16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+    case Type::kU8: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+    case Type::kI8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+  }
+  return _mm512_setzero_ps();
+}
+
+// The 16 (or `count`) scales and minimums of groups g0 .. g0 + 15 of row n (g0 % 16 == 0).
+ZOO_AVX512 inline void group_constants(const Weight& w, int64_t n, int64_t g0, int64_t count,
+                                       __m512& s, __m512& m) {
+  const int64_t at = n * w.groups() + g0;
+  const int64_t scale_size = (w.scale_type == Type::kF32) ? 4 : (w.scale_type == Type::kF16) ? 2 : 1;
+  s = load_groups(static_cast<const uint8_t*>(w.scales) + at * scale_size, w.scale_type, count);
+  m = _mm512_setzero_ps();
+  if (w.mins) {
+    const int64_t min_size = (w.min_type == Type::kF32) ? 4 : (w.min_type == Type::kF16) ? 2 : 1;
+    m = load_groups(static_cast<const uint8_t*>(w.mins) + at * min_size, w.min_type, count);
+  }
+  if (w.super_scales) {  // groups per super-block (8 or 16) divides 16: lane j's is j / ratio
+    const int64_t ratio = 256 / w.group, first = n * (w.k / 256) + g0 / ratio;
+    const int64_t supers = (count + ratio - 1) / ratio;
+    const __m512i index = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), ratio == 8 ? 3 : 4);
+    const __m512 d = _mm512_permutexvar_ps(index, load_groups(w.super_scales + first, Type::kF16, supers));
+    s = _mm512_mul_ps(s, d);
+    if (w.super_mins) {
+      const __m512 dmin = _mm512_permutexvar_ps(index, load_groups(w.super_mins + first, Type::kF16, supers));
+      m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(m, dmin));
+    }
+  }
+  if (w.offset != 0.0f) m = _mm512_fmadd_ps(s, _mm512_set1_ps(w.offset), m);
+}
+
+// Chunk c (weights 32c .. 32c + 31) of a row's codes as floats: `lo` the first 16, `hi` the rest.
+template <Kind kKind, bool kTable>
+ZOO_AVX512 inline void chunk(const Weight& w, const uint8_t* codes, const uint8_t* high,
+                             __m512 table, int64_t c, __m512& lo, __m512& hi) {
+  if constexpr (kKind == Kind::kInt8) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * c))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * c + 16))));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c));
+    const __m128i nibble = _mm_set1_epi8(15);
+    __m512i l = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble));
+    __m512i h = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+    if constexpr (kKind == Kind::kInt6K) {
+      const __m512i shift = _mm512_set_epi32(30, 22, 14, 6, 28, 20, 12, 4, 26, 18, 10, 2, 24, 16, 8, 0);
+      const __m512i three = _mm512_set1_epi32(3);
+      uint32_t four[2];
+      std::memcpy(four, high + 8 * c, 8);
+      l = _mm512_or_si512(l, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(four[0]), shift), three), 4));
+      h = _mm512_or_si512(h, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(four[1]), shift), three), 4));
+    }
+    if constexpr (kTable) {
+      lo = _mm512_permutexvar_ps(l, table);
+      hi = _mm512_permutexvar_ps(h, table);
+    } else {
+      lo = _mm512_cvtepi32_ps(l);
+      hi = _mm512_cvtepi32_ps(h);
+    }
+  }
+}
+
+// Rows [n0, n1) of y for tokens [t0, t0 + TB): per group, the codes' dot with x (two FMA chains
+// per token), then the group's scale; the minimums meet xsum sixteen groups at a time.
+template <int TB, Kind kKind, bool kTable>
+ZOO_AVX512 void rows_avx512(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
+                            int64_t n_out, int64_t t0, int64_t n0, int64_t n1) {
+  const int64_t k = w.k, groups = w.groups(), chunks_per_group = std::max<int64_t>(w.group / 32, 1);
+  const __m512 table = w.table ? _mm512_loadu_ps(w.table) : _mm512_setzero_ps();
+  const float* xt = x + t0 * stride;
+  const float* st = xsum + t0 * groups;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* codes = w.codes + n * w.codes_row();
+    const uint8_t* high = w.high ? w.high + n * (k / 4) : nullptr;
+    __m512 acc[TB];
+    for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      __m512 s, m;
+      group_constants(w, n, g0, count, s, m);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      for (int t = 0; t < TB; ++t) {
+        acc[t] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, st + t * groups + g0), acc[t]);
+      }
+      if (w.group == 16) {  // Q6_K: the chunk's halves are two groups
+        for (int64_t j = 0; j < count; j += 2) {
+          const int64_t c = (g0 + j) / 2;
+          __m512 lo, hi;
+          chunk<kKind, kTable>(w, codes, high, table, c, lo, hi);
+          const __m512 s_lo = _mm512_permutexvar_ps(_mm512_set1_epi32(j), s);
+          const __m512 s_hi = _mm512_permutexvar_ps(_mm512_set1_epi32(j + 1), s);
+          for (int t = 0; t < TB; ++t) {
+            const float* xc = xt + t * stride + 32 * c;
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(xc)), s_lo, acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(xc + 16)), s_hi, acc[t]);
+          }
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        __m512 d0[TB], d1[TB];
+        for (int t = 0; t < TB; ++t) d0[t] = d1[t] = _mm512_setzero_ps();
+        for (int64_t c = (g0 + j) * chunks_per_group; c < (g0 + j + 1) * chunks_per_group; ++c) {
+          __m512 lo, hi;
+          chunk<kKind, kTable>(w, codes, high, table, c, lo, hi);
+          for (int t = 0; t < TB; ++t) {
+            const float* xc = xt + t * stride + 32 * c;
+            d0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xc), d0[t]);
+            d1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xc + 16), d1[t]);
+          }
+        }
+        const __m512 sj = _mm512_permutexvar_ps(_mm512_set1_epi32(j), s);
+        for (int t = 0; t < TB; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(d0[t], d1[t]), sj, acc[t]);
+      }
+    }
+    for (int t = 0; t < TB; ++t) y[(t0 + t) * n_out + n] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+template <Kind kKind, bool kTable>
+ZOO_AVX512 void rows_avx512_all(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
+                                int64_t tokens, int64_t n_out, int64_t n0, int64_t n1) {
+  int64_t t = 0;
+  for (; t + 4 <= tokens; t += 4) rows_avx512<4, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+  for (; t + 2 <= tokens; t += 2) rows_avx512<2, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+  for (; t < tokens; ++t) rows_avx512<1, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+}
+
+ZOO_AVX512 void rows_fast(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
+                          int64_t tokens, int64_t n_out, int64_t n0, int64_t n1) {
+  switch (w.kind) {
+    case Kind::kInt8: return rows_avx512_all<Kind::kInt8, false>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
+    case Kind::kInt4:
+      if (w.linear) return rows_avx512_all<Kind::kInt4, false>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
+      return rows_avx512_all<Kind::kInt4, true>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
+    case Kind::kInt4K: return rows_avx512_all<Kind::kInt4K, false>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
+    case Kind::kInt6K: return rows_avx512_all<Kind::kInt6K, false>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+#else
+bool has_avx512() { return false; }
+void rows_fast(const Weight&, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
+// --- work split over threads ----------------------------------------------------------------
+
+struct Item {
+  int64_t expert, n0, n1;
+};
+
+template <class Run>
+void parallel(ffi::ThreadPool& pool, int64_t threads, const std::vector<Item>& items,
+              const Run& run) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  const int64_t total = static_cast<int64_t>(items.size());
+  auto work = [state, total, &items, &run]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < total;) {
+      run(items[i]);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) {
+    // The task may start after this call returned: it holds the state and finds no item left
+    // before it would touch `items` or `run`.
+    pool.Schedule([state, total, work]() {
+      if (state->next.load() < total) work();
+    });
+  }
+  work();
+  while (state->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+// --- the FFI handler ------------------------------------------------------------------------
+
+ffi::Error invalid(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "quantized matmul: " + message);
+}
+
+Type type_of(const ffi::AnyBuffer& b) {
+  switch (b.element_type()) {
+    case ffi::DataType::F16: return Type::kF16;
+    case ffi::DataType::U8: return Type::kU8;
+    case ffi::DataType::S8: return Type::kI8;
+    default: return Type::kF32;
+  }
+}
+
+const uint8_t* at(const ffi::AnyBuffer& b, int64_t expert, int64_t experts) {
+  return static_cast<const uint8_t*>(b.untyped_data()) + expert * (b.size_bytes() / experts);
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
+                  std::string_view format, int64_t group, int64_t experts, bool linear,
+                  float offset, bool portable) {
+  // Arguments: x [T, K] f32, the format's arrays (table last for "u4"), then group_sizes [E]
+  // int32 when experts > 0.
+  const int64_t n_args = static_cast<int64_t>(args.size());
+  auto x_arg = args.get<ffi::AnyBuffer>(0);
+  if (!x_arg.has_value() || x_arg->element_type() != ffi::DataType::F32 ||
+      x_arg->dimensions().size() != 2) {
+    return invalid("x must be float32 [tokens, K]");
+  }
+  const int64_t tokens = x_arg->dimensions()[0], k = x_arg->dimensions()[1];
+  const int64_t n = out->dimensions()[1];
+  if (k % 32 || k % group || (group % 32 && group != 16)) {
+    return invalid("K must be a multiple of 32 and the group 16 or a multiple of 32 dividing K");
+  }
+  std::vector<ffi::AnyBuffer> a;
+  for (int64_t i = 1; i < n_args - (experts > 0 ? 1 : 0); ++i) a.push_back(*args.get<ffi::AnyBuffer>(i));
+  const int64_t stack = std::max<int64_t>(experts, 1);
+  const int32_t* group_sizes = nullptr;
+  if (experts > 0) {
+    group_sizes = static_cast<const int32_t*>(args.get<ffi::AnyBuffer>(n_args - 1)->untyped_data());
+  }
+  std::vector<int64_t> first(stack + 1, 0);
+  for (int64_t e = 0; e < stack; ++e) first[e + 1] = first[e] + (group_sizes ? group_sizes[e] : tokens);
+  if (first[stack] > tokens) return invalid("group_sizes add up to more rows than x has");
+
+  Weight base{};
+  base.k = k;
+  base.group = group;
+  base.offset = offset;
+  base.linear = linear;
+  if (format == "i8" && a.size() == 2) {
+    base.kind = Kind::kInt8;
+  } else if (format == "u4" && (a.size() == 3 || a.size() == 4)) {
+    base.kind = Kind::kInt4;
+    base.table = static_cast<const float*>(a.back().untyped_data());
+  } else if (format == "q4k" && a.size() == 5 && group == 32) {
+    base.kind = Kind::kInt4K;
+  } else if (format == "q6k" && a.size() == 4 && group == 16) {
+    base.kind = Kind::kInt6K;
+  } else {
+    return invalid("unknown format or wrong number of arrays for it");
+  }
+  auto weight = [&](int64_t e) {
+    Weight w = base;
+    w.codes = at(a[0], e, stack);
+    if (w.kind == Kind::kInt6K) {
+      w.high = at(a[1], e, stack);
+      w.scales = at(a[2], e, stack);
+      w.scale_type = Type::kI8;
+      w.super_scales = reinterpret_cast<const uint16_t*>(at(a[3], e, stack));
+      return w;
+    }
+    w.scales = at(a[1], e, stack);
+    w.scale_type = type_of(a[1]);
+    if (w.kind == Kind::kInt4K) {
+      w.mins = at(a[2], e, stack);
+      w.min_type = Type::kU8;
+      w.super_scales = reinterpret_cast<const uint16_t*>(at(a[3], e, stack));
+      w.super_mins = reinterpret_cast<const uint16_t*>(at(a[4], e, stack));
+    } else if (w.kind == Kind::kInt4 && a.size() == 4) {
+      w.mins = at(a[2], e, stack);
+      w.min_type = type_of(a[2]);
+    }
+    return w;
+  };
+
+  const float* x = static_cast<const float*>(x_arg->untyped_data());
+  float* y = static_cast<float*>(out->untyped_data());
+  // Rows of x past sum(group_sizes) belong to no expert: zeros, as ragged_dot gives.
+  std::fill(y + first[stack] * n, y + tokens * n, 0.0f);
+  // Sums of x over each group, per token (what the minimums and offsets multiply).
+  const int64_t groups = k / group;
+  std::vector<float> xsum(tokens * groups);
+  for (int64_t t = 0; t < first[stack]; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += x[t * k + i];
+      xsum[t * groups + g] = s;
+    }
+  }
+  // Work items of >= 16 rows, about 4 per thread per expert (late threads still find work).
+  // A small product runs on the calling thread alone: waking a pool thread costs more than it
+  // saves below ~2M weight-tokens (a SmolLM2 projection at decode), more so on a busy machine.
+  const int64_t work = n * k * first[stack];
+  const int64_t threads = work < (int64_t{1} << 21) ? 1 : std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
+  std::vector<Item> items;
+  for (int64_t e = 0; e < stack; ++e) {
+    if (first[e + 1] == first[e]) continue;
+    for (int64_t n0 = 0; n0 < n; n0 += step) items.push_back({e, n0, std::min(n, n0 + step)});
+  }
+  // x copied at a row stride of K + 16 floats: rows exactly 4 KiB apart (K = 1024) would share
+  // L1 sets, and a token block reads them side by side.
+  const int64_t stride = k + 16;
+  std::vector<float> padded(first[stack] * stride);
+  for (int64_t t = 0; t < first[stack]; ++t) std::copy(x + t * k, x + (t + 1) * k, &padded[t * stride]);
+  const bool fast = has_avx512() && !portable;
+  parallel(pool, threads, items, [&](const Item& it) {
+    const Weight w = weight(it.expert);
+    const int64_t rows = first[it.expert + 1] - first[it.expert];
+    const float* xe = padded.data() + first[it.expert] * stride;
+    float* ye = y + first[it.expert] * n;
+    if (fast) {
+      rows_fast(w, xe, stride, xsum.data() + first[it.expert] * groups, ye, rows, n, it.n0, it.n1);
+    } else {
+      rows_portable(w, xe, stride, ye, rows, n, it.n0, it.n1);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<std::string_view>("format")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<bool>("linear")
+                                  .Attr<float>("offset")
+                                  .Attr<bool>("portable"));
