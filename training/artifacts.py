@@ -19,7 +19,7 @@ from training import run_dir as runs
 from training.run_model import run_model, run_tokenizer
 from zoo import Config, Tokenizer, Transformer, preset, presets
 from zoo.adapter import has_lora, merge_adapter
-from zoo.quantize import dequantize_base
+from zoo.quantize import dequantize_base, quantized_formats
 
 KINDS = ("preset", "hf", "gguf", "run")
 WHAT = (
@@ -173,8 +173,9 @@ def export(
     architecture: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Write `artifact` as a complete HF model directory: adapters merged, weights, config,
-    tokenizer files with the chat template, generation config. An artifact without a tokenizer
+    """Write `artifact` as a complete HF model directory: adapters merged, quantized blocks (a
+    GGUF's, `zoo.quantize`'s) written as the float weights they stand for, config, tokenizer
+    files with the chat template, generation config. An artifact without a tokenizer
     is refused before anything is written."""
     from zoo import save_pretrained
 
@@ -186,10 +187,16 @@ def export(
     model = plain(artifact.model)
     if has_lora(artifact.model):
         log("merged the LoRA adapters into the weights: W + (alpha / rank) A B")
+    packed = quantized_formats(model)
+    if packed:
+        log(
+            f"writing the float weights the quantized blocks ({', '.join(packed)}) stand for, in "
+            f"{model.policy.param_dtype}: an HF directory holds no packed blocks"
+        )
     start = time.perf_counter()
     save_pretrained(
         model, directory, tokenizer=artifact.tokenizer, overwrite=overwrite,
-        architecture=architecture,
+        architecture=architecture, dequantize=bool(packed),
     )  # fmt: skip
     files = sorted(p.name for p in Path(directory).iterdir())
     log(f"wrote {directory} in {time.perf_counter() - start:.1f} s: {', '.join(files)}")

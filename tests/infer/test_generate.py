@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import infer
-import zoo
+from tests.reference.word_tokenizer import word_tokenizer
 
 
 @eqx.filter_jit
@@ -91,18 +91,6 @@ def test_sampling_is_seeded(model):
     assert run(0) == first
     assert run(1) != first
     np.testing.assert_array_less(np.array(first), model.config.vocab_size)
-
-
-def word_tokenizer(vocab_size: int, eos: int) -> zoo.Tokenizer:
-    """A real `zoo.Tokenizer` (HF tokenizers, one word per id) whose end of sequence is `eos`."""
-    from tokenizers import Tokenizer, models
-
-    words = {("</s>" if i == eos else f"w{i}"): i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    backend.add_special_tokens(["</s>"])
-    return zoo.Tokenizer(
-        backend=backend, special_tokens={"</s>": eos}, named_tokens={"eos_token": "</s>"}
-    )
 
 
 def test_the_tokenizers_stop_ids_are_the_default_and_an_empty_tuple_turns_them_off(model):

@@ -3,9 +3,12 @@ and a path that is none of them, an adapter given as a model, an adapter on a Lo
 export without a tokenizer are refused with what to do instead."""
 
 import jax
+import numpy as np
 import pytest
 
 import zoo
+from tests.reference.word_tokenizer import word_tokenizer
+from tests.zoo.test_gguf_quantized import write_gguf
 from training.artifacts import (
     Artifact,
     artifact_config,
@@ -14,6 +17,7 @@ from training.artifacts import (
     load_artifact,
     with_adapter,
 )
+from zoo.quantize import quantized_formats
 
 
 def test_each_kind_is_told_apart(tmp_path):
@@ -60,3 +64,19 @@ def test_an_adapter_on_a_model_that_has_adapters_is_refused(tmp_path):
     with pytest.raises(ValueError, match="comes with no tokenizer, and an HF directory needs"):
         export(Artifact(loaded.model, None, "hf", "base"), tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_a_quantized_gguf_exports_the_float_weights_its_blocks_stand_for(tmp_path):
+    """An HF directory holds no packed blocks: export writes what they stand for, and the
+    directory loads back to the model the GGUF computes when dequantized."""
+    path = write_gguf(tmp_path / "m.gguf")
+    packed = zoo.load_pretrained(path)
+    assert quantized_formats(packed)
+    tokenizer = word_tokenizer(packed.config.vocab_size, eos=2)
+    export(Artifact(packed, tokenizer, "gguf", path), tmp_path / "out", log=str)
+    back = zoo.load_pretrained(tmp_path / "out")
+    floats = zoo.load_pretrained(path, quantized=False)
+    assert not quantized_formats(back)
+    for a, b in zip(jax.tree.leaves(floats), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same float32 values: written and read as is
+    assert zoo.load_tokenizer(tmp_path / "out").stop_ids() == (2,)
