@@ -31,7 +31,6 @@ from zoo.config import Config
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
 Storage = Literal["stacked", "unrolled"]
-XLA_PAGED = XlaPagedKernel()  # frozen: one instance serves every policy
 MOE_DISPATCH = ("dropless", "capacity")
 
 
@@ -52,10 +51,11 @@ class Policy:
     "unrolled" (one block per layer, what decode wants); `fused`: q/k/v and gate/up as one
     projection each (fewer kernels per decode step; training, adapters, quantization and export
     need them separate); `decode_kernel`: the paged attention kernel of cached one-token steps
-    (`XlaPagedKernel()` or, on a GPU, `PallasDecodeKernel()`); `moe_dispatch`: `Dropless()`,
-    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how many
-    micro-batches a pipelined layer stack streams through its stages per forward (used only on a
-    mesh with a `pipeline` axis, zoo/pipeline.py)."""
+    (`XlaPagedKernel()`, `PallasDecodeKernel()`, or None: the backend's default, the Pallas
+    kernel on a GPU where it serves the model and the XLA path elsewhere); `moe_dispatch`:
+    `Dropless()`, `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how
+    many micro-batches a pipelined layer stack streams through its stages per forward (used only
+    on a mesh with a `pipeline` axis, zoo/pipeline.py)."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
@@ -64,7 +64,7 @@ class Policy:
     scan_layers: bool = True
     storage: Storage = "stacked"
     fused: bool = False
-    decode_kernel: PagedKernel = XLA_PAGED
+    decode_kernel: PagedKernel | None = None
     moe_dispatch: Dispatch | str = "dropless"
     microbatches: int = 1
 
@@ -99,10 +99,11 @@ class Policy:
         for name in ("scan_layers", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel):
+        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel | None):
             raise ValueError(
                 f"Policy.decode_kernel={self.decode_kernel!r} is not a paged attention kernel; "
-                "give layers.kernels.paged.XlaPagedKernel() or PallasDecodeKernel()"
+                "give layers.kernels.paged.XlaPagedKernel(), PallasDecodeKernel() or None (the "
+                "backend's default)"
             )
 
     @property
@@ -121,7 +122,7 @@ class Policy:
         """This policy for a model of `config`: the default kernel (None) resolved, and a kernel
         that cannot compute the model (soft-capping, per-layer windows, its head width) refused
         with an error naming the kernel, the feature and the kernels that can."""
-        needs = attention_needs(config)
+        needs = attention_needs(config, self.compute_dtype)
         if self.attention is None:
             return self.replace(attention=default_kernel(needs, DEFAULT_PREFERENCE))
         why = refusal(self.attention, needs, candidates=list(KERNELS.values()))
@@ -144,13 +145,15 @@ class Policy:
         return Policy(compute_dtype=dtype, param_dtype=dtype, storage="unrolled")
 
 
-def attention_needs(config: Config) -> Needs:
-    """What a model of `config` asks of its attention kernel. MLA's expanded attention pads
-    queries, keys and values to one width, max(head_dim, v_head_dim) (layers/mla.py)."""
+def attention_needs(config: Config, dtype: str | None = None) -> Needs:
+    """What a model of `config` computing in `dtype` asks of its attention kernel. MLA's
+    expanded attention pads queries, keys and values to one width, max(head_dim, v_head_dim)
+    (layers/mla.py)."""
     width = max(config.head_dim, config.mla_v_head_dim) if config.mla else config.head_dim
     return Needs(
         softcap=config.attn_softcap,
         window=any(w is not None for w in config.layer_windows),
         per_layer_window=config.has_layer_pattern,
         head_dim=width,
+        dtype=dtype,
     )

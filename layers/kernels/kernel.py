@@ -11,6 +11,9 @@ from typing import ClassVar, Protocol, runtime_checkable
 from jaxtyping import Array, Float
 
 from layers.kernels.context import AllGatherKV, Ring
+from layers.kernels.cudnn import DTYPES as CUDNN_DTYPES
+from layers.kernels.cudnn import HEAD_DIMS as CUDNN_HEAD_DIMS
+from layers.kernels.cudnn import cudnn_attention
 from layers.kernels.flash import DEFAULT_BLOCK_SIZES, BlockSizes, flash_attention
 from layers.kernels.flash.config import SUPPORTED_HEAD_DIMS
 from layers.kernels.mask import AttentionMask
@@ -62,6 +65,24 @@ class Xla:
         return xla_attention(q, k, v, mask, softcap=softcap)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cudnn:
+    """cuDNN's flash attention on NVIDIA GPUs (`cudnn_attention`): causal self-attention,
+    bfloat16/float16; what it cannot serve is refused."""
+
+    name: ClassVar[str] = "cudnn"
+    supports: ClassVar[Supports] = Supports(
+        softcap=False,
+        per_layer_window=False,
+        head_dims=CUDNN_HEAD_DIMS,
+        dtypes=CUDNN_DTYPES,
+        compiles_on=("gpu",),
+    )
+
+    def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
+        return cudnn_attention(q, k, v, mask, softcap=softcap)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Flash:
     """The Pallas flash kernel (`flash_attention`) with its tiles and launch settings;
@@ -88,6 +109,7 @@ KERNELS: dict[str, AttentionKernel] = {
     "naive": Naive(),
     "xla": Xla(),
     "flash": Flash(),
+    "cudnn": Cudnn(),
     "ring": Ring(),
     "allgather": AllGatherKV(),
 }

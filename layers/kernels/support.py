@@ -19,7 +19,8 @@ class Supports:
     """A kernel's declaration. `softcap`: Gemma 2's score capping. `window`: a fixed sliding
     window; `per_layer_window`: a window that differs by layer (a traced value under `lax.scan`,
     Gemma 2/3's pattern). `head_dims`: the head widths it takes (None: any). `lengths`: which
-    sequence lengths it takes, in words. `compiles_on`: the backends it compiles for;
+    sequence lengths it takes, in words. `dtypes`: the compute dtypes it takes (None: any).
+    `compiles_on`: the backends it compiles for;
     `interprets_on`: those where it runs interpreted (correct, for tests, but slow)."""
 
     softcap: bool = True
@@ -27,6 +28,7 @@ class Supports:
     per_layer_window: bool = True
     head_dims: tuple[int, ...] | None = None
     lengths: str = "any"
+    dtypes: tuple[str, ...] | None = None
     compiles_on: tuple[str, ...] = ("cpu", "gpu", "tpu")
     interprets_on: tuple[str, ...] = ()
 
@@ -37,12 +39,14 @@ class Supports:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Needs:
     """What a model asks of its attention kernel: soft-capping, a fixed window or per-layer
-    windows, and the width of the heads the kernel sees."""
+    windows, the width of the heads the kernel sees and the dtype it computes in (None: not
+    said)."""
 
     softcap: float | None = None
     window: bool = False
     per_layer_window: bool = False
     head_dim: int
+    dtype: str | None = None
 
 
 def _missing(supports: Supports, needs: Needs) -> str | None:
@@ -55,6 +59,12 @@ def _missing(supports: Supports, needs: Needs) -> str | None:
         return "a sliding window"
     if supports.head_dims is not None and needs.head_dim not in supports.head_dims:
         return f"head_dim={needs.head_dim} (it takes {list(supports.head_dims)})"
+    if (
+        supports.dtypes is not None
+        and needs.dtype is not None
+        and needs.dtype not in supports.dtypes
+    ):
+        return f"in {needs.dtype} (it computes in {' or '.join(supports.dtypes)})"
     return None
 
 

@@ -43,11 +43,24 @@ TRUTH = {
 }
 
 
+def runs_here(kernel) -> bool:
+    """Whether `kernel` runs on this backend; one that does not refuses every call, saying so
+    (cudnn off an NVIDIA GPU), so its other declarations are checked where it runs."""
+    if kernel.supports.runs_on(jax.default_backend()):
+        return True
+    q, k, v, mask = inputs()
+    with pytest.raises(ValueError, match=f"runs only on .*{jax.default_backend()!r}"):
+        kernel(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mask)
+    return False
+
+
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_declared_features_are_what_the_kernel_does(name, feature):
     kernel = KERNELS[name]
     q, k, v, mask = inputs()
+    if not runs_here(kernel):
+        return
     if getattr(kernel.supports, feature):
         got = FEATURES[feature](kernel, q, k, v, mask)
         np.testing.assert_allclose(got, TRUTH[feature](q, k, v, mask), rtol=1e-5, atol=1e-5)
@@ -60,6 +73,8 @@ def test_declared_features_are_what_the_kernel_does(name, feature):
 def test_declared_head_dims_are_what_the_kernel_takes(name):
     kernel = KERNELS[name]
     q, k, v, mask = inputs(head_dim=24)
+    if not runs_here(kernel):
+        return
     if kernel.supports.head_dims is None or 24 in kernel.supports.head_dims:
         np.testing.assert_allclose(
             kernel(q, k, v, mask), naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-5
@@ -107,6 +122,11 @@ def test_a_model_refuses_an_unfit_kernel_when_built_or_when_its_policy_changes()
     )
     with pytest.raises(ValueError, match=r"kernel 'flash' cannot compute head_dim=24"):
         llama.with_policy(attention="flash")
+    with pytest.raises(ValueError, match=r"'cudnn' cannot compute in float32 \(it computes in bf"):
+        llama.with_policy(attention="cudnn")  # the default compute dtype
+    assert llama.with_policy(attention="cudnn", compute_dtype="bfloat16").policy.kernel_name == (
+        "cudnn"
+    )  # built anywhere (a plan for a GPU is made on a CPU); it runs on an NVIDIA GPU
 
 
 def test_the_default_policy_runs_a_gemma2_and_equals_flash_on_any_length():
