@@ -127,9 +127,12 @@ def _summary(model: Transformer) -> str:
 
     c = model.config
     adapters = " + LoRA adapters" if has_lora(model) else ""
+    packed = quantized_formats(model)
+    weights = f"{', '.join(packed)} blocks, else " if packed else ""
     return (
         f"{zmath.param_count(c) / 1e6:.1f}M parameters{adapters}, {c.n_layers} layers, vocab "
-        f"{c.vocab_size}, {model.policy.param_dtype}, attention {model.policy.kernel_name}"
+        f"{c.vocab_size}, {weights}{model.policy.param_dtype}, attention "
+        f"{model.policy.kernel_name}"
     )
 
 
