@@ -182,7 +182,7 @@ class Args:
     remat: Literal["none", "full", "dots"] = _help(
         "rematerialisation policy of each block", default="none"
     )
-    attention: Literal["naive", "xla", "flash", "ring", "allgather"] | None = _help(
+    attention: Literal["naive", "xla", "flash", "cudnn", "ring", "allgather"] | None = _help(
         "attention kernel (zoo.Policy.attention); default: the first of xla, flash, naive that "
         "computes the model and compiles here (naive for Gemma 2 on a CPU: xla cannot "
         "soft-cap), or on a mesh with a context axis the context-parallel kernel (ring, "
