@@ -134,11 +134,17 @@ def _encode_flagged(
 
 
 def encode_example(
-    tokenizer: Tokenizer | tiktoken.Encoding, messages: Sequence[Mapping[str, str]]
+    tokenizer: Tokenizer | tiktoken.Encoding,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    last_answer_only: bool = False,
 ) -> Example:
-    """`messages` as token ids with their answer flags (see the module docstring)."""
+    """`messages` as token ids with their answer flags (see the module docstring);
+    `last_answer_only` flags the last assistant turn alone (a preference pair's response: the
+    earlier turns are its prompt)."""
     if has_template(tokenizer):
-        return _encode_flagged(tokenizer, *answer_spans(tokenizer, messages))
+        text, spans = answer_spans(tokenizer, messages)
+        return _encode_flagged(tokenizer, text, spans[-1:] if last_answer_only else spans)
     if tuple(m["role"] for m in messages) != PAIR_ROLES:
         check_tokenizer(tokenizer, "chat")
     prompt, completion = (m["content"] for m in messages)
