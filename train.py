@@ -330,7 +330,7 @@ def build_model(
 
 def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
     """Leave the run's tokenizer in the run directory (so `run_model.load_run` and
-    `examples/sample.py --run` decode with it): a trained or rank-file BPE as a rank file, an
+    `eqx-zoo sample --model RUN` decode with it): a trained or rank-file BPE as a rank file, an
     OpenAI encoding name or the --init-from tokenizer as text. Returns its spec."""
     if args.init_from and args.tokenizer == "bpe":
         spec = init_tokenizer_spec(args.init_from)
