@@ -162,11 +162,10 @@ class Args:
     )
     steps: int = _help("optimizer steps in all", default=300, bounds=POSITIVE_INT)
     batch_size: int = _help("sequences per optimizer step", default=16, bounds=POSITIVE_INT)
-    grad_accum: int | None = _help(
+    grad_accum: int = _help(
         "micro-batches per step: gradient accumulation, or, with a pipeline axis in --mesh, the "
-        "micro-batches streamed through the stages (at least the pipeline size; default: 1, or "
-        "the pipeline size)",
-        default=None,
+        "micro-batches streamed through the stages (at least the pipeline size)",
+        default=1,
         bounds=POSITIVE_INT,
     )
     seq_len: int = _help("tokens per sequence", default=128, bounds=POSITIVE_INT)
@@ -325,8 +324,6 @@ class Args:
             self.model, self.init_from = None, self.model
         if self.warmup is None:
             self.warmup = min(DEFAULT_WARMUP, self.steps)
-        if self.grad_accum is None:  # a pipeline needs a micro-batch per stage at least
-            self.grad_accum = pipeline_stages(self)
         check(self)
 
 

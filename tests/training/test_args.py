@@ -166,11 +166,3 @@ def test_bad_config_file(tmp_path, capsys):
     assert "argument --warmup: 50 is more than --steps 10" in fails(
         ["--config", str(toml), "--steps", "10"], capsys
     )
-
-
-def test_a_pipeline_gets_a_micro_batch_per_stage_by_default():
-    """`--mesh pipeline=4,data=2` alone runs: --grad-accum defaults to the pipeline size."""
-    assert parse_args(["--mesh", "pipeline=4,data=2"]).grad_accum == 4
-    assert parse_args(["--mesh", "data=8"]).grad_accum == 1
-    assert parse_args([]).grad_accum == 1
-    assert parse_args(["--mesh", "pipeline=2,data=4", "--grad-accum", "8"]).grad_accum == 8
