@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from data import packing, supervised
 from data.corpus import write_stdlib_corpus
-from data.datasets import ROW, load_examples, tokenize
+from data.datasets import ROW, load_examples, quiet_progress, tokenize
 from data.formats import row_messages
 from data.prefetch import Prefetcher
 from data.supervised import PAIR_ROLES
@@ -53,7 +53,7 @@ from layers.moe import MoEStats
 from shard import Placement
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
-from training import distributed, loop, lora_run, offload, preference_run
+from training import distributed, loop, lora_run, offload, preference_run, run_model
 from training import run_dir as runs
 from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
 from training.distributed import Processes
@@ -182,6 +182,7 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
     )
     tokenizer = chat_tokenizer(args, data_format, sample, cache, run_dir)
     supervised.check_tokenizer(tokenizer, data_format)
+    say(f"data: rendering the {data_format} examples with the chat template and packing them ...")
     roles = supervised.roles(tokenizer)
     encoding = getattr(tokenizer, "encoding", tokenizer)
     eot = encoding.eot_token
@@ -223,8 +224,14 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
 def load_data(args: Args, run_dir: Path):
     """Tokenizer, training batches, validation batches (their first `--eval-batches` in order
     are the held-out set), the unigram entropy and the data's format (`--data-format`, or the
-    one `auto` found). Preference data gives the tokenizer and its pairs
-    (training/preference_run.py), whose reference log-probabilities come later."""
+    one `auto` found); datasets' own progress bars off. Preference data gives the tokenizer and
+    its pairs (training/preference_run.py), whose reference log-probabilities come later."""
+    say(f"data: reading {args.data} ...")
+    with quiet_progress():
+        return _load_data(args, run_dir)
+
+
+def _load_data(args: Args, run_dir: Path):
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
     dataset, data_format = load_examples(
@@ -247,6 +254,7 @@ def load_data(args: Args, run_dir: Path):
     def ids(docs):
         return (d["ids"] for d in tokenize(docs, encoding, column=args.text_column))
 
+    say(f"data: tokenizing and packing into rows of {args.seq_len} tokens ...")
     val_tokens, val_segments = packing.pack(ids(val_docs), args.seq_len, eot)
     val = packing.Batches(
         val_tokens, val_segments, min(args.batch_size, len(val_tokens)), args.seed
@@ -304,12 +312,13 @@ def build_model(
     if args.resume:
         name = runs.read_record(run_dir)["settings"].get("init_from") or args.model
         if args.lora_rank:
-            return runs.lora_model(run_dir, run_policy, placement), name
+            return run_model.lora_model(run_dir, run_policy, placement), name
         config = runs.checkpoint_config(run_dir)[0]
         return runs.abstract_model(config, run_policy), name or DEFAULT_MODEL
     if args.init_from:
+        say(f"model: loading {args.init_from} ...")
         if runs.is_run(args.init_from):
-            model = runs.run_model(args.init_from, policy=run_policy, placement=placement)
+            model = run_model.run_model(args.init_from, policy=run_policy, placement=placement)
         else:
             from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
 
@@ -332,8 +341,8 @@ def build_model(
 
 
 def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
-    """Leave the run's tokenizer in the run directory (so `run_dir.load_run` and
-    `examples/sample.py --run` decode with it): a trained or rank-file BPE as a rank file, an
+    """Leave the run's tokenizer in the run directory (so `run_model.load_run` and
+    `eqx-zoo sample --model RUN` decode with it): a trained or rank-file BPE as a rank file, an
     OpenAI encoding name or the --init-from tokenizer as text. Returns its spec."""
     if args.init_from and args.tokenizer == "bpe":
         spec = init_tokenizer_spec(args.init_from)
@@ -348,10 +357,32 @@ def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
 
 def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args:
     """`args` with the run's recorded defining settings; a given flag that contradicts one is an
-    error naming the flag and both values. A pipeline's micro-batch count, unless given, is
-    chosen again for the recorded batch."""
-    recorded = runs.read_record(run_dir)["settings"]
+    error naming the flag and both values. Without `--steps` the run trains to its own
+    recorded target; a given `--steps` becomes its new target. A pipeline's micro-batch count,
+    unless given, is chosen again for the recorded batch."""
+    record = runs.read_record(run_dir)
+    recorded, step = record["settings"], runs.latest_step(run_dir)
     changes = {}
+    if "steps" in given_names and args.steps <= step:
+        raise ArgError(
+            "--steps",
+            f"{args.steps} is not beyond the run's step {step}: --resume continues to "
+            f"--steps, so give more than {step}",
+        )
+    if "steps" not in given_names and "steps" in recorded:
+        changes["steps"] = recorded["steps"]
+        if recorded["steps"] <= step:
+            raise ArgError(
+                "--steps",
+                f"--resume {str(run_dir)!r}: the run reached its target, step {step} of "
+                f"{recorded['steps']}; give --steps beyond {step} to train it further",
+            )
+    elif "steps" not in given_names:  # a run recorded before its target was
+        raise ArgError(
+            "--steps",
+            f"--resume {str(run_dir)!r}: the run records no target number of steps (it was "
+            "started by an older train.py); give --steps",
+        )
     for name in DEFINING:
         value = getattr(args, name)
         if name == "init_from":  # where the run started; a resume continues from the run
@@ -369,6 +400,8 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
         changes["microbatches"] = None
     args = dataclasses.replace(args, **changes)
     check(args)
+    if args.steps != recorded.get("steps") and jax.process_index() == 0:  # process 0 writes
+        runs.write_record(run_dir, {**record, "settings": {**recorded, "steps": args.steps}})
     return args
 
 
@@ -439,9 +472,11 @@ def pipeline_line(args: Args, config, placement: Placement, chosen: bool) -> str
     )
 
 
-def main(argv: list[str] | None = None) -> RunResult:
-    """The command line: `run` on the parsed flags."""
-    return run(parse_args(argv), given_names=given(argv))
+def main(argv: list[str] | None = None, **command) -> RunResult:
+    """The command line: `run` on the parsed flags. `command` (`prog`, `description`,
+    `overrides` of the defaults, `epilog`) describes the command line that calls it (the CLI's
+    `eqx-zoo train` and `eqx-zoo finetune`, training.args.parser)."""
+    return run(parse_args(argv, **command), given_names=given(argv))
 
 
 def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
@@ -571,7 +606,7 @@ def prepare(
     )
     if not args.resume and processes.primary:
         spec = record_tokenizer(args, encoding, run_dir)
-        settings = {name: getattr(args, name) for name in DEFINING}
+        settings = {name: getattr(args, name) for name in (*DEFINING, "steps")}
         record = {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
         if args.lora_rank and args.init_from:
             base = Path(args.init_from).resolve()
@@ -625,6 +660,7 @@ def prepare(
         objective=objective,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
+    say("compiling the train step ...")
     t0 = time.perf_counter()
     batch_spec = objective.abstract_batch(
         args.batch_size, args.seq_len, placement.batch_sharding(objective.batch_axes)

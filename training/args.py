@@ -23,6 +23,7 @@ from typing import Literal
 
 from shard.mesh import parse_mesh
 from shard.rules import mesh_axes_of, rules_for
+from zoo.presets import presets
 
 
 class ArgError(ValueError):
@@ -109,7 +110,9 @@ DEFAULT_WARMUP = 30
 @dataclasses.dataclass(kw_only=True)
 class Args:
     model: str | None = _help(
-        "preset name from zoo.presets (or see --override); default gpt-mini, none with --init-from",
+        "what to train: a zoo preset name, trained from scratch (default gpt-mini; see "
+        "--override), or a model to fine-tune: an HF directory, a .gguf file or a train.py run "
+        "directory (its architecture and tokenizer come with it)",
         default=None,
     )
     override: list[str] = _help(  # noqa: RUF009 (a field() with help text)
@@ -194,9 +197,11 @@ class Args:
     remat: Literal["none", "full", "dots"] = _help(
         "rematerialisation policy of each block", default="none"
     )
-    attention: Literal["naive", "xla", "flash", "ring", "allgather"] | None = _help(
-        "attention kernel (zoo.Policy.attention); default xla, or on a mesh with a context axis "
-        "the context-parallel kernel (ring, allgather) zoo.math predicts faster",
+    attention: Literal["naive", "xla", "flash", "cudnn", "ring", "allgather"] | None = _help(
+        "attention kernel (zoo.Policy.attention); default: the first of xla, flash, naive that "
+        "computes the model and compiles here (naive for Gemma 2 on a CPU: xla cannot "
+        "soft-cap), or on a mesh with a context axis the context-parallel kernel (ring, "
+        "allgather) zoo.math predicts faster",
         default=None,
     )
     moe_dispatch: Literal["dropless", "capacity"] = _help(
@@ -241,17 +246,19 @@ class Args:
     )
     out: str = _help("run directory: metrics, checkpoints, loss curve", default="runs/default")
     overwrite: bool = _help(
-        "replace the run already in --out (its checkpoints, metrics and tokenizer are deleted)",
+        "replace what --out already holds (a run: its checkpoints, metrics and tokenizer are "
+        "deleted; an HF directory: its model and tokenizer files)",
         default=False,
     )
     resume: str | None = _help(
         "continue the run in this directory from its latest checkpoint", default=None
     )
     init_from: str | None = _help(
-        "start from a pretrained checkpoint (HF directory or .gguf) or a train.py run directory "
-        "(its latest checkpoint) for fine-tuning: the architecture and the tokenizer (with "
-        "--tokenizer bpe) come from it, the optimizer starts afresh; the run-time "
-        "settings (--dtype, --param-dtype, --remat, --attention, --moe-dispatch) apply",
+        "the older name of --model with a checkpoint: start from a pretrained checkpoint (HF "
+        "directory or .gguf) or a train.py run directory (its latest checkpoint) for "
+        "fine-tuning: the architecture and the tokenizer (with --tokenizer bpe) come from it, "
+        "the optimizer starts afresh; the run-time settings (--dtype, --param-dtype, --remat, "
+        "--attention, --moe-dispatch) apply",
         default=None,
     )
     mesh: str | None = _help(
@@ -351,6 +358,21 @@ class Args:
                     bounds.check(value)
                 except ValueError as error:
                     raise ArgError(flag_name(field.name), str(error)) from None
+        if self.model is not None and self.model not in presets():
+            # --model names a checkpoint to start from: the same setting as --init-from.
+            if not Path(self.model).exists():
+                raise ArgError(
+                    "--model",
+                    f"{self.model!r} is neither a zoo preset ({', '.join(presets())}) nor a "
+                    "checkpoint that exists (an HF directory, a .gguf file or a train.py run)",
+                )
+            if self.init_from is not None:
+                raise ArgError(
+                    "--model",
+                    f"{self.model!r} is a checkpoint to start from, and so is --init-from "
+                    f"{self.init_from!r}: give one of them",
+                )
+            self.model, self.init_from = None, self.model
         if self.warmup is None:
             self.warmup = min(DEFAULT_WARMUP, self.steps)
         pipelined = self.mesh is not None and pipeline_stages(self) > 1
@@ -417,9 +439,9 @@ def check(args: Args) -> None:
         )
     if args.resume is not None and args.init_from is not None:
         raise ArgError(
-            "--init-from",
-            f"--resume {args.resume!r} continues a run, whose model is its own; --init-from "
-            "starts a new one: give one of them",
+            "--model",
+            f"--resume {args.resume!r} continues a run, whose model is its own; --model "
+            f"{args.init_from!r} starts a new one from a checkpoint: give one of them",
         )
     if args.base_dtype is not None and not args.lora_rank:
         raise ArgError(
@@ -530,16 +552,27 @@ def _flag_type(field: dataclasses.Field, tp) -> dict:
     return {"type": tp}
 
 
-def parser(*, defaults: bool = True) -> argparse.ArgumentParser:
-    """The CLI; `defaults=False` leaves unset flags out of the parsed namespace (`given`)."""
-    p = argparse.ArgumentParser(
-        description="Train a transformer from eqx-zoo. With no flags: a small GPT on the Python "
-        "standard library's own source code (no download).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--config", help="JSON or TOML file of settings (flags override it)")
-    for field in dataclasses.fields(Args):
+# Flags accepted but not listed in --help: older names of a setting another flag now gives.
+HIDDEN = ("init_from",)
+
+
+def add_arguments(
+    p: argparse.ArgumentParser,
+    names: tuple[str, ...] | None = None,
+    *,
+    defaults: bool = True,
+    overrides: dict | None = None,
+) -> None:
+    """Add the flags of the `Args` fields `names` (default: all) to `p`, each with its help
+    text, choices or bounds and its default (`overrides` replaces some: a command's own
+    defaults, shown in its --help). `defaults=False` leaves unset flags out of the parsed
+    namespace (`given`)."""
+    overrides = overrides or {}
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    for name in names or fields:
+        field = fields[name]
         default = field.default_factory() if callable(field.default_factory) else field.default
+        default = overrides.get(name, default)
         kwargs = _flag_type(field, field.type)
         if not defaults:
             default = argparse.SUPPRESS
@@ -549,9 +582,34 @@ def parser(*, defaults: bool = True) -> argparse.ArgumentParser:
             flag_name(field.name),
             dest=field.name,
             default=default,
-            help=field.metadata["help"],
+            help=argparse.SUPPRESS if name in HIDDEN else field.metadata["help"],
             **kwargs,
         )
+
+
+DESCRIPTION = (
+    "Train a transformer from eqx-zoo. With no flags: a small GPT on the Python standard "
+    "library's own source code (no download)."
+)
+
+
+def parser(
+    *,
+    defaults: bool = True,
+    prog: str | None = None,
+    description: str = DESCRIPTION,
+    overrides: dict | None = None,
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:
+    """The CLI (`prog`, e.g. "eqx-zoo finetune", with `overrides` as its defaults)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", help="JSON or TOML file of settings (flags override it)")
+    add_arguments(p, defaults=defaults, overrides=overrides)
     return p
 
 
@@ -612,10 +670,11 @@ def _read_config_file(path: str) -> dict:
     return values
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args(argv: list[str] | None = None, **command) -> Args:
     """The settings of a run from the command line (and `--config`). A bad value exits as
-    argparse does: status 2 and `<prog>: error: argument --flag: <why>` on stderr."""
-    p = parser()
+    argparse does: status 2 and `<prog>: error: argument --flag: <why>` on stderr. `command`
+    (`prog`, `description`, `overrides`, `epilog`) describes the command line, as `parser`."""
+    p = parser(**command)
     namespace, _ = p.parse_known_args(argv)
     if namespace.config:
         try:

@@ -2,8 +2,9 @@
 (`zoo.Policy`).
 
 A fresh run: the `--model` preset with `--override FIELD=VALUE` applied (architecture fields,
-type-checked by the Config). `--init-from`: the checkpoint's architecture, where an `--override`
-is refused unless it repeats the checkpoint's value. Either way the policy comes from the
+type-checked by the Config), its embedding sized to the tokenizer. A checkpoint (`--model` or
+`--init-from`): its architecture, where an `--override` is refused unless it repeats the
+checkpoint's value. Either way the policy comes from the
 run-time flags (`--dtype`, `--param-dtype`, `--remat`, `--attention`, `--moe-dispatch`,
 `--capacity-factor`), and the tokenizer and `--seq-len` must fit the model. A mesh that splits
 the sequence picks its context-parallel kernel unless `--attention` names one.
@@ -48,7 +49,7 @@ def policy(args: Args) -> Policy:
         compute_dtype=args.dtype,
         param_dtype=args.param_dtype,
         remat=args.remat,
-        attention=args.attention or "xla",
+        attention=args.attention,
         moe_dispatch=dispatch,
         microbatches=accumulation(args)[1],
         pipeline_schedule=args.pipeline_schedule,
@@ -84,10 +85,14 @@ def aux_weights(args: Args) -> AuxWeights:
 
 
 def preset_config(args: Args, n_vocab: int) -> Config:
-    """The `--model` preset with the `--override`s applied."""
+    """The `--model` preset with the `--override`s applied. A model trained from scratch has
+    the vocabulary of its tokenizer: `vocab_size` is the tokenizer's `n_vocab` unless
+    `--override vocab_size=...` sets it (then the tokenizer must fit)."""
     name = args.model or DEFAULT_MODEL
+    changes = overrides(args)
+    changes.setdefault("vocab_size", n_vocab)
     try:
-        config = preset(name, **overrides(args))
+        config = preset(name, **changes)
     except ValueError as error:
         raise ValueError(f"--model {name!r} with --override: {error}") from error
     check_fits(config, args, n_vocab, name)

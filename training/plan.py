@@ -3,9 +3,15 @@ beside the compute it could hide under (the "will the communication hide under t
 table). Needs no devices: the mesh is just its axis sizes. It reads the model (zoo), so it sits
 above zoo, beside the training step, while shard/ stays model-free.
 
-    python -m training.plan --model llama3-8b --mesh fsdp=8
-    python -m training.plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch 16 --seq 4096
-    python -m training.plan --model llama3-8b --mesh fsdp=8 --offload-opt-state
+    eqx-zoo plan --model llama3-8b --mesh fsdp=8 --batch-size 8 --seq-len 4096 --dtype bfloat16
+    eqx-zoo plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch-size 16 --seq-len 4096
+    eqx-zoo plan --model llama3-8b --mesh fsdp=8 --offload-opt-state --device a100-40gb
+    python -m training.plan ...      # the same
+
+The flags are train's (`--model` a preset or any model artifact, `--batch-size`, `--seq-len`,
+`--grad-accum`, `--dtype`, ...: the run it plans), plus `--device`. The plan ends with a verdict:
+whether the run fits one device of that kind, and with which remat policy and micro-batch count
+(`verdict`).
 
 Collective costs are the ring algorithm's bytes sent per device (Patarasuk & Yuan 2009):
 all-gather and reduce-scatter of a full array of S bytes over n devices send S (n-1)/n,
@@ -39,23 +45,24 @@ from layers.moe import Capacity, expert_capacity
 from layers.paged_cache import POOL_AXES
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
-from shard.pipeline import SCHEDULES, check_pipeline, virtual_stages
+from shard.pipeline import check_pipeline, virtual_stages
 from shard.rules import (
     MESH_AXES,
     ShardingRules,
     check_divisible,
     default_rules,
     mesh_axes_of,
-    presets,
     rules_for,
     shard_count,
 )
+from training.args import add_arguments
 from zoo import math as zmath
 from zoo.config import Config
 from zoo.policy import Policy
-from zoo.presets import preset
 from zoo.stack import segments
 from zoo.transformer import Transformer
+
+PAGE_SIZE = 16  # tokens per page of `Transformer.init_cache`'s pools (its default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,28 +170,37 @@ def kv_cache_bytes_per_device(
     *,
     per_head: bool = False,
 ) -> int:
-    """Keys plus values of every layer in the cache's own layout and logical axes (the page pools
-    of layers/paged_cache.py, `batch` rows of `context` tokens in pages of 16 as
-    `Transformer.init_cache` makes them), in the compute dtype, sharded by the activation rules. MLA
-    caches one latent per token and layer; `per_head=True` counts per-head keys and values of the
-    same heads instead (what MLA saves)."""
-    itemsize = zmath.bytes_per_element(policy.compute_dtype)
-    page_size = 16
-    pages = batch * -(-context // page_size)
-    if config.mla and not per_head:  # LatentPages
-        names = ("latent_heads", "pages", "page_size", "latent")
-        shape = (1, pages, page_size, config.mla_kv_rank + config.mla_rope_dim)
-        spec = rules.partition_spec(names)
-        return config.n_layers * _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
-    heads, v_dim = config.n_kv_heads, config.head_dim
-    if config.mla:
-        heads, v_dim = config.n_heads, config.mla_v_head_dim
-    spec = rules.partition_spec(POOL_AXES)
-    total = sum(
-        _shard_bytes("KV cache", (heads, pages, page_size, width), POOL_AXES, spec, sizes, itemsize)
-        for width in (config.head_dim, v_dim)
+    """Bytes one device holds of the KV cache of `batch` rows of `context` tokens: the leaves of
+    the model's own cache (`jax.eval_shape` of `Transformer.init_cache`: the page pools of
+    layers/paged_cache.py with their page tables, MLA's latent pages, a sliding layer's ring of
+    its window), each sharded by the activation rules from its logical axes. `per_head=True`
+    counts, for an MLA model, per-head key and value pages of the same heads instead (what
+    caching the latent saves)."""
+    if per_head:
+        itemsize = zmath.bytes_per_element(policy.compute_dtype)
+        pages = batch * -(-context // PAGE_SIZE)
+        spec = rules.partition_spec(POOL_AXES)
+        widths = (config.head_dim, config.mla_v_head_dim)
+        shapes = [(config.n_heads, pages, PAGE_SIZE, width) for width in widths]
+        total = sum(
+            _shard_bytes("KV cache", shape, POOL_AXES, spec, sizes, itemsize) for shape in shapes
+        )
+        return config.n_layers * total
+    model = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, context))
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(cache, is_array_like))
+    axes = jax.tree.leaves(logical_axes(cache), is_leaf=lambda x: isinstance(x, LogicalAxes))
+    return sum(
+        _shard_bytes(
+            f"KV cache {jax.tree_util.keystr(path)}",
+            leaf.shape,
+            names.names,
+            rules.partition_spec(names.names),
+            sizes,
+            leaf.dtype.itemsize,
+        )
+        for (path, leaf), names in zip(leaves, axes, strict=True)
     )
-    return config.n_layers * total
 
 
 def _ring(kind: str, n_bytes: float | int, n: int) -> float:
@@ -495,72 +511,197 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3-8b", help="a zoo preset name")
-    parser.add_argument("--mesh", default="fsdp=8", help="e.g. fsdp=4,tensor=2, pipeline=4,data=2")
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="micro-batches per step with a pipeline axis (train.py's --microbatches); default "
-        "the most, from the pipeline size up to 4 x it, that split --batch evenly over the "
-        "batch axes",
+# Of a device's memory, what the plan may fill: the rest goes to XLA's temporaries and
+# fragmentation (bench/train.py checks its pick against XLA's compiled memory with the same 90%).
+USABLE = 0.9
+REMATS = ("none", "dots", "full")  # least recomputation first
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether a training run fits a device, and with which remat policy and gradient
+    accumulation (or pipeline micro-batches): the first candidate, least recomputation (which
+    costs FLOPs) then fewest micro-batches (which cost almost none), whose bytes per device fit
+    `USABLE` of its memory; else the smallest."""
+
+    fits: bool
+    remat: str
+    grad_accum: int
+    bytes_needed: float
+    parts: dict[str, float]
+    device: zmath.Hardware
+
+    def line(self) -> str:
+        gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+        usable = USABLE * self.device.memory
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in self.parts.items())
+        choice = f"--remat {self.remat}" + (
+            f" --grad-accum {self.grad_accum}" if self.grad_accum > 1 else ""
+        )
+        where = f"{self.device.name} ({gib(self.device.memory)} GiB, {USABLE:.0%} usable)"
+        if self.fits:
+            return (
+                f"verdict: fits one {where} with {choice}: {gib(self.bytes_needed)} GiB per "
+                f"device ({parts})"
+            )
+        return (
+            f"verdict: does NOT fit one {where}: the least it needs is {gib(self.bytes_needed)} "
+            f"GiB per device, with {choice} ({parts}) > {gib(usable)} GiB; shard over more "
+            "devices (a larger --mesh fsdp=N), --offload-opt-state, or a smaller --batch-size or "
+            "--seq-len"
+        )
+
+
+def _accumulations(batch: int, batch_shards: int, stages: int) -> list[int]:
+    """Micro-batch counts train.py accepts: each micro-batch splits over the batch's devices
+    (and, with a pipeline, at least one per stage)."""
+    return [
+        m for m in range(1, batch + 1)
+        if batch % m == 0 and (batch // m) % batch_shards == 0 and m >= stages
+    ]  # fmt: skip
+
+
+def verdict(
+    config: Config,
+    policy: Policy,
+    rules: ShardingRules,
+    mesh_shape: dict[str, int],
+    *,
+    batch: int,
+    seq: int,
+    device: zmath.Hardware,
+    grad_accum: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "gpipe",
+    virtual: int = 2,
+    offload_opt_state: bool = False,
+) -> Verdict:
+    """Whether training `batch x seq` tokens per step fits one `device` of the mesh, trying
+    each remat policy (least recomputation first) with `grad_accum` micro-batches (default:
+    each count train.py accepts, fewest first). Without a pipeline, micro-batches run one after
+    another, so a device holds one micro-batch's activations; with one, the pipeline's
+    `microbatches` (default: each count train.py accepts) stream through the stages on
+    `schedule` and `plan` counts what is in flight. Parameters, gradients and Adam state do not
+    depend on either."""
+    if device.memory is None:
+        raise ValueError(f"{device.name} lists no memory size; pick one of {list(zmath.DEVICES)}")
+    sizes = full_mesh(mesh_shape)
+    stages = sizes["pipeline"]
+    batch_shards = _axes_size(sizes, _targets(rules.mapping, "batch"))
+    pipelined = stages > 1
+    if pipelined and microbatches:
+        counts = [microbatches]
+    else:
+        counts = [grad_accum] if grad_accum else _accumulations(batch, batch_shards, stages)
+    if not counts:
+        raise ValueError(
+            f"--batch-size {batch} does not split into micro-batches over {batch_shards} batch "
+            f"devices and {stages} pipeline stages; give a multiple of {batch_shards * stages}"
+        )
+    plans = {
+        m: plan(
+            config,
+            policy,
+            rules,
+            mesh_shape,
+            batch=batch if pipelined else batch // m,
+            seq=seq,
+            hardware=device,
+            microbatches=m if pipelined else 1,
+            schedule=schedule,
+            virtual=virtual,
+            offload_opt_state=offload_opt_state,
+        )
+        for m in counts
+    }
+    best = None
+    for remat in REMATS:
+        for m, p in plans.items():
+            parts = {"parameters": p.params, "gradients": p.grads, "Adam": p.adam_state,
+                     "activations": p.activations[remat]}  # fmt: skip
+            needed = sum(parts.values())
+            candidate = Verdict(needed <= USABLE * device.memory, remat, m, needed, parts, device)
+            if candidate.fits:
+                return candidate
+            if best is None or needed < best.bytes_needed:
+                best = candidate
+    return best
+
+
+def parser(
+    prog: str = "python -m training.plan", *, defaults: bool = True
+) -> argparse.ArgumentParser:
+    """The plan's flags: train's own (same names, defaults and checks: training/args.py) for the
+    run it plans, and `--device` for the verdict. `defaults=False` leaves unset flags out."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog="With a pipeline axis and no --grad-accum, the micro-batches are the most, up to "
+        "4 x the pipeline size, that split --batch-size evenly over the batch axes; the "
+        "verdict tries each count train.py accepts.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--pipeline-schedule", choices=SCHEDULES, default="gpipe", help="with a pipeline axis"
+    names = ("model", "override", "mesh", "rules", "batch_size", "seq_len", "grad_accum",
+             "microbatches", "pipeline_schedule", "virtual_stages", "dtype", "param_dtype",
+             "attention", "moe_dispatch", "capacity_factor", "offload_opt_state")  # fmt: skip
+    add_arguments(p, names, defaults=defaults)
+    p.add_argument(
+        "--device",
+        default="h100-80gb",
+        choices=list(zmath.DEVICES),
+        help="the device to plan for: its peak FLOP/s and links for the collectives' times, its "
+        "memory for the verdict",
     )
-    parser.add_argument(
-        "--virtual-stages", type=int, default=2, help="layer chunks per device (interleaved)"
-    )
-    parser.add_argument("--rules", choices=presets(), help="default: from the mesh's shape")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
-    parser.add_argument("--hardware", default="h100", choices=list(zmath.HARDWARE))
-    parser.add_argument(
-        "--moe-dispatch", choices=["dropless", "capacity"], default="dropless", help="MoE models"
-    )
-    parser.add_argument(
-        "--offload-opt-state", action="store_true", help="Adam state in pinned host memory"
-    )
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m training.plan") -> Verdict:
+    p = parser(prog)
+    args = p.parse_args(argv)
+    given = vars(parser(prog, defaults=False).parse_known_args(argv)[0])
     try:
-        _print_plan(args)
+        return _print_plan(args, given_accum="grad_accum" in given)
     except ValueError as error:
-        parser.error(str(error))
+        p.error(str(error))
 
 
-def _print_plan(args: argparse.Namespace) -> None:
-    sizes = parse_mesh(args.mesh)
-    config = preset(args.model)
-    policy = Policy.of_dtype(args.dtype).replace(moe_dispatch=args.moe_dispatch)
+def _print_plan(args: argparse.Namespace, *, given_accum: bool) -> Verdict:
+    from training.artifacts import artifact_config
+    from training.model_config import overrides
+
+    sizes = parse_mesh(args.mesh) if args.mesh else {}
+    name = args.model or "gpt-mini"
+    config = artifact_config(name)
+    if args.override:
+        config = config.replace(**overrides(args))
+    policy = Policy(
+        compute_dtype=args.dtype, param_dtype=args.param_dtype, attention=args.attention,
+        moe_dispatch=Capacity(args.capacity_factor) if args.moe_dispatch == "capacity"
+        else "dropless",
+    ).for_model(config)  # fmt: skip
     rules_name = args.rules or default_rules(sizes)
-    hardware = zmath.HARDWARE[args.hardware]
+    device = zmath.DEVICES[args.device]
     stages = sizes.get("pipeline", 1)
     rows = math.prod(sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
+    batch = args.batch_size
+    # train.py's default count (training/args.py): the most, from the stage count up to 4 x it,
+    # that split the batch evenly over the batch's devices.
     microbatches = args.microbatches or max(
-        [m for m in range(stages, 4 * stages + 1) if args.batch % (m * rows) == 0], default=1
+        [m for m in range(stages, 4 * stages + 1) if batch % (m * rows) == 0], default=1
     )
     print(
-        f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, "
-        f"{zmath.active_param_count(config) / 1e9:.2f}B active, {args.dtype}), "
-        f"rules {rules_name}, mesh {full_mesh(sizes)}, batch {args.batch} x seq {args.seq}, "
-        f"{hardware.name} ({hardware.interconnect / 1e9:.0f} GB/s link)"
+        f"{name} ({zmath.param_count(config) / 1e9:.2f}B params, "
+        f"{zmath.active_param_count(config) / 1e9:.2f}B active, compute {args.dtype}, weights "
+        f"{args.param_dtype}), rules {rules_name}, mesh {full_mesh(sizes)}, batch {batch} x "
+        f"seq {args.seq_len}, {device.name} ({device.interconnect / 1e9:.0f} GB/s link)"
     )
+    rules = rules_for(sizes, rules_name)
     p = plan(
-        config,
-        policy,
-        rules_for(sizes, rules_name),
-        sizes,
-        batch=args.batch,
-        seq=args.seq,
-        hardware=hardware,
-        microbatches=microbatches,
-        schedule=args.pipeline_schedule,
+        config, policy, rules, sizes, batch=batch, seq=args.seq_len, hardware=device,
+        microbatches=microbatches if stages > 1 else 1, schedule=args.pipeline_schedule,
         virtual=args.virtual_stages,
         offload_opt_state=args.offload_opt_state,
-    )
+    )  # fmt: skip
     print(format_plan(p))
     if args.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:
         print(
@@ -568,6 +709,14 @@ def _print_plan(args: argparse.Namespace) -> None:
             "rows instead of an all-to-all; plan with --moe-dispatch capacity for expert "
             "parallelism)"
         )
+    result = verdict(
+        config, policy, rules, sizes, batch=batch, seq=args.seq_len, device=device,
+        grad_accum=args.grad_accum if given_accum else None,
+        microbatches=microbatches, schedule=args.pipeline_schedule, virtual=args.virtual_stages,
+        offload_opt_state=args.offload_opt_state,
+    )  # fmt: skip
+    print("\n" + result.line())
+    return result
 
 
 if __name__ == "__main__":

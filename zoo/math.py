@@ -499,13 +499,15 @@ def pipeline_activation_bytes(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
-    """Peak dense matmul rate per dtype (FLOP/s), memory bandwidth (bytes/s) and, for chips
-    built to be linked, the interconnect bandwidth per device (bytes/s, NVLink / ICI)."""
+    """Peak dense matmul rate per dtype (FLOP/s), memory bandwidth (bytes/s), for chips built
+    to be linked the interconnect bandwidth per device (bytes/s, NVLink / ICI), and the device
+    memory (bytes) where the chip comes in one size."""
 
     name: str
     flops: dict[str, float]
     bandwidth: float
     interconnect: float | None = None
+    memory: int | None = None
 
     def peak_flops(self, dtype: str) -> float | int:
         if dtype not in self.flops:
@@ -554,6 +556,24 @@ HARDWARE: dict[str, Hardware] = {
         bandwidth=2.765e12,
         interconnect=600e9,
     ),
+}
+
+
+# Devices by the name a plan's verdict takes (`--device`): the chips above with their memory
+# (datasheet GiB; HBM stacks come in binary sizes).
+GiB = 2**30
+DEVICES: dict[str, Hardware] = {
+    "h100-80gb": dataclasses.replace(
+        HARDWARE["h100"], name="NVIDIA H100 SXM 80GB", memory=80 * GiB
+    ),
+    "h200-141gb": dataclasses.replace(HARDWARE["h200"], name="NVIDIA H200 141GB", memory=141 * GiB),
+    "a100-80gb": dataclasses.replace(HARDWARE["a100"], memory=80 * GiB),
+    "a100-40gb": dataclasses.replace(
+        HARDWARE["a100"], name="NVIDIA A100 40GB", bandwidth=1.555e12, memory=40 * GiB
+    ),
+    "tpu-v4-32gb": dataclasses.replace(HARDWARE["tpu-v4"], memory=32 * GiB),
+    "tpu-v5e-16gb": dataclasses.replace(HARDWARE["tpu-v5e"], memory=16 * GiB),
+    "tpu-v5p-95gb": dataclasses.replace(HARDWARE["tpu-v5p"], memory=95 * GiB),
 }
 
 

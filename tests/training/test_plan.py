@@ -9,7 +9,7 @@ import pytest
 import shard
 import zoo
 from shard.axes import is_array_like
-from training.plan import format_plan, main, plan
+from training.plan import REMATS, USABLE, format_plan, main, plan, verdict
 from zoo.math import HARDWARE
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
@@ -63,9 +63,10 @@ def test_plan_bytes_match_real_shardings(name):
         assert p.expert_params == 0
     state = shard.init_opt_state(optax.adam(1e-3), model, rules, mesh)
     assert p.adam_state == bytes_per_device(state)
-    # The real cache (its layout and logical axes from layers/kv_cache.py), placed by them.
+    # The real cache (its layout and logical axes from the model's init_cache), placed by them:
+    # every leaf, keys, values and the rows' positions alike.
     cache = shard.Placement(mesh, rules).place_arrays(model.init_cache(8, 16))
-    assert p.kv_cache == bytes_per_device(cache.layers)
+    assert p.kv_cache == bytes_per_device(cache)
 
 
 def test_plan_lists_each_strategys_collectives():
@@ -103,13 +104,69 @@ def test_plan_moves_the_capacity_buffer_by_all_to_all():
     assert not [c for c in dropless.collectives if c.name == "all-to-all"]
 
 
-def test_cli_prints_the_table(capsys):
-    main(["--model", "tiny-llama", "--mesh", "fsdp=4,tensor=2", "--batch", "8", "--seq", "64"])
+def test_cli_prints_the_table_and_a_verdict(capsys):
+    argv = ["--model", "tiny-llama", "--mesh", "fsdp=4,tensor=2", "--batch-size", "8",
+            "--seq-len", "64"]  # fmt: skip
+    assert main(argv).fits
     out = capsys.readouterr().out
     assert "rules fsdp_tp" in out and "reduce-scatter" in out and "hides?" in out
+    assert "verdict: fits one NVIDIA H100 SXM 80GB (80.0 GiB, 90% usable) with --remat none" in out
     main(["--model", "tiny-moe", "--mesh", "fsdp=2,expert=4", "--moe-dispatch", "capacity"])
     out = capsys.readouterr().out
     assert "rules ep" in out and "active" in out and "routed experts" in out and "all-to-all" in out
+
+
+def test_the_kv_cache_is_the_models_own_windows_counted():
+    """Gemma 2's sliding layers keep a ring of their window: the plan counts the real cache
+    (eval_shape of init_cache), not every layer at full length."""
+    sizes = dict(n_layers=2, sliding_window=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                 d_ff=128, vocab_size=256, max_seq_len=64)  # fmt: skip
+    gemma = zoo.preset("gemma2-2b", layer_types=("sliding", "full"), **sizes)
+    rules, mesh_shape = shard.ShardingRules.preset("fsdp"), {"fsdp": 8}
+    p = plan(gemma, NAIVE, rules, mesh_shape, batch=8, seq=32, hardware=HARDWARE["h100"])
+    mesh = shard.mesh(**mesh_shape)
+    model = zeros_in_shardings(gemma, NAIVE, rules, mesh)
+    cache = shard.Placement(mesh, rules).place_arrays(model.init_cache(8, 32))
+    assert p.kv_cache == bytes_per_device(cache)
+    full = zoo.preset("gemma2-2b", layer_types=("full", "full"), **sizes)
+    full_length = plan(full, NAIVE, rules, mesh_shape, batch=8, seq=32, hardware=HARDWARE["h100"])
+    # The sliding layer holds 4 of 32 positions: about half of two full-length layers.
+    assert p.kv_cache < 0.7 * full_length.kv_cache
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "expected"),
+    [(8, 4096, ("dots", 1)), (128, 4096, ("dots", 4)), (512, 4096, ("dots", 16)),
+     (8, 32768, ("full", 1))],
+)  # fmt: skip
+def test_the_verdict_is_the_first_fitting_choice(batch, seq, expected):
+    """llama3-8b in bfloat16 on 8 H100s: at 4096 tokens its activations do not fit without
+    remat, with "dots" they do, larger batches in micro-batches; one 32k-token sequence per
+    device needs "full". Every candidate before the chosen one (less recomputation first, then
+    fewer micro-batches) does not fit."""
+    config, policy = zoo.preset("llama3-8b"), zoo.Policy.of_dtype("bfloat16")
+    rules, device = shard.ShardingRules.preset("fsdp"), zoo.math.DEVICES["h100-80gb"]
+    run = dict(batch=batch, seq=seq, device=device)
+    result = verdict(config, policy, rules, {"fsdp": 8}, **run)
+    assert result.fits and (result.remat, result.grad_accum) == expected
+    assert result.bytes_needed <= USABLE * device.memory
+    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % 8 == 0]
+    earlier = [(r, m) for r in REMATS[: REMATS.index(result.remat) + 1] for m in counts]
+    for remat, m in earlier[: earlier.index((result.remat, result.grad_accum))]:
+        p = plan(config, policy.replace(remat=remat), rules, {"fsdp": 8}, batch=batch // m,
+                 seq=seq, hardware=device)  # fmt: skip
+        needed = p.params + p.grads + p.adam_state + p.activations[remat]
+        assert needed > USABLE * device.memory, (remat, m)
+
+
+def test_a_run_too_big_for_the_device_says_what_to_do():
+    config, policy = zoo.preset("llama3-70b"), zoo.Policy.of_dtype("bfloat16")
+    rules = shard.ShardingRules.preset("fsdp")
+    result = verdict(config, policy, rules, {"fsdp": 8}, batch=8, seq=4096,
+                     device=zoo.math.DEVICES["a100-40gb"])  # fmt: skip
+    assert not result.fits and result.remat == "full"
+    assert "does NOT fit one NVIDIA A100 40GB" in result.line()
+    assert "a larger --mesh fsdp=N" in result.line()
 
 
 def test_pipeline_plan_splits_the_layers_and_predicts_the_bubble():
