@@ -4,6 +4,7 @@ token and tokens/s of every reply.
     python -m examples.chat                                   # SmolLM2-135M-Instruct (GGUF)
     python -m examples.chat --checkpoint path/to/hf-dir-or.gguf --chat-template my.jinja
     python -m examples.chat --message "What is the capital of France?" --message "And of Italy?"
+    python -m examples.chat --prompt-lookup 6   # speculative decoding: drafts from the chat
 
 The conversation is rendered with the checkpoint's own chat template (`zoo.load_tokenizer`) and
 served by one `infer.Engine` for the whole session: it compiles once at start, each turn's prompt
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import infer
 import zoo
+from infer.speculative import PromptLookup, Proposer
 from shard.xla_flags import set_default_xla_flags
 
 
@@ -41,14 +43,19 @@ class Chat:
     def __init__(self, checkpoint: str | Path, *, model: zoo.Transformer | None = None,
                  chat_template: str | None = None, system: str | None = None,
                  max_len: int = 2048, max_new_tokens: int = 256,
-                 sampler: infer.Sampler | None = None, write=sys.stdout.write):  # fmt: skip
-        """The checkpoint's tokenizer and model, or `model` (e.g. fine-tuned from it)."""
+                 sampler: infer.Sampler | None = None, write=sys.stdout.write,
+                 speculative: Proposer | None = None):  # fmt: skip
+        """The checkpoint's tokenizer and model, or `model` (e.g. fine-tuned from it);
+        `speculative` a proposer of draft tokens (infer/speculative/)."""
         self.tokenizer = zoo.load_tokenizer(checkpoint, chat_template=chat_template)
         # load_pretrained gives the fastest decode storage (per-layer weights); a fine-tuned
         # model handed in is stacked for training: converted once.
         model = (model or zoo.load_pretrained(checkpoint)).with_policy(storage="unrolled")
         self.engine = infer.Engine(
-            model, max_batch=1, max_len=min(max_len, model.config.max_seq_len)
+            model,
+            max_batch=1,
+            max_len=min(max_len, model.config.max_seq_len),
+            speculative=speculative,
         )
         self.messages = [{"role": "system", "content": system}] if system else []
         self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
@@ -96,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048, help="tokens the conversation may hold")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-lookup", type=int, metavar="K",
+                   help="speculative decoding: up to K drafts per step from the conversation's "
+                        "own n-grams (infer.speculative.PromptLookup)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> list[infer.Request]:
     chat = Chat(
         args.checkpoint or smollm2_gguf(), chat_template=args.chat_template, system=args.system,
         max_len=args.max_len, max_new_tokens=args.max_new_tokens, sampler=sampler,
+        speculative=None if args.prompt_lookup is None else PromptLookup(k=args.prompt_lookup),
     )  # fmt: skip
     print(f"(loaded and compiled in {time.perf_counter() - t0:.1f} s)")
     replies = []
@@ -132,7 +143,8 @@ def main(argv: list[str] | None = None) -> list[infer.Request]:
         rate = (n - 1) / request.decode_s if n > 1 and request.decode_s else float("nan")
         print(
             f"\n     ({n} tokens, first after {request.ttft_s * 1e3:.0f} ms, then "
-            f"{rate:.1f} tokens/s; {request.reused_tokens} prompt tokens reused from the cache)"
+            f"{rate:.1f} tokens/s; {request.reused_tokens} prompt tokens reused from the cache"
+            + (f"; {request.accepted}/{request.drafted} drafts kept)" if request.drafted else ")")
         )
         replies.append(request)
     return replies

@@ -162,3 +162,36 @@ def test_bad_speculation_is_refused(
     with pytest.raises(ValueError, match=message):
         engine = Engine(llama, max_batch=1, max_len=64, chunk=16, warm_up=False, **engine_kwargs)
         engine.submit([1, 2, 3], max_new_tokens=4, **submit_kwargs)
+
+
+def test_generate_takes_a_proposer(llama):
+    chunk = prompts([8], seed=11)[0]
+    batch = [chunk * 3, prompts([5], seed=12)[0]]
+    plain = infer.generate(llama, batch, max_new_tokens=10, sampler=infer.Greedy(),
+                           key=jax.random.key(0))  # fmt: skip
+    speculating = infer.generate(llama, batch, max_new_tokens=10, sampler=infer.Greedy(),
+                                 key=jax.random.key(0), speculative=PromptLookup(k=3))  # fmt: skip
+    assert speculating == plain
+
+
+def test_smollm2_repeating_its_input_keeps_most_drafts_and_the_greedy_tokens():
+    """The real checkpoint on an input-grounded task: prompt lookup's drafts are mostly kept,
+    far fewer target forwards, and the tokens are the plain engine's."""
+    from tests.reference.runner import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tokenizer = zoo.load_tokenizer(gguf)
+    model = zoo.load_pretrained(gguf, quantized=False)
+    text = "Repeat exactly: the ferry crosses to the island twice a day, at dawn and at dusk."
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    results = []
+    for speculative in (None, PromptLookup(k=4)):
+        engine = Engine(model, max_batch=1, max_len=128, chunk=64, speculative=speculative)
+        request = engine.submit(prompt, max_new_tokens=20)
+        engine.run()
+        results.append((request.tokens, engine.steps, request))
+    (plain, plain_steps, _), (tokens, steps, request) = results
+    assert tokens == plain
+    assert request.accepted > request.drafted / 2 and steps < plain_steps / 2
