@@ -40,10 +40,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
+from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
@@ -87,7 +88,8 @@ class StepPlan(eqx.Module):
     are real (`n`), where it starts (`start`), whether it ends the prompt (`final`, so its last
     logits give the request's next token) and how many tokens the request had (`had`: more than 0
     after a preemption). Speculation: each decoding row's proposed `drafts` (`[rows, k_max]`,
-    `[rows, 0]` in an engine that does not speculate), of which the first `k` are real."""
+    `[rows, 0]` in an engine that does not speculate), of which the first `k` are real, and
+    the distributions they were drawn from (`q`; None: deterministic drafts)."""
 
     decoding: Bool[ArrayLike, " rows"]
     lengths: Int[ArrayLike, " rows"]
@@ -100,6 +102,7 @@ class StepPlan(eqx.Module):
     had: Int[ArrayLike, " chunks"]
     drafts: Int[ArrayLike, "rows drafts"]
     k: Int[ArrayLike, " rows"]
+    q: Float[ArrayLike, "rows drafts vocab"] | None = None
 
 
 def _stopped(tokens, stops, count, budget):
@@ -155,7 +158,7 @@ def _step_program(model, state, params, plan, key, step, *, page_size, placement
     else:
         verify_key, chunk_key = jax.random.split(key)
         logits = out.logits[: rows * group].reshape(rows, group, -1)
-        new, n = verify(logits, plan.drafts, k, None, params.sampling, verify_key)
+        new, n = verify(logits, plan.drafts, k, plan.q, params.sampling, verify_key)
         n = jnp.where(live, n, 0)
         chunk_sampling = jax.tree.map(lambda x: x[plan.row], params.sampling)
         first = sample(out.logits[rows * group :], chunk_sampling, chunk_key)
@@ -293,7 +296,7 @@ class Engine:
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
         log_steps: bool = False,
-        speculative: Proposer | None = None,
+        speculative: Proposer | DraftModel | None = None,
     ):
         if not isinstance(model, Transformer):
             raise ValueError(f"Engine needs a zoo.Transformer, got {type(model).__name__}")
@@ -317,11 +320,13 @@ class Engine:
             raise ValueError(f"Engine key must be a jax.random.key(...), got {key!r}")
         self.key = jax.random.key(0) if key is None else key
         self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
-        if speculative is not None and not isinstance(speculative, Proposer):
+        if speculative is not None and not isinstance(speculative, Proposer | DraftModel):
             raise ValueError(
-                f"Engine speculative must be a proposer (infer.speculative.PromptLookup), got "
-                f"{speculative!r}"
+                f"Engine speculative must be a proposer (infer.speculative.PromptLookup or "
+                f"DraftModel), got {speculative!r}"
             )
+        if isinstance(speculative, DraftModel):
+            speculative.check_target(model)
         self.proposer = speculative
         self.max_drafts = 0 if speculative is None else speculative.k
         self.steps = 0
@@ -376,6 +381,16 @@ class Engine:
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
+        self.drafter = None
+        if isinstance(speculative, DraftModel):
+            draft_pages = speculative.model.init_pages(
+                n_pages, page_size, rows=max_batch if window_cache else 0, span=max_len,
+                ring_extra=self.max_drafts,
+            )  # fmt: skip
+            self.drafter = DraftRunner(
+                speculative, self.placement.place_arrays(draft_pages), rows=max_batch,
+                page_size=page_size, placement=self.placement, key=jax.random.split(self.key)[1],
+            )  # fmt: skip
         self._program = functools.partial(
             _step_program, page_size=page_size, placement=self.placement
         )
@@ -498,6 +513,8 @@ class Engine:
         """Compile both programs now (every row idle: nothing written, nothing emitted)."""
         for chunks in (0, self.prefill_rows):
             plan = self._plan([], [], chunks)
+            if self.drafter is not None:
+                plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
             self.state, report = self._program(
                 self.model, self.state, self._row_params(), plan, self.key, np.int32(0)
             )
@@ -650,7 +667,10 @@ class Engine:
             k = min(r.draft_tokens, r.max_new_tokens - r.scheduled - 1)
             if k < 1:
                 continue
-            proposed = self.proposer.propose(np.asarray(r.prompt + r.tokens), k)
+            if self.drafter is None:
+                proposed = self.proposer.propose(np.asarray(r.prompt + r.tokens), k)
+            else:  # drawn on the device by the draft model
+                proposed = np.zeros(k, np.int32)
             self._cover(r, r.cached + 1 + proposed.size)
             room = len(r.pages) * self.page_size - r.cached - 1
             drafts[r.row] = proposed[:room]
@@ -665,6 +685,9 @@ class Engine:
             return None
         drafts = self._propose(decode) if self.proposer is not None else None
         plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, drafts)
+        if self.drafter is not None:
+            sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
+            plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
         self.state, report = self._program(
             self.model, self.state, self._row_params(), plan, self.key, np.int32(self.steps)
         )
@@ -702,6 +725,8 @@ class Engine:
             extra = int(emitted[row]) - 1  # accepted drafts: past the one token dispatch counted
             request.cached, request.scheduled = request.cached + extra, request.scheduled + extra
             request.accepted += extra
+            if self.drafter is not None:
+                self.drafter.kept(row, request.cached)
             self._emit(request, tokens[row, : emitted[row]].tolist(), bool(done[row]))
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:

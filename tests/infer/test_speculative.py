@@ -4,6 +4,8 @@ whatever the drafts (all kept, some, none), with rows of different k and rows wi
 speculation in one batch; stop tokens and budgets inside an accepted run; nothing compiles as k
 or acceptance vary; prompt lookup finds its n-grams; bad input is refused."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ import pytest
 import infer
 import zoo
 from infer.engine import TRACES, Engine
-from infer.speculative import PromptLookup, Proposer
+from infer.speculative import DraftModel, PromptLookup, Proposer, check_tokenizers
+from infer.speculative.draft import TRACES as DRAFT_TRACES
 from tests.infer.test_engine import FAMILIES, LLAMA, alone, prompts
 
 
@@ -195,3 +198,47 @@ def test_smollm2_repeating_its_input_keeps_most_drafts_and_the_greedy_tokens():
     (plain, plain_steps, _), (tokens, steps, request) = results
     assert tokens == plain
     assert request.accepted > request.drafted / 2 and steps < plain_steps / 2
+
+
+def test_a_draft_model_proposes_in_its_own_cache(llama):
+    """A one-layer draft: the greedy tokens are the target's alone. The target as its own draft
+    (its cache fed the same chunks, catch-ups and rollbacks as the target's) has every draft
+    kept, greedy or sampled (then p = q up to float rounding, so the rule keeps them all but
+    rarely): the draft's pages, lengths and q are right."""
+    small = zoo.Transformer(dataclasses.replace(LLAMA, n_layers=1), key=jax.random.key(3))
+    cases = list(zip(prompts([4, 30, 11, 17], seed=3), [12, 5, 9, 3], strict=True))
+    expected = [alone(llama, p, n) for p, n in cases]
+    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
+    for draft in (small, llama):
+        engine = Engine(llama, speculative=DraftModel(draft, k=3), **kwargs)
+        requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+        engine.run()
+        assert [r.tokens for r in requests] == expected
+    assert all(r.accepted == r.drafted > 0 for r in requests[:3])
+    before = dict(TRACES), dict(DRAFT_TRACES)
+    engine = Engine(llama, speculative=DraftModel(llama, k=3), key=jax.random.key(2), **kwargs)
+    hot = [engine.submit(p, max_new_tokens=12, sampler=infer.Temperature(1.5)) for p, _ in cases]
+    engine.run()
+    assert sum(r.accepted for r in hot) >= 0.9 * sum(r.drafted for r in hot) > 0
+    assert (dict(TRACES), dict(DRAFT_TRACES)) == before  # nothing new for sampling rows
+
+
+def test_a_draft_of_another_vocabulary_is_refused(llama, without_runtime_typechecks):
+    other = zoo.Transformer(dataclasses.replace(LLAMA, vocab_size=300), key=jax.random.key(3))
+    message = r"draft model's vocabulary \(300 tokens\) is not the target's \(256 tokens\)"
+    with pytest.raises(ValueError, match=message):
+        Engine(llama, max_batch=1, max_len=64, speculative=DraftModel(other, k=2))
+    with pytest.raises(ValueError, match="DraftModel k must be an int >= 1"):
+        DraftModel(llama, k=0)
+
+
+def test_a_draft_tokenizer_must_be_the_targets():
+    from tests.reference.runner import smollm2_gguf
+
+    tokenizer = zoo.load_tokenizer(smollm2_gguf())
+    check_tokenizers(tokenizer, tokenizer)
+    named = set(tokenizer.named_tokens.values())
+    fewer = {t: i for t, i in tokenizer.special_tokens.items() if t in named}
+    other = dataclasses.replace(tokenizer, special_tokens=fewer, source="other.gguf")
+    with pytest.raises(ValueError, match=r"draft's tokenizer \(other.gguf, .* not the target's"):
+        check_tokenizers(tokenizer, other)
