@@ -4,6 +4,7 @@ without speculation:
 
 - prompt lookup (`PromptLookup(k=6)`) on an input-grounded task (repeat a passage word for word)
   and on free chat (where nothing recurs: it should cost little and win nothing);
+- a draft model on both: the target's first layers (`truncated_draft`, no training), k = 3.
 
 Each row prints the acceptance rate (drafts kept / drafts verified), the tokens one target
 forward emitted (decode steps only) and the decode speed of both engines (median of interleaved
@@ -22,10 +23,11 @@ import zoo
 from bench.harness import Ceilings, Table
 from examples.chat import smollm2_gguf
 from infer.engine import Engine
-from infer.speculative import PromptLookup
+from infer.speculative import DraftModel, PromptLookup, truncated_draft
 from zoo import math as zmath
 
 K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
+DRAFT_LAYERS, DRAFT_K = 4, 3
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
     "brass lamp, a notebook with a cracked leather cover, and a thermos of black tea. From the "
@@ -71,11 +73,22 @@ def run(ceilings: Ceilings) -> Table:
          "zoo.math at the measured acceptance rate and the roofline's verification cost."],
     )  # fmt: skip
     stops = tokenizer.end_of_turn_ids
+    draft = truncated_draft(model, DRAFT_LAYERS)
+    # A draft step's cost in target steps: one token through each, by the roofline.
+    draft_cost = roofline_s(draft.config, 1, MAX_LEN // 2, ceilings) / roofline_s(
+        model.config, 1, MAX_LEN // 2, ceilings
+    )
     for task, text in TASKS.items():
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
-        for name, proposer, draft_cost in [(f"prompt lookup k={K}", PromptLookup(k=K), 0.0)]:
+        proposers = [
+            (f"prompt lookup k={K}", PromptLookup(k=K), 0.0),
+            (f"draft: first {DRAFT_LAYERS} of {model.config.n_layers} layers, k={DRAFT_K}",
+             DraftModel(draft, k=DRAFT_K), draft_cost),
+        ]  # fmt: skip
+        for name, proposer, cost in proposers:
+            k = proposer.k
             plain = Engine(model, max_batch=1, max_len=MAX_LEN)
             speculating = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=proposer)
             runs = {"plain": [], "spec": []}
@@ -88,12 +101,12 @@ def run(ceilings: Ceilings) -> Table:
             spec_rate = statistics.median(r[1] for r in runs["spec"])
             acceptance = accepted / max(drafted, 1)
             context = len(prompt) + len(tokens)
-            verify_cost = roofline_s(model.config, K + 1, context, ceilings) / roofline_s(
+            verify_cost = roofline_s(model.config, k + 1, context, ceilings) / roofline_s(
                 model.config, 1, context, ceilings
             )
-            tokens_per_step = zmath.speculative_tokens_per_step(acceptance, K)
+            tokens_per_step = zmath.speculative_tokens_per_step(acceptance, k)
             speedup = zmath.speculative_speedup(
-                acceptance, K, verify_cost=verify_cost, draft_cost=draft_cost
+                acceptance, k, verify_cost=verify_cost, draft_cost=cost
             )
             table.add({
                 "task": task,

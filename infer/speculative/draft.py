@@ -11,6 +11,7 @@ forwards, each drawing the next draft from the draft's distribution under the ro
 (argmax for greedy rows), which is `q` in the rejection rule."""
 
 import collections
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -23,6 +24,7 @@ from infer.sampling import SamplingParams
 from infer.speculative.proposer import check_k
 from infer.speculative.verify import target_probs
 from layers.paged_cache import PagedKVCache
+from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer
 from zoo.transformer import Transformer
 
@@ -51,6 +53,45 @@ class DraftModel(eqx.Module):
                 f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "
                 f"({ours.vocab_size} tokens): a draft must share the target's tokenizer"
             )
+
+
+def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
+    """The target's first `n_layers` layers under its embedding, final norm and head: a draft
+    that costs `n_layers / model.config.n_layers` of a target step, with the target's tokenizer
+    by construction (the early-exit drafts of self-speculative decoding, Zhang et al. 2024,
+    "Draft & Verify", without their layer choice). The weights are the target's own arrays (no
+    copy); the model's layers must form one stack."""
+    config = model.config
+    if (
+        isinstance(n_layers, bool)
+        or not isinstance(n_layers, int)
+        or not 0 < n_layers < config.n_layers
+    ):
+        raise ValueError(
+            f"truncated_draft n_layers must be an int in [1, {config.n_layers - 1}] (fewer "
+            f"than the target's layers), got {n_layers!r}"
+        )
+    if len(model.stacks) != 1:
+        raise ValueError(
+            f"truncated_draft takes a model whose layers form one stack, got "
+            f"{len(model.stacks)} stacks (dense layers before experts)"
+        )
+    model = model.with_policy(storage="unrolled")
+    (stack,) = model.stacks
+    if n_layers % stack.period:
+        raise ValueError(
+            f"truncated_draft n_layers={n_layers} cuts the model's attention pattern (a period "
+            f"of {stack.period} layers); give a multiple of {stack.period}"
+        )
+    stack = Stack(stack.blocks[:n_layers], n_layers // stack.period, stack.period, stacked=False)
+    types = config.layer_types and config.layer_types[:n_layers]
+    draft = eqx.tree_at(lambda m: m.stacks, model, (stack,))
+    # A static field: rebuilt from the same leaves (no copy), as Transformer.with_policy does.
+    draft = jax.tree.map(lambda leaf: leaf, draft)
+    object.__setattr__(
+        draft, "config", dataclasses.replace(config, n_layers=n_layers, layer_types=types)
+    )
+    return draft
 
 
 def check_tokenizers(target: Tokenizer, draft: Tokenizer) -> None:

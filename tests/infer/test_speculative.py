@@ -13,7 +13,13 @@ import pytest
 import infer
 import zoo
 from infer.engine import TRACES, Engine
-from infer.speculative import DraftModel, PromptLookup, Proposer, check_tokenizers
+from infer.speculative import (
+    DraftModel,
+    PromptLookup,
+    Proposer,
+    check_tokenizers,
+    truncated_draft,
+)
 from infer.speculative.draft import TRACES as DRAFT_TRACES
 from tests.infer.test_engine import FAMILIES, LLAMA, alone, prompts
 
@@ -242,3 +248,17 @@ def test_a_draft_tokenizer_must_be_the_targets():
     other = dataclasses.replace(tokenizer, special_tokens=fewer, source="other.gguf")
     with pytest.raises(ValueError, match=r"draft's tokenizer \(other.gguf, .* not the target's"):
         check_tokenizers(tokenizer, other)
+
+
+def test_a_truncated_draft_is_the_targets_first_layers(llama, without_runtime_typechecks):
+    target = llama.with_policy(storage="unrolled")
+    draft = truncated_draft(target, 1)
+    assert draft.config.n_layers == 1 and draft.stacks[0].blocks[0] is target.stacks[0].blocks[0]
+    assert draft.embed.weight is target.embed.weight  # the target's arrays, not copies
+    engine = Engine(target, max_batch=1, max_len=64, speculative=DraftModel(draft, k=2))
+    request = engine.submit([5, 6, 7], max_new_tokens=6)
+    engine.run()
+    assert request.tokens == alone(llama, [5, 6, 7], 6) and request.drafted > 0
+    for bad in (0, 2, True):
+        with pytest.raises(ValueError, match=r"n_layers must be an int in \[1, 1\]"):
+            truncated_draft(target, bad)
