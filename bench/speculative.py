@@ -4,7 +4,7 @@ without speculation:
 
 - prompt lookup (`PromptLookup(k=6)`) on an input-grounded task (repeat a passage word for word)
   and on free chat (where nothing recurs: it should cost little and win nothing);
-- a draft model on both: the target's first layers (`truncated_draft`, no training), k = 3.
+- a draft model on both: the target's first 2 layers (`truncated_draft`, untrained), k = 2.
 
 Each row prints the acceptance rate (drafts kept / drafts verified), the tokens one target
 forward emitted (decode steps only) and the decode speed of both engines (median of interleaved
@@ -27,7 +27,7 @@ from infer.speculative import DraftModel, PromptLookup, truncated_draft
 from zoo import math as zmath
 
 K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
-DRAFT_LAYERS, DRAFT_K = 4, 3
+DRAFT_LAYERS, DRAFT_K = 2, 2
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
     "brass lamp, a notebook with a cracked leather cover, and a thermos of black tea. From the "

@@ -270,8 +270,9 @@ class Engine:
     not fill it: choose `window_cache=False` to share prefixes); `max_stop_tokens` per request;
     `warm_up` compiles both programs now (an engine of the same configuration compiled before
     shares them); `log_steps` prints a `StepRecord` per step (`engine.records` keeps them);
-    `speculative` a proposer (infer/speculative/: `PromptLookup(k=4)`) whose `k` is the most
-    drafts a row verifies per step (each request may ask for fewer, or none).
+    `speculative` a proposer (infer/speculative/: `PromptLookup(k=4)`, `DraftModel(small,
+    k=4)`) whose `k` is the most drafts a row verifies per step (each request may ask for
+    fewer, or none: `submit(..., draft_tokens=)`).
 
     The model runs as its policy says (`model.policy`: layer storage, paged decode kernel);
     `zoo.load_pretrained` gives the fastest decode policy. `engine.model` may be replaced by a
