@@ -26,6 +26,7 @@ one step behind, streaming, prefix reuse, preemption.
 import collections
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,9 @@ from zoo.math import kv_cache_bytes_per_token
 from zoo.transformer import Transformer
 
 OnTokens = Callable[[list[int]], None]
+# A constrained request's allowed next tokens, asked just before each step that samples for it
+# (after its previous token was streamed): an int32 bitmask [allowed_words(vocab)].
+AllowedTokens = Callable[[], np.ndarray]
 Count = int | np.integer  # numpy's integers count too
 
 # How many times each program was traced (= compiled): the engine's programs depend only on
@@ -64,11 +68,14 @@ class RowState(eqx.Module):
 
 class RowParams(eqx.Module):
     """Each row's request settings on the device, uploaded when a request joins: its sampler,
-    its stop tokens (`-1` pads) and its budget of new tokens."""
+    its stop tokens (`-1` pads), its budget of new tokens and its seed (a row's i-th new token
+    is drawn with `fold_in(fold_in(key, seed), i)`: the same request and seed give the same
+    tokens whatever else is in the batch)."""
 
     sampling: SamplingParams
     stops: Int[Array, "rows stops"]
     budget: Int[Array, " rows"]
+    seed: Int[Array, " rows"]
 
 
 class StepPlan(eqx.Module):
@@ -88,6 +95,17 @@ class StepPlan(eqx.Module):
     start: Int[ArrayLike, " chunks"]
     final: Bool[ArrayLike, " chunks"]
     had: Int[ArrayLike, " chunks"]
+    allowed: Int[ArrayLike, "rows words"]
+
+
+def allowed_words(vocab_size: int) -> int:
+    """int32 words of a row's allowed-token bitmask (bit `t % 32` of word `t // 32`)."""
+    return -(-vocab_size // 32)
+
+
+def _unpack_allowed(bits: Int[Array, "rows words"], vocab: int) -> Bool[Array, "rows vocab"]:
+    token = jnp.arange(vocab)
+    return (bits[:, token // 32] >> (token % 32)) & 1 == 1
 
 
 def _stopped(tokens, stops, count, budget):
@@ -95,7 +113,7 @@ def _stopped(tokens, stops, count, budget):
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
-def _step_program(model, state, params, plan, key, step, *, page_size, placement):
+def _step_program(model, state, params, plan, key, *, page_size, placement):
     """One engine step: decode rows and prompt chunks through one forward, then sampling, stop
     checks and the rows' state. Returns the state and `[3, rows]` int32: each row's new token,
     whether it emitted one, whether it is done."""
@@ -122,7 +140,15 @@ def _step_program(model, state, params, plan, key, step, *, page_size, placement
         )  # fmt: skip
     at = jnp.concatenate([jnp.arange(rows), plan.row])  # each sampled row's params
     sampling = jax.tree.map(lambda x: x[at], params.sampling)
-    sampled = sample(out.logits, sampling, jax.random.fold_in(key, step))
+    # Each row's allowed tokens (a constrained request's grammar; all ones otherwise).
+    logits = jnp.where(
+        _unpack_allowed(plan.allowed, out.logits.shape[-1])[at], out.logits, -jnp.inf
+    )
+    drawn = jnp.concatenate([state.count, plan.had])  # how many tokens each sampled row has
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(key, s), i))(
+        params.seed[at], drawn
+    )
+    sampled = sample(logits, sampling, keys)
     new = sampled[:rows]
     count = state.count + live
     done = state.done | (live & _stopped(new, params.stops, count, params.budget))
@@ -144,17 +170,21 @@ def _step_program(model, state, params, plan, key, step, *, page_size, placement
 class Request:
     """One submitted prompt. `tokens` grows as the engine generates (ending with the stop token
     that ended it, if any); `done` once finished; `error` if a callback of it failed (the
-    others go on). `ttft_s` and `decode_s` time it: submit to first token, first to last (as the
-    host sees them); `preemptions` counts how often the pool ran dry and it was recomputed."""
+    others go on); `cancelled` once `Engine.cancel` ended it. `ttft_s` and `decode_s` time it:
+    submit to first token, first to last (as the host sees them); `preemptions` counts how often
+    the pool ran dry and it was recomputed. `seed` fixes its draws, `allowed` constrains them."""
 
     prompt: list[int]
     max_new_tokens: int
     sampler: Sampler
     stop_tokens: frozenset[int]
     on_tokens: OnTokens | None
+    seed: int = 0
+    allowed: AllowedTokens | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
     error: Exception | None = None
+    cancelled: bool = False
     ttft_s: float | None = None
     decode_s: float | None = None
     reused_tokens: int = 0
@@ -225,6 +255,12 @@ class Engine:
     not fill it: choose `window_cache=False` to share prefixes); `max_stop_tokens` per request;
     `warm_up` compiles both programs now (an engine of the same configuration compiled before
     shares them); `log_steps` prints a `StepRecord` per step (`engine.records` keeps them).
+
+    Threads: `submit` and `cancel` may be called from any thread while one thread steps the
+    engine (they only queue; the stepping thread takes the queue at its next step, and `busy`
+    says whether there is anything to step). A constrained request (`submit(allowed=...)`)
+    needs its last token before its next mask, so while one runs the host waits for each step
+    before dispatching the next (no overlap).
 
     The model runs as its policy says (`model.policy`: layer storage, paged decode kernel);
     `zoo.load_pretrained` gives the fastest decode policy. `engine.model` may be replaced by a
@@ -304,6 +340,13 @@ class Engine:
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: collections.deque[Request] = collections.deque()
         self.submitted = 0
+        # What other threads hand the stepping thread: new requests and cancellations.
+        self._lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._cancels: list[Request] = []
+        self._everything_allowed = jnp.full(
+            (max_batch, allowed_words(model.config.vocab_size)), -1, jnp.int32
+        )
         self.state = RowState(
             pages,
             jnp.zeros(max_batch, jnp.int32),
@@ -317,6 +360,7 @@ class Engine:
             "min_p": np.zeros(max_batch, np.float32),
             "stops": np.full((max_batch, max_stop_tokens), -1, np.int32),
             "budget": np.ones(max_batch, np.int32),
+            "seed": np.zeros(max_batch, np.int32),
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
@@ -340,11 +384,16 @@ class Engine:
         sampler: Sampler | None = None,
         stop_tokens: Sequence[int] = (),
         on_tokens: OnTokens | None = None,
+        seed: int | None = None,
+        allowed: AllowedTokens | None = None,
     ) -> Request:
         """Queue a prompt (a list of token ids). Bad input is a ValueError here, before it can
         disturb anything in flight: an empty prompt, ids outside the vocabulary, a prompt plus
         `max_new_tokens` beyond `max_len` or beyond the whole page pool, more stop tokens than
-        `max_stop_tokens`, a sampler or callback of the wrong type."""
+        `max_stop_tokens`, a sampler or callback of the wrong type, a seed outside int32.
+
+        `seed` fixes the request's draws (default: its submission number); `allowed` constrains
+        its tokens (see `AllowedTokens`; a failing one ends only its request, as `error`)."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -371,6 +420,13 @@ class Engine:
             )
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be callable (tokens -> None), got {on_tokens!r}")
+        if allowed is not None and not callable(allowed):
+            raise ValueError(f"allowed must be callable (() -> int32 bitmask), got {allowed!r}")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int | np.integer)
+            or not -(2**31) <= seed < 2**31
+        ):  # fmt: skip
+            raise ValueError(f"seed must be an int in [-2**31, 2**31), got {seed!r}")
         if isinstance(stop_tokens, str | bytes):
             raise ValueError(f"stop_tokens must be token ids, got the string {stop_tokens!r}")
         stops = np.asarray(list(stop_tokens)).reshape(-1)
@@ -388,24 +444,45 @@ class Engine:
             sampler=sampler if sampler is not None else Greedy(),
             stop_tokens=stops,
             on_tokens=on_tokens,
-            order=self.submitted,
+            allowed=allowed,
             submitted=time.perf_counter(),
         )
         request.sampler.params()  # a bad sampler fails here, not mid-batch
-        self.submitted += 1
-        self.waiting.append(request)
+        with self._lock:
+            request.order = self.submitted
+            request.seed = request.order if seed is None else int(seed)
+            self.submitted += 1
+            self._inbox.append(request)
         return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request (from any thread): its row and pages are freed at the next step; a
+        finished one is left as it is."""
+        with self._lock:
+            self._cancels.append(request)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step has anything to do: requests queued, running or in flight."""
+        return bool(
+            self._inbox or self._cancels or self.waiting or any(self.rows)
+            or self._launched is not None
+        )  # fmt: skip
 
     def run(self) -> None:
         """Step until every submitted request (including those submitted meanwhile) is done."""
-        while self.waiting or any(self.rows) or self._launched is not None:
+        while self.busy:
             self.step()
 
     # --- one engine step --------------------------------------------------------------------
 
     def step(self) -> None:
         """Dispatch the next step (when there is work), then read the previous step's tokens:
-        the host runs one step behind the device."""
+        the host runs one step behind the device (in step with it while a constrained request
+        runs: its next mask needs its last token)."""
+        if self._launched is not None and any(r is not None and r.allowed for r in self.rows):
+            self._consume(self._launched)
+            self._launched = None
         launched = self._dispatch()
         if self._launched is not None:
             self._consume(self._launched)
@@ -414,11 +491,36 @@ class Engine:
     def _warm_up(self) -> None:
         """Compile both programs now (every row idle: nothing written, nothing emitted)."""
         for chunks in (0, self.prefill_rows):
-            plan = self._plan([], [], chunks)
+            plan = self._plan([], [], chunks, {})
             self.state, report = self._program(
-                self.model, self.state, self._row_params(), plan, self.key, np.int32(0)
+                self.model, self.state, self._row_params(), plan, self.key
             )
         report.block_until_ready()
+
+    def _take_inbox(self) -> None:
+        """What other threads handed over since the last step: new requests join the queue,
+        cancelled ones end (a step in flight may still write a cancelled row's pages: they are
+        not offered for sharing)."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self.waiting.extend(inbox)
+        for request in cancels:
+            if not request.done:
+                request.cancelled = True
+                self._finish(request, share=False)
+
+    def _masks(self) -> dict[int, np.ndarray]:
+        """Each running constrained request's allowed next tokens, by row; a request whose
+        `allowed` fails ends with that error."""
+        masks = {}
+        for request in [r for r in self.rows if r is not None and r.allowed]:
+            try:
+                masks[request.row] = request.allowed()
+            except Exception as error:
+                request.error = error
+                self._finish(request, share=False)
+        return masks
 
     def _admit(self) -> None:
         """Waiting requests, oldest first (preempted ones are at the head), into free rows
@@ -461,6 +563,7 @@ class Engine:
         host["stops"][row] = -1
         host["stops"][row, : len(request.stop_tokens)] = sorted(request.stop_tokens)
         host["budget"][row] = request.max_new_tokens
+        host["seed"][row] = request.seed
         self._params = None  # uploaded again before the next step
 
     def _row_params(self) -> RowParams:
@@ -471,7 +574,7 @@ class Engine:
                 temperature=host["temperature"], top_k=host["top_k"], top_p=host["top_p"],
                 min_p=host["min_p"],
             )  # fmt: skip
-            self._params = RowParams(sampling, host["stops"], host["budget"])
+            self._params = RowParams(sampling, host["stops"], host["budget"], host["seed"])
         return self._params
 
     def _cover(self, request: Request, n_tokens: int) -> bool:
@@ -526,7 +629,7 @@ class Engine:
         # was scheduled before it.
         return decode, chunks
 
-    def _plan(self, decode: list[Request], chunks: list[tuple[Request, int]], width: int):
+    def _plan(self, decode, chunks, width: int, masks: dict[int, np.ndarray]) -> StepPlan:
         rows, size = self.max_batch, self.chunk
         plan = {
             "decoding": np.zeros(rows, bool),
@@ -538,7 +641,12 @@ class Engine:
             "start": np.zeros(width, np.int32),
             "final": np.zeros(width, bool),
             "had": np.zeros(width, np.int32),
+            "allowed": self._everything_allowed,
         }
+        if masks:
+            plan["allowed"] = np.full(self._everything_allowed.shape, -1, np.int32)
+            for row, mask in masks.items():
+                plan["allowed"][row] = mask
         for r in decode:
             plan["decoding"][r.row], plan["lengths"][r.row] = True, r.cached
         for i, (r, n) in enumerate(chunks):
@@ -550,13 +658,15 @@ class Engine:
 
     def _dispatch(self) -> _Launched | None:
         """Admit, schedule, launch this step's program (without waiting for it)."""
+        self._take_inbox()
         self._admit()
+        masks = self._masks()
         decode, chunks = self._schedule()
         if not decode and not chunks:
             return None
-        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0)
+        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, masks)
         self.state, report = self._program(
-            self.model, self.state, self._row_params(), plan, self.key, np.int32(self.steps)
+            self.model, self.state, self._row_params(), plan, self.key
         )
         owners = list(self.rows)
         for r in decode:
