@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.exceptions import HTTPException
@@ -112,13 +113,7 @@ def make_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, error: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-            for e in error.errors()
-        )
-        first = error.errors()[0]["loc"] if error.errors() else ()
-        param = ".".join(str(p) for p in first if p != "body") or None
-        return JSONResponse(error_body(f"invalid request: {problems}", param=param), 400)
+        return _invalid(error.errors())
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
@@ -208,7 +203,8 @@ def make_app(
         }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, http: Request):
+    async def chat_completions(http: Request):
+        body = await _parse(http, ChatRequest)
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -219,7 +215,8 @@ def make_app(
         return await respond(http, body, prompt, max_tokens, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
+    async def completions(http: Request):
+        body = await _parse(http, CompletionRequest)
         check_model(body.model)
         if isinstance(body.prompt, str):
             prompt = tokenizer.encode(body.prompt)
@@ -252,6 +249,29 @@ def make_app(
         return {"status": "ok", "requests": worker.load}
 
     return app
+
+
+def _invalid(errors) -> JSONResponse:
+    """A pydantic validation failure as OpenAI's 400, naming each field and what was wrong."""
+    where = lambda e: ".".join(str(p) for p in e["loc"] if p != "body") or "body"  # noqa: E731
+    problems = "; ".join(f"{where(e)}: {e['msg']}" for e in errors)
+    param = where(errors[0]) if errors else None
+    return JSONResponse(error_body(f"invalid request: {problems}", param=param), 400)
+
+
+async def _parse(http: Request, model: type[BaseModel]):
+    """The body as `model`: UTF-8 JSON (RFC 8259) holding an object of its fields."""
+    raw = await http.body()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the request body is not UTF-8 ({error}); send UTF-8 JSON") from None
+    except json.JSONDecodeError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors()) from None
 
 
 async def _chain(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
