@@ -37,8 +37,11 @@ class Constraint:
         return self.bitmask[0]
 
     def consume(self, tokens: list[int]) -> None:
-        self.matcher.consume_tokens(tokens)
-        self._check()
+        for token in tokens:
+            if self.matcher.is_stopped():  # complete: what follows is the end token it allowed
+                return
+            self.matcher.consume_token(token)
+            self._check()
 
     def _check(self) -> None:
         if self.matcher.is_error():
