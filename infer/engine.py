@@ -644,9 +644,10 @@ class Engine:
             "allowed": self._everything_allowed,
         }
         if masks:
-            plan["allowed"] = np.full(self._everything_allowed.shape, -1, np.int32)
+            allowed = np.full(self._everything_allowed.shape, -1, np.int32)
             for row, mask in masks.items():
-                plan["allowed"][row] = mask
+                allowed[row] = mask
+            plan["allowed"] = jnp.asarray(allowed)  # as the default is: no new compilation
         for r in decode:
             plan["decoding"][r.row], plan["lengths"][r.row] = True, r.cached
         for i, (r, n) in enumerate(chunks):

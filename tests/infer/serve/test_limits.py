@@ -33,12 +33,6 @@ def first_line_then_leave(url: str, seed: int) -> str:
                 return line  # leaving the block closes the connection mid-stream
 
 
-@pytest.fixture(scope="module")
-def server():
-    with tiny.serving() as running:
-        yield running
-
-
 def test_a_disconnect_storm_frees_every_row_and_page(server):
     """20 clients (4 rows + 16 waiting, the queue's limit) each read one chunk of a 120-token
     stream and hang up. Served to the end, the 20 streams would take >= 20 * 120 / 4 = 600

@@ -6,36 +6,22 @@ import json
 import re
 
 import httpx2 as httpx
-import jax
 import openai
 import pytest
 
-import infer
 from infer.serve.protocol import error_body
 from tests.infer.serve import tiny
 
 CHAT = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with tiny.serving() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-
-
 def greedy_text(prompt: list[int], n: int) -> tuple[str, list[int]]:
-    """The engine's own greedy tokens for a prompt (what the server must serve), as text with
-    the end-of-turn tokens hidden."""
-    tokenizer = tiny.tokenizer()
-    (tokens,) = infer.generate(
-        tiny.model(), [prompt], max_new_tokens=n, sampler=infer.Greedy(),
-        key=jax.random.key(0), stop_tokens=tokenizer.end_of_turn_ids,
-    )  # fmt: skip
+    """The engine's own greedy tokens for a prompt (what the server must serve: an engine of
+    the server's configuration, driven directly), as text with the end-of-turn tokens hidden."""
+    tokenizer, engine = tiny.tokenizer(), tiny.engine()
+    request = engine.submit(prompt, max_new_tokens=n, stop_tokens=tokenizer.end_of_turn_ids)
+    engine.run()
+    tokens = request.tokens
     shown = [t for t in tokens if t not in tokenizer.end_of_turn_ids]
     return tokenizer.decode(shown), tokens
 
@@ -132,10 +118,10 @@ def post(server, path: str, body, **kwargs) -> httpx.Response:
     [
         ("/completions", {"model": "gpt-4", "prompt": "x"}, 404,
          "model 'gpt-4' is not served here; the served models are: tiny"),
-        ("/completions", {"model": "tiny", "prompt": "x" * 120, "max_tokens": 20}, 400,
-         r"the prompt \(120 tokens\) \+ max_tokens \(20\) = 140 exceeds the server's max_len=128"),
-        ("/completions", {"model": "tiny", "prompt": "x" * 130}, 400,
-         r"the prompt \(130 tokens\) leaves no room in the server's max_len=128"),
+        ("/completions", {"model": "tiny", "prompt": "x" * 250, "max_tokens": 20}, 400,
+         r"the prompt \(250 tokens\) \+ max_tokens \(20\) = 270 exceeds the server's max_len=256"),
+        ("/completions", {"model": "tiny", "prompt": "x" * 260}, 400,
+         r"the prompt \(260 tokens\) leaves no room in the server's max_len=256"),
         ("/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400,
          "invalid request: temperature: Input should be a valid number"),
         ("/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400,
@@ -170,5 +156,5 @@ def test_bad_requests_get_openai_errors(server, path, body, status, message):
 def test_the_openai_client_raises_on_those_errors(client):
     with pytest.raises(openai.NotFoundError, match="served models are: tiny"):
         client.completions.create(model="other", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="max_len=128"):
+    with pytest.raises(openai.BadRequestError, match="max_len=256"):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=500)

@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from infer.engine import TRACES
-from tests.infer.serve import tiny
 
 SCHEMA = {
     "type": "object",
@@ -27,12 +26,6 @@ SCHEMA = {
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 CHAT = [{"role": "user", "content": "a person, as JSON"}]
-
-
-@pytest.fixture(scope="module")
-def client():
-    with tiny.serving(max_len=256) as running:
-        yield openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
 
 
 def test_json_schema_output_validates(client):

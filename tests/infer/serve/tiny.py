@@ -45,7 +45,7 @@ def model() -> zoo.Transformer:
 
 
 def engine(**kwargs) -> Engine:
-    settings = {"max_batch": 4, "max_len": 128, "page_size": 8, "chunk": 16, **kwargs}
+    settings = {"max_batch": 4, "max_len": 256, "page_size": 8, "chunk": 16, **kwargs}
     return Engine(model(), **settings)
 
 
