@@ -1,6 +1,6 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers, the serving engine, LoRA/QLoRA vs full fine-tuning, the pipeline bubble,
+samplers, the serving engine, the HTTP server, LoRA/QLoRA vs full fine-tuning, the pipeline bubble,
 asynchronous vs synchronous checkpoint saves, quantized inference and its kernels) with sizes
 for the device found, each printing predicted (zoo.math roofline) vs measured beside the
 ceilings measured once in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
@@ -29,6 +29,7 @@ BENCHMARKS = {
     "flash-blocks": "bench.flash_blocks",
     "sampling": "bench.sampling",
     "engine": "bench.engine",
+    "serve": "bench.serve",
     "lora": "bench.lora",
     "context": "bench.context",
     "pipeline": "bench.pipeline",

@@ -1,0 +1,192 @@
+"""The OpenAI-compatible server (`python -m infer.serve`) against the engine it wraps, on the
+real SmolLM2-135M-Instruct (GGUF, every default), side by side in one run:
+
+- 32 concurrent streaming chat clients (OpenAI's AsyncOpenAI, in this process) against the
+  server in a subprocess (8 rows), then the same 32 requests (greedy, the same prompts and
+  budgets) submitted at once to an `infer.Engine` of the same configuration in this process:
+  completion tokens/s of each (goal: HTTP >= 0.9x the engine), time to first token p50/p99 of
+  each, and the roofline of the whole batch (zoo.math: prompt FLOPs at the matmul rate plus the
+  fewest decode steps of 8 rows at the bandwidth, both measured this run);
+- structured output: seconds per decode step of 8 rows all under a JSON schema (llguidance
+  masks computed on the host, applied on the device, the host in step with the device) vs the
+  same 8 rows unconstrained, equal step counts (goal: <= 30% overhead).
+
+    python -m bench serve
+"""
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import numpy as np
+import openai
+
+import zoo
+from bench.engine import predicted_s
+from bench.harness import Ceilings, Table
+from examples.chat import smollm2_gguf
+from infer.engine import Engine
+from infer.serve.grammar import Grammars
+from zoo import math as zmath
+
+CLIENTS, ROWS, MAX_LEN, NEW_TOKENS, PORT = 32, 8, 512, 48, 8731
+STEPS_CONSTRAINED, REPEATS = 48, 3
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "items": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["name", "items"],
+}
+TOPICS = ["the sea", "a cat", "bread", "the moon", "rain", "a train", "chess", "music"]
+
+
+def messages(i: int) -> list[dict]:
+    topic = TOPICS[i % len(TOPICS)]
+    return [{"role": "user", "content": f"Tell me {i % 5 + 1} facts about {topic}." * (1 + i % 3)}]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+async def _clients(url: str) -> tuple[float, list[float], int]:
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+    async def one(i: int) -> tuple[float, int]:
+        start = time.perf_counter()
+        first, tokens = None, 0
+        stream = await client.chat.completions.create(
+            model="base", messages=messages(i), max_tokens=NEW_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return first, tokens
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(CLIENTS)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return wall, [r[0] for r in results if r[0] is not None], sum(r[1] for r in results)
+
+
+def through_http(gguf) -> tuple[float, list[float], int]:
+    """The server in a subprocess (compiles before its port opens), the clients here."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "infer.serve", str(gguf), "--port", str(PORT),
+         "--max-batch", str(ROWS), "--max-len", str(MAX_LEN)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{PORT}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {server.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+        asyncio.run(_clients(f"http://127.0.0.1:{PORT}/v1"))  # warm: connections, first steps
+        return asyncio.run(_clients(f"http://127.0.0.1:{PORT}/v1"))
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def through_engine(model, prompts, end_ids) -> tuple[float, list[float], int]:
+    engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN)
+    for _ in range(2):  # the first pass warms, as the server's first batch did
+        start = time.perf_counter()
+        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, stop_tokens=end_ids)
+                    for p in prompts]  # fmt: skip
+        engine.run()
+        wall = time.perf_counter() - start
+    return wall, [r.ttft_s for r in requests], sum(len(r.tokens) for r in requests)
+
+
+def seconds_per_step(model, prompts, grammars: Grammars | None) -> float:
+    """Wall seconds per engine step of 8 rows decoding `STEPS_CONSTRAINED` tokens each (no stop
+    token, so both runs take the same steps), median of REPEATS."""
+    engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN)
+    grammar = grammars and grammars.grammar(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    )
+    times = []
+    for _ in range(REPEATS):
+        steps, start = engine.steps, time.perf_counter()
+        for p in prompts[:ROWS]:
+            constraint = grammars.constraint(grammar) if grammars else None
+            engine.submit(
+                p, max_new_tokens=STEPS_CONSTRAINED,
+                allowed=constraint and constraint.allowed,
+                on_tokens=constraint and constraint.consume,
+            )  # fmt: skip
+        engine.run()
+        times.append((time.perf_counter() - start) / (engine.steps - steps))
+    return statistics.median(times)
+
+
+def run(ceilings: Ceilings) -> Table:
+    gguf = smollm2_gguf()
+    tokenizer, model = zoo.load_tokenizer(gguf), zoo.load_pretrained(gguf)
+    end_ids = tokenizer.end_of_turn_ids
+    prompts = [tokenizer.apply_chat_template(messages(i), add_generation_prompt=True)
+               for i in range(CLIENTS)]  # fmt: skip
+    table = Table(
+        "serve",
+        f"Serving SmolLM2-135M-Instruct (GGUF Q4_1): {CLIENTS} streaming clients over HTTP vs "
+        f"the engine directly ({ROWS} rows, greedy, <= {NEW_TOKENS} new tokens)",
+        [
+            f"Prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens. HTTP: `python "
+            "-m infer.serve` in a subprocess, AsyncOpenAI clients in the bench process (second "
+            "of two passes). Engine: the same requests submitted at once (second of two "
+            "passes). TTFT from sending (HTTP) or submitting (engine) to the first token."
+        ],
+    )
+    engine_wall, engine_ttft, engine_tokens = through_engine(model, prompts, end_ids)
+    http_wall, http_ttft, http_tokens = through_http(gguf)
+    steps = -(-(engine_tokens - CLIENTS) // ROWS)
+    predicted = predicted_s(model.config, ceilings, list(map(len, prompts)), steps, ROWS)
+    for what, wall, ttft, tokens in (
+        ("engine directly", engine_wall, engine_ttft, engine_tokens),
+        ("HTTP, 32 streaming clients", http_wall, http_ttft, http_tokens),
+    ):
+        table.add({
+            "what": what,
+            "predicted s": predicted,
+            "measured s": wall,
+            "tokens": tokens,
+            "tokens/s": tokens / wall,
+            "vs engine": (tokens / wall) / (engine_tokens / engine_wall),
+            "TTFT p50 ms": 1e3 * percentile(ttft, 50),
+            "TTFT p99 ms": 1e3 * percentile(ttft, 99),
+        })  # fmt: skip
+    grammars = Grammars(tokenizer, vocab_size=model.config.vocab_size, end_ids=end_ids)
+    free = seconds_per_step(model, prompts, None)
+    constrained = seconds_per_step(model, prompts, grammars)
+    context = statistics.mean(map(len, prompts[:ROWS])) + STEPS_CONSTRAINED // 2
+    step = zmath.decode_step_bytes(model.config, ROWS, int(context)) / ceilings.bandwidth()
+    for what, seconds in (("decode, unconstrained", free), ("decode, JSON schema", constrained)):
+        table.add({
+            "what": f"{what} ({ROWS} rows, {STEPS_CONSTRAINED} tokens each)",
+            "predicted s": step,
+            "measured s": seconds,
+            "tokens": ROWS * STEPS_CONSTRAINED,
+            "tokens/s": ROWS / seconds,
+            "vs engine": free / seconds,
+            "TTFT p50 ms": "-",
+            "TTFT p99 ms": f"overhead {100 * (seconds / free - 1):.0f}% (goal <= 30%)",
+        })  # fmt: skip
+    return table
