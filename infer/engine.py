@@ -39,6 +39,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.step import check_prompts, check_tokens
+from layers.lora_bank import adapters_in, with_adapter_rows
 from layers.paged_cache import PagedKVCache, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
@@ -70,12 +71,14 @@ class RowParams(eqx.Module):
     """Each row's request settings on the device, uploaded when a request joins: its sampler,
     its stop tokens (`-1` pads), its budget of new tokens and its seed (a row's i-th new token
     is drawn with `fold_in(fold_in(key, seed), i)`: the same request and seed give the same
-    tokens whatever else is in the batch)."""
+    tokens whatever else is in the batch) and its LoRA adapter (-1: none; a model with
+    `LoRABank`s, `zoo.bank_adapters`)."""
 
     sampling: SamplingParams
     stops: Int[Array, "rows stops"]
     budget: Int[Array, " rows"]
     seed: Int[Array, " rows"]
+    adapter: Int[Array, " rows"]
 
 
 class StepPlan(eqx.Module):
@@ -124,6 +127,9 @@ def _step_program(model, state, params, plan, key, *, page_size, placement):
     tokens = jnp.concatenate([state.last, plan.tokens.reshape(-1)])
     valid = jnp.concatenate([live, in_chunk.reshape(-1)])
     last_of_chunk = rows + jnp.arange(chunks) * width + jnp.maximum(plan.n - 1, 0)
+    if adapters_in(model):  # each token's row's adapter: decode slots, then the prompt chunks
+        adapter = jnp.concatenate([params.adapter, jnp.repeat(params.adapter[plan.row], width)])
+        model = with_adapter_rows(model, adapter)
     cache = PagedKVCache(
         state.pages,
         jnp.concatenate([plan.table, plan.table[plan.row]]),
@@ -181,6 +187,7 @@ class Request:
     on_tokens: OnTokens | None
     seed: int = 0
     allowed: AllowedTokens | None = None
+    adapter: int = -1
     tokens: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
     error: Exception | None = None
@@ -361,6 +368,7 @@ class Engine:
             "stops": np.full((max_batch, max_stop_tokens), -1, np.int32),
             "budget": np.ones(max_batch, np.int32),
             "seed": np.zeros(max_batch, np.int32),
+            "adapter": np.full(max_batch, -1, np.int32),
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
@@ -386,6 +394,7 @@ class Engine:
         on_tokens: OnTokens | None = None,
         seed: int | None = None,
         allowed: AllowedTokens | None = None,
+        adapter: int = -1,
     ) -> Request:
         """Queue a prompt (a list of token ids). Bad input is a ValueError here, before it can
         disturb anything in flight: an empty prompt, ids outside the vocabulary, a prompt plus
@@ -393,7 +402,9 @@ class Engine:
         `max_stop_tokens`, a sampler or callback of the wrong type, a seed outside int32.
 
         `seed` fixes the request's draws (default: its submission number); `allowed` constrains
-        its tokens (see `AllowedTokens`; a failing one ends only its request, as `error`)."""
+        its tokens (see `AllowedTokens`; a failing one ends only its request, as `error`);
+        `adapter` picks one of the model's banked LoRA adapters (`zoo.bank_adapters`; -1: the
+        base model)."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -427,6 +438,16 @@ class Engine:
             or not -(2**31) <= seed < 2**31
         ):  # fmt: skip
             raise ValueError(f"seed must be an int in [-2**31, 2**31), got {seed!r}")
+        n_adapters = adapters_in(self.model)
+        if (
+            isinstance(adapter, bool)
+            or not isinstance(adapter, int | np.integer)
+            or not (-1 <= adapter < n_adapters)
+        ):
+            raise ValueError(
+                f"adapter must be -1 (the base model) or the index of one of the model's "
+                f"{n_adapters} banked adapters, got {adapter!r}"
+            )
         if isinstance(stop_tokens, str | bytes):
             raise ValueError(f"stop_tokens must be token ids, got the string {stop_tokens!r}")
         stops = np.asarray(list(stop_tokens)).reshape(-1)
@@ -445,6 +466,7 @@ class Engine:
             stop_tokens=stops,
             on_tokens=on_tokens,
             allowed=allowed,
+            adapter=int(adapter),
             submitted=time.perf_counter(),
         )
         request.sampler.params()  # a bad sampler fails here, not mid-batch
@@ -564,6 +586,7 @@ class Engine:
         host["stops"][row, : len(request.stop_tokens)] = sorted(request.stop_tokens)
         host["budget"][row] = request.max_new_tokens
         host["seed"][row] = request.seed
+        host["adapter"][row] = request.adapter
         self._params = None  # uploaded again before the next step
 
     def _row_params(self) -> RowParams:
@@ -574,7 +597,9 @@ class Engine:
                 temperature=host["temperature"], top_k=host["top_k"], top_p=host["top_p"],
                 min_p=host["min_p"],
             )  # fmt: skip
-            self._params = RowParams(sampling, host["stops"], host["budget"], host["seed"])
+            self._params = RowParams(
+                sampling, host["stops"], host["budget"], host["seed"], host["adapter"]
+            )
         return self._params
 
     def _cover(self, request: Request, n_tokens: int) -> bool:
