@@ -33,8 +33,8 @@ from infer.engine import Engine
 from infer.serve.grammar import Grammars
 from zoo import math as zmath
 
-CLIENTS, ROWS, MAX_LEN, NEW_TOKENS, PORT = 32, 8, 512, 48, 8731
-STEPS_CONSTRAINED, REPEATS = 48, 3
+CLIENTS, ROWS, MAX_LEN, NEW_TOKENS, PORT = 32, 8, 512, 32, 8731
+STEPS_CONSTRAINED, REPEATS, PASSES = 32, 3, 3
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -79,41 +79,59 @@ async def _clients(url: str) -> tuple[float, list[float], int]:
     return wall, [r[0] for r in results if r[0] is not None], sum(r[1] for r in results)
 
 
-def through_http(gguf) -> tuple[float, list[float], int]:
-    """The server in a subprocess (compiles before its port opens), the clients here."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "infer.serve", str(gguf), "--port", str(PORT),
-         "--max-batch", str(ROWS), "--max-len", str(MAX_LEN)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
+class HTTPServer:
+    """`python -m infer.serve` in a subprocess (it compiles before its port opens)."""
+
+    def __init__(self, gguf):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "infer.serve", str(gguf), "--port", str(PORT),
+             "--max-batch", str(ROWS), "--max-len", str(MAX_LEN)],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
         deadline = time.monotonic() + 900
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{PORT}/health").status_code == 200:
-                    break
+                    return
             except httpx.ConnectError:
                 pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {server.stderr.read()[-2000:]}")
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start: {self.process.stderr.read()}")
             time.sleep(0.5)
-        asyncio.run(_clients(f"http://127.0.0.1:{PORT}/v1"))  # warm: connections, first steps
+
+    def run(self) -> tuple[float, list[float], int]:
         return asyncio.run(_clients(f"http://127.0.0.1:{PORT}/v1"))
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=120)
 
 
-def through_engine(model, prompts, end_ids) -> tuple[float, list[float], int]:
-    engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN)
-    for _ in range(2):  # the first pass warms, as the server's first batch did
-        start = time.perf_counter()
-        requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, stop_tokens=end_ids)
-                    for p in prompts]  # fmt: skip
-        engine.run()
-        wall = time.perf_counter() - start
+def through_engine(engine, prompts, end_ids) -> tuple[float, list[float], int]:
+    start = time.perf_counter()
+    requests = [engine.submit(p, max_new_tokens=NEW_TOKENS, stop_tokens=end_ids)
+                for p in prompts]  # fmt: skip
+    engine.run()
+    wall = time.perf_counter() - start
     return wall, [r.ttft_s for r in requests], sum(len(r.tokens) for r in requests)
+
+
+def alternating(gguf, model, prompts, end_ids) -> dict[str, list]:
+    """PASSES of each, alternating engine and HTTP (the machine's load drifts: side by side),
+    after one warm-up pass of each; each pass's (wall, TTFTs, tokens)."""
+    engine, server = Engine(model, max_batch=ROWS, max_len=MAX_LEN), HTTPServer(gguf)
+    runs = {"engine directly": [], f"HTTP, {CLIENTS} streaming clients": []}
+    try:
+        for i in range(PASSES + 1):
+            done = [through_engine(engine, prompts, end_ids), server.run()]
+            if i:  # the first pass warms both
+                for key, result in zip(runs, done, strict=True):
+                    runs[key].append(result)
+    finally:
+        server.stop()
+    return runs
 
 
 def seconds_per_step(model, prompts, grammars: Grammars | None) -> float:
@@ -150,26 +168,27 @@ def run(ceilings: Ceilings) -> Table:
         f"the engine directly ({ROWS} rows, greedy, <= {NEW_TOKENS} new tokens)",
         [
             f"Prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens. HTTP: `python "
-            "-m infer.serve` in a subprocess, AsyncOpenAI clients in the bench process (second "
-            "of two passes). Engine: the same requests submitted at once (second of two "
-            "passes). TTFT from sending (HTTP) or submitting (engine) to the first token."
+            "-m infer.serve` in a subprocess, AsyncOpenAI clients in the bench process. Engine: "
+            f"the same requests submitted at once. {PASSES} passes of each, alternating, after "
+            "a warm-up pass of each: medians (TTFT percentiles over every request of every "
+            "pass, from sending (HTTP) or submitting (engine) to the first token)."
         ],
     )
-    engine_wall, engine_ttft, engine_tokens = through_engine(model, prompts, end_ids)
-    http_wall, http_ttft, http_tokens = through_http(gguf)
-    steps = -(-(engine_tokens - CLIENTS) // ROWS)
+    runs = alternating(gguf, model, prompts, end_ids)
+    tokens = runs["engine directly"][0][2]
+    steps = -(-(tokens - CLIENTS) // ROWS)
     predicted = predicted_s(model.config, ceilings, list(map(len, prompts)), steps, ROWS)
-    for what, wall, ttft, tokens in (
-        ("engine directly", engine_wall, engine_ttft, engine_tokens),
-        ("HTTP, 32 streaming clients", http_wall, http_ttft, http_tokens),
-    ):
+    rate = {key: statistics.median(t / wall for wall, _, t in passes)
+            for key, passes in runs.items()}  # fmt: skip
+    for what, passes in runs.items():
+        ttft = [t for _, ttfts, _ in passes for t in ttfts]
         table.add({
             "what": what,
             "predicted s": predicted,
-            "measured s": wall,
-            "tokens": tokens,
-            "tokens/s": tokens / wall,
-            "vs engine": (tokens / wall) / (engine_tokens / engine_wall),
+            "measured s": statistics.median(wall for wall, _, _ in passes),
+            "tokens": passes[0][2],
+            "tokens/s": rate[what],
+            "vs engine": rate[what] / rate["engine directly"],
             "TTFT p50 ms": 1e3 * percentile(ttft, 50),
             "TTFT p99 ms": 1e3 * percentile(ttft, 99),
         })  # fmt: skip
