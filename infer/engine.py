@@ -550,7 +550,7 @@ class Engine:
         while self.waiting and None in self.rows:
             request = self.waiting[0]
             sequence = request.prompt + request.tokens
-            shared = self._shared_prefix(sequence)
+            shared = self._shared_prefix(sequence, request.adapter)
             need = -(-(len(sequence) + 1) // self.page_size) - len(shared)
             if need > self.pool.available():
                 self.pool.release(shared)
@@ -565,13 +565,13 @@ class Engine:
             self.table[row, : len(shared)] = shared
             self._set_params(row, request)
 
-    def _shared_prefix(self, sequence: list[int]) -> list[int]:
-        """Cached pages of the sequence's leading full pages; at least one token is left to
-        compute (its logits give the next token)."""
+    def _shared_prefix(self, sequence: list[int], adapter: int) -> list[int]:
+        """Cached pages of the sequence's leading full pages (computed with the same adapter);
+        at least one token is left to compute (its logits give the next token)."""
         if not self.prefix_sharing:
             return []
         shared = []
-        for key in self.pool.prefix_keys(sequence[:-1]):
+        for key in self.pool.prefix_keys(sequence[:-1], model=adapter):
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -729,7 +729,8 @@ class Engine:
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""
         if self.prefix_sharing:
-            for key, page in zip(self.pool.prefix_keys(tokens), request.pages, strict=False):
+            keys = self.pool.prefix_keys(tokens, model=request.adapter)
+            for key, page in zip(keys, request.pages, strict=False):
                 self.pool.share(key, page)
 
     def _emit(self, request: Request, token: int, done: bool) -> None:

@@ -32,7 +32,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=64, help="prompt tokens per request per step")
     p.add_argument("--chat-template", help="a Jinja chat template, if the checkpoint has none")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter served as model NAME (repeatable)",
+    )
     return p.parse_args(argv)
+
+
+def adapter_argument(text: str) -> tuple[str, str]:
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise ValueError(f"--adapter takes NAME=PATH (a PEFT adapter directory), got {text!r}")
+    return name, path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,13 +54,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tokenizer = zoo.load_tokenizer(args.checkpoint, chat_template=args.chat_template)
         model = zoo.load_pretrained(args.checkpoint)
+        adapters = dict(adapter_argument(a) for a in args.adapter)
+        if adapters:  # one base, the adapters applied per row (not a merged model each)
+            adapted = [zoo.load_adapter(model, path) for path in adapters.values()]
+            model = zoo.bank_adapters(model, adapted)
         engine = Engine(model, max_batch=args.max_batch,
                         max_len=min(args.max_len, model.config.max_seq_len),
                         page_size=args.page_size, chunk=args.chunk)  # fmt: skip
     except ValueError as error:
         sys.exit(f"error: {error}")
     name = args.name or os.path.splitext(os.path.basename(os.path.normpath(args.checkpoint)))[0]
-    app = make_app(engine, tokenizer, name=name, max_waiting=args.max_waiting)
+    app = make_app(
+        engine, tokenizer, name=name, adapters=list(adapters), max_waiting=args.max_waiting
+    )
     print(f"serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

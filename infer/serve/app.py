@@ -11,7 +11,7 @@ stays inside its request.
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +26,7 @@ from infer.serve import protocol
 from infer.serve.generation import BadRequest, Disconnected, GenerationFailed, Generations, Piece
 from infer.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
 from infer.serve.worker import EngineFailed, EngineThread, QueueFull
+from layers.lora_bank import adapters_in
 from zoo.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
@@ -79,17 +80,28 @@ def make_app(
     tokenizer: Tokenizer,
     *,
     name: str,
+    adapters: Sequence[str] = (),
     max_waiting: int = 64,
     max_n: int | None = None,
     max_body_bytes: int = 4 << 20,
 ) -> FastAPI:
     """The server's app over `engine` (which it starts on its own thread for the app's
-    lifespan) and the checkpoint's `tokenizer`; the model is served as `name` (and as "base").
-    At most `max_waiting` engine requests wait beyond the engine's rows; `n` up to `max_n`
-    (default: the engine's rows)."""
+    lifespan) and the checkpoint's `tokenizer`; the model is served as `name` (and as "base"),
+    and its banked LoRA adapters (`zoo.bank_adapters`), in order, as `adapters`. At most
+    `max_waiting` engine requests wait beyond the engine's rows; `n` up to `max_n` (default:
+    the engine's rows)."""
     # On SIGTERM uvicorn stops taking connections and waits for those in flight; sse-starlette
     # would cut open streams at once: let them finish instead (the drain).
     AppStatus.disable_automatic_graceful_drain()
+    if len(adapters) != adapters_in(engine.model):
+        raise ValueError(
+            f"{len(adapters)} adapter name(s) for a model with {adapters_in(engine.model)} "
+            "banked adapter(s)"
+        )
+    # Each served name -> the engine's adapter index (-1: the base model).
+    served = {name: -1, "base": -1, **{a: i for i, a in enumerate(adapters)}}
+    if len(served) != len(adapters) + 2:
+        raise ValueError(f"served names must differ: {name}, base, {', '.join(adapters)}")
     worker = EngineThread(engine, max_waiting=max_waiting)
     generations = Generations(worker, tokenizer, max_n=max_n or engine.max_batch)
 
@@ -123,15 +135,16 @@ def make_app(
     async def internal_error(request, error: Exception):
         return JSONResponse(error_body(f"internal error: {error!r}", "server_error"), 500)
 
-    def check_model(model: str) -> None:
-        if model not in (name, "base"):
+    def adapter_of(model: str) -> int:
+        if model not in served:
             raise APIError(
                 404,
                 f"model {model!r} is not served here; the served models are: "
-                f"{name} (also called base)",
+                f"{', '.join([f'{name} (also called base)', *adapters])}",
                 param="model",
                 kind="not_found_error",
             )
+        return served[model]
 
     def submit_errors(error: Exception) -> APIError:
         if isinstance(error, QueueFull):
@@ -146,9 +159,8 @@ def make_app(
         return APIError(400, str(error))
 
     async def respond(http: Request, body: Sampling, prompt: list[int], max_tokens, *, chat: bool):
-        check_model(body.model)
         try:
-            choices = generations.choices(prompt, body, max_tokens)
+            choices = generations.choices(prompt, body, max_tokens, adapter_of(body.model))
         except BadRequest as error:
             raise APIError(400, str(error)) from None
         kind = "chat.completion" if chat else "text_completion"
@@ -205,7 +217,7 @@ def make_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
         body = await _parse(http, ChatRequest)
-        check_model(body.model)
+        adapter_of(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -217,7 +229,7 @@ def make_app(
     @app.post("/v1/completions")
     async def completions(http: Request):
         body = await _parse(http, CompletionRequest)
-        check_model(body.model)
+        adapter_of(body.model)
         if isinstance(body.prompt, str):
             prompt = tokenizer.encode(body.prompt)
         else:
@@ -231,14 +243,12 @@ def make_app(
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "eqx-zoo",
-            "max_model_len": engine.max_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "eqx-zoo",
+             "max_model_len": engine.max_len, **({"parent": name} if model != name else {})}
+            for model in (name, *adapters)
+        ]  # fmt: skip
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():

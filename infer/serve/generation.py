@@ -82,7 +82,9 @@ class Generations:
             )
         return max_tokens
 
-    def choices(self, prompt: list[int], body: Sampling, max_tokens: int | None) -> list[Choice]:
+    def choices(
+        self, prompt: list[int], body: Sampling, max_tokens: int | None, adapter: int = -1
+    ) -> list[Choice]:
         if body.n > self.max_n:
             raise BadRequest(f"n={body.n} exceeds the server's limit of {self.max_n} choices")
         refused = body.refused()
@@ -106,6 +108,7 @@ class Generations:
                     seed=(seed + i + 2**31) % 2**32 - 2**31,  # choice i: the seed's i-th successor
                     allowed=constraint and constraint.allowed,
                     consume=constraint and constraint.consume,
+                    adapter=adapter,
                 )
             )
         return choices

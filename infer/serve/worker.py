@@ -57,6 +57,7 @@ class Choice:
     seed: int | None = None
     allowed: AllowedTokens | None = None
     consume: Callable[[list[int]], None] | None = None
+    adapter: int = -1
 
 
 class EngineThread:
@@ -124,6 +125,7 @@ class EngineThread:
             stop_tokens=choice.stop_tokens,
             seed=choice.seed,
             allowed=choice.allowed,
+            adapter=choice.adapter,
             on_tokens=on_tokens,
         )
 

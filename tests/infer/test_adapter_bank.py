@@ -1,6 +1,7 @@
 """LoRA adapters per request: a model with two banked adapters (different targets and ranks)
 serves requests for either adapter and for the base in one batch, each getting the greedy tokens
-of its own model served alone (the adapted model itself, and the base)."""
+of its own model alone (the adapted model itself, and the base, by full forwards: `alone`, the
+engine tests' specification); a prompt's pages are shared only within an adapter."""
 
 import equinox as eqx
 import jax
@@ -11,6 +12,7 @@ import pytest
 import zoo
 from infer.engine import Engine
 from layers.lora_bank import LoRABank, adapters_in, with_adapter_rows
+from tests.infer.test_engine import alone
 from zoo.adapter import is_lora
 
 LLAMA = zoo.preset("tiny-llama", n_layers=2, max_seq_len=256)
@@ -50,9 +52,26 @@ def test_requests_for_two_adapters_and_the_base_share_a_batch(storage):
     which = [0, 1, -1, 1]
     together = greedy(banked, prompts, 8, which)
     for prompt, adapter, tokens in zip(prompts, which, together, strict=True):
-        alone = {0: first, 1: second, -1: base}[adapter]
-        assert tokens == greedy(alone, [prompt], 8)[0], adapter
+        model = {0: first, 1: second, -1: base}[adapter]
+        assert tokens == alone(model, prompt, 8), adapter
     assert together[0] != together[2]  # the adapter changes what is generated
+
+
+def test_a_prefix_is_shared_only_within_an_adapter():
+    """Keys and values depend on the adapter: a prompt prefilled for one adapter is reused by
+    the next request for that adapter, never by one for another."""
+    base = zoo.Transformer(LLAMA, policy=zoo.Policy(storage="unrolled"), key=jax.random.key(0))
+    first = adapted(base, ["k_proj", "v_proj"], rank=4, alpha=8, seed=1)
+    banked = zoo.bank_adapters(base, [first])
+    engine = Engine(banked, max_batch=2, max_len=64, page_size=8, chunk=16)
+    prompt = list(range(1, 21))  # two full pages
+    runs = []
+    for adapter in (0, -1, 0):
+        runs.append(engine.submit(prompt, max_new_tokens=6, adapter=adapter))
+        engine.run()
+    assert [r.reused_tokens for r in runs] == [0, 0, 16]
+    assert runs[1].tokens == alone(base, prompt, 6)
+    assert runs[2].tokens == runs[0].tokens == alone(first, prompt, 6)
 
 
 def test_bad_adapter_choices(tmp_path):
@@ -63,7 +82,7 @@ def test_bad_adapter_choices(tmp_path):
     with pytest.raises(ValueError, match="adapted model 0 holds no LoRA adapter"):
         zoo.bank_adapters(base, [base])
     banked = zoo.bank_adapters(base, [one])
-    engine = Engine(banked, max_batch=1, max_len=32, chunk=16)
+    engine = Engine(banked, max_batch=1, max_len=32, chunk=16, warm_up=False)
     with pytest.raises(ValueError, match="one of the model's 1 banked adapters, got 1"):
         engine.submit([1], max_new_tokens=1, adapter=1)
     bank = next(n for n in jax.tree.leaves(banked, is_leaf=lambda n: isinstance(n, LoRABank))

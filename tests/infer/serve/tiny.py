@@ -44,9 +44,10 @@ def model() -> zoo.Transformer:
     return zoo.Transformer(CONFIG, policy=policy, key=jax.random.key(3))
 
 
-def engine(**kwargs) -> Engine:
+def engine(served: zoo.Transformer | None = None, **kwargs) -> Engine:
+    """An engine of the test server's configuration over `served` (default: `model()`)."""
     settings = {"max_batch": 4, "max_len": 256, "page_size": 8, "chunk": 16, **kwargs}
-    return Engine(model(), **settings)
+    return Engine(served or model(), **settings)
 
 
 class Running:
