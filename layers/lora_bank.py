@@ -19,10 +19,11 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from layers.linear import Linear
+from layers.lora import AroundProjection
 from layers.quantized import QuantizedLinear
 
 
-class LoRABank(eqx.Module):
+class LoRABank(AroundProjection):
     """`base` with adapters `lora_a` `[*lead, adapters, *in_shape, rank]` and `lora_b` `[*lead,
     adapters, rank, *out_shape]` (each adapter's alpha / rank folded into its B; ranks padded
     with zeros to the largest, which changes nothing), `rows` `[*lead, batch]` the adapter of
@@ -33,18 +34,6 @@ class LoRABank(eqx.Module):
     lora_a: Float[Array, "..."]
     lora_b: Float[Array, "..."]
     rows: Int[Array, "..."]
-
-    @property
-    def in_shape(self) -> tuple[int, ...]:
-        return self.base.in_shape
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return self.base.out_shape
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return self.base.axes
 
     @property
     def n_adapters(self) -> int:
