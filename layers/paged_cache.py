@@ -69,7 +69,7 @@ class LatentPages(eqx.Module):
         return {"c": ("latent_heads", "pages", "page_size", "latent")}
 
 
-def _prefill_kernel(kernel: PagedKernel) -> XlaPagedKernel:
+def _prefill_kernel(kernel: PagedKernel | None) -> XlaPagedKernel:
     """Groups of several tokens always take the XLA path (the Pallas kernel decodes only)."""
     return kernel if isinstance(kernel, XlaPagedKernel) else XlaPagedKernel()
 
@@ -82,7 +82,7 @@ class PagedSlot(eqx.Module):
     layer: Int[Array, ""] | None
     page_table: Int[Array, "groups row_pages"]
     call: TokenGroups
-    kernel: PagedKernel = eqx.field(static=True)
+    kernel: PagedKernel | None = eqx.field(static=True)
 
     @property
     def arrays(self) -> LayerPages | LatentPages:
@@ -172,7 +172,8 @@ class PagedKVCache(eqx.Module):
     `[groups]` say where each group's row keeps its tokens and how many it holds; `rows`
     `[groups]` which ring row each group owns (None: group g owns ring row g); `segments` how a
     call's tokens form the groups (layers/token_groups.py; None: one group per batch row);
-    `kernel` the paged kernel of one-token groups (decode); `page_size` tokens per page (the
+    `kernel` the paged kernel of one-token groups (decode; None: the backend's default,
+    `layers.kernels.paged.default_decode_kernel`); `page_size` tokens per page (the
     pools' own, checked; it sizes the rows of a model whose every layer keeps a ring)."""
 
     layers: PyTree[LayerPages | LatentPages | LayerWindow]
@@ -180,7 +181,7 @@ class PagedKVCache(eqx.Module):
     lengths: Int[Array, " groups"]
     rows: Int[Array, " groups"] | None = None
     segments: Segments | None = eqx.field(static=True, default=None)
-    kernel: PagedKernel = eqx.field(static=True, default=XlaPagedKernel())
+    kernel: PagedKernel | None = eqx.field(static=True, default=None)
     page_size: int = eqx.field(static=True, default=16)
 
     def __check_init__(self):

@@ -382,7 +382,7 @@ def activation_bytes_per_token(
     - "none": both norms' inputs and outputs (4 d), rotated q, k and v and the attention output
       (2 q_dim + 2 kv_dim), the MLP's hidden tensors (SwiGLU: gate, up, silu(gate), product; GELU:
       pre- and post-activation) and, for the naive and xla kernels, the float32 scores and
-      probabilities (8 heads x seq bytes); flash keeps only a float32 log-sum-exp per head.
+      probabilities (8 heads x seq bytes); flash and cudnn keep only a float32 log-sum-exp per head.
     (The policy's `remat`, compute dtype and kernel decide which.)
     - "dots": each layer's input and the outputs of its weight matmuls (q, k, v, attention output
       projection, the MLP's up/gate and down), plus flash's output and log-sum-exp (the policy
@@ -392,7 +392,7 @@ def activation_bytes_per_token(
     c, remat = config, policy.remat
     e = bytes_per_element(policy.compute_dtype)
     ff = _mlp_width_per_token(c)
-    flash = policy.kernel_name == "flash"
+    flash = policy.kernel_name in ("flash", "cudnn")  # fused kernels: no score matrices kept
     lse = 4 * c.n_heads if flash else 0
     if remat == "full":
         per_layer = e * c.d_model

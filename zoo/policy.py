@@ -28,7 +28,6 @@ from layers.moe import Capacity, Dispatch, Dropless
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
 Storage = Literal["stacked", "unrolled"]
-XLA_PAGED = XlaPagedKernel()  # frozen: one instance serves every policy
 MOE_DISPATCH = ("dropless", "capacity")
 
 
@@ -46,11 +45,12 @@ class Policy:
     axis per weight, what `lax.scan` and pipelines need) or "unrolled" (one block per layer,
     what decode wants); `fused`: q/k/v and gate/up as one projection each (fewer kernels per
     decode step; training, adapters, quantization and export need them separate);
-    `decode_kernel`: the paged attention kernel of cached one-token steps (`XlaPagedKernel()`
-    or, on a GPU, `PallasDecodeKernel()`); `moe_dispatch`: `Dropless()`, `Capacity(factor)` or
-    "dropless"/"capacity" (factor 1.25); `microbatches`: how many micro-batches a pipelined
-    layer stack streams through its stages per forward (used only on a mesh with a `pipeline`
-    axis, zoo/pipeline.py)."""
+    `decode_kernel`: the paged attention kernel of cached one-token steps (`XlaPagedKernel()`,
+    `PallasDecodeKernel()`, or None: the backend's default, the Pallas kernel on a GPU where it
+    serves the model and the XLA path elsewhere); `moe_dispatch`: `Dropless()`,
+    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how many
+    micro-batches a pipelined layer stack streams through its stages per forward (used only on
+    a mesh with a `pipeline` axis, zoo/pipeline.py)."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
@@ -59,7 +59,7 @@ class Policy:
     scan_layers: bool = True
     storage: Storage = "stacked"
     fused: bool = False
-    decode_kernel: PagedKernel = XLA_PAGED
+    decode_kernel: PagedKernel | None = None
     moe_dispatch: Dispatch | str = "dropless"
     microbatches: int = 1
 
@@ -94,10 +94,11 @@ class Policy:
         for name in ("scan_layers", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel):
+        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel | None):
             raise ValueError(
                 f"Policy.decode_kernel={self.decode_kernel!r} is not a paged attention kernel; "
-                "give layers.kernels.paged.XlaPagedKernel() or PallasDecodeKernel()"
+                "give layers.kernels.paged.XlaPagedKernel(), PallasDecodeKernel() or None (the "
+                "backend's default)"
             )
 
     @property

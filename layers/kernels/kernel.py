@@ -10,6 +10,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 from jaxtyping import Array, Float
 
 from layers.kernels.context import AllGatherKV, Ring
+from layers.kernels.cudnn import cudnn_attention
 from layers.kernels.flash import DEFAULT_BLOCK_SIZES, BlockSizes, flash_attention
 from layers.kernels.mask import AttentionMask
 from layers.kernels.naive import naive_attention
@@ -55,6 +56,17 @@ class Xla:
         return xla_attention(q, k, v, mask, softcap=softcap)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cudnn:
+    """cuDNN's flash attention on NVIDIA GPUs (`cudnn_attention`): causal self-attention,
+    bfloat16/float16; what it cannot serve is refused."""
+
+    name: ClassVar[str] = "cudnn"
+
+    def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
+        return cudnn_attention(q, k, v, mask, softcap=softcap)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Flash:
     """The Pallas flash kernel (`flash_attention`) with its tiles and launch settings;
@@ -74,6 +86,7 @@ KERNELS: dict[str, AttentionKernel] = {
     "naive": Naive(),
     "xla": Xla(),
     "flash": Flash(),
+    "cudnn": Cudnn(),
     "ring": Ring(),
     "allgather": AllGatherKV(),
 }

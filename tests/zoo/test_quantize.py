@@ -212,7 +212,7 @@ def test_export_refuses_packed_weights_or_writes_their_float(tmp_path):
         zoo.save_pretrained(q, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
     zoo.save_pretrained(q, tmp_path / "float", dequantize=True)
-    loaded = zoo.load_pretrained(tmp_path / "float")
+    loaded = zoo.load_pretrained(tmp_path / "float", policy=q.policy)
     for a, b in zip(jax.tree.leaves(zoo.dequantize(q)), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -160,7 +160,7 @@ def _flash_local(q, k, v, mask: AttentionMask, *, softcap, block_sizes: BlockSiz
         backward_block_k=fit_block(
             blocks.backward_block_k, kv_seq, name="key/value", field="backward_block_k"
         ),
-        num_warps=blocks.warps(head_dim),
+        num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
         backward_dq=blocks.backward_dq,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret,

@@ -27,21 +27,24 @@ class BlockSizes:
     keys `block_k` at a time. `backward_block_q` / `backward_block_k` tile the backward (one
     program per key block walks the query blocks; with `backward_dq="separate"` also one program
     per query block). A block longer than the sequence is clipped to the sequence.
-    `num_warps=None` picks 4 for head_dim <= 64, else 8.
+    `num_warps`: Triton warps per program, forward and backward (4 measured faster than 8 at
+    head_dim 64 and 128 on an H100, bench/RESULTS.md).
 
     `backward_dq` (see backward.py): "atomic" adds each tile's dQ into a float32 buffer with atomic
     adds inside the dK/dV kernel (FlashAttention-2's 5 matmuls per tile pair; on a GPU the order
     of the additions, so dQ's last bits, vary from run to run); "separate" runs a second kernel
-    that recomputes S and dP (7 matmuls) and is bit-reproducible.
+    that recomputes S and dP (7 matmuls) and is bit-reproducible. "separate" is the default: the
+    atomic adds contend on the same dQ tiles, and on an H100 the separate kernel measured faster
+    (bench/RESULTS.md, flash block sweep).
     """
 
     block_q: int = 128
     block_k: int = 64
     backward_block_q: int = 64
     backward_block_k: int = 64
-    num_warps: int | None = None
+    num_warps: int = 4
     num_stages: int = 2
-    backward_dq: Literal["atomic", "separate"] = "atomic"
+    backward_dq: Literal["atomic", "separate"] = "separate"
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "backward_block_q", "backward_block_k"):
@@ -56,9 +59,6 @@ class BlockSizes:
                 f"BlockSizes.backward_dq={self.backward_dq!r} must be 'atomic' (5 matmuls per "
                 "tile pair, dQ not bit-reproducible on a GPU) or 'separate' (7, bit-reproducible)"
             )
-
-    def warps(self, head_dim: int) -> int:
-        return self.num_warps or (4 if head_dim <= 64 else 8)
 
     @property
     def backward_kernels(self) -> int:

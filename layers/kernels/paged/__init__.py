@@ -5,7 +5,7 @@ PagedAttention, Kwon et al. 2023), so memory follows the tokens each request act
   place) and `check_page_table` (host-side check of a table's values).
 - `attention.py`: `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
   sliding_window, softcap, kernel, layer)` and the two kernel choices, `XlaPagedKernel()` and
-  `PallasDecodeKernel(...)`.
+  `PallasDecodeKernel(...)` (or None: the backend's default, `default_decode_kernel`).
 - `blocked.py`: the XLA path (an online softmax over the blocks of pages that hold visible keys);
   any backend, any seq.
 - `decode.py`: the Pallas decode kernel (seq == 1; GPU through Triton, interpreted on CPU).

@@ -110,28 +110,40 @@ def _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding
         raise ValueError(f"paged attention: sliding_window must be >= 1, got {sliding_window}")
 
 
-def _check_pallas(q, k_pages):
+def _pallas_refusal(q, k_pages) -> str | None:
+    """Why the Pallas decode kernel cannot serve this call, or None if it can."""
     t, d = q.shape[1], q.shape[3]
     if t != 1:
-        raise ValueError(
-            f"paged attention: the Pallas decode kernel takes one query token per row (seq == 1), "
-            f"got seq={t}; use XlaPagedKernel() (the XLA path) for prefill chunks"
+        return (
+            f"the Pallas decode kernel takes one query token per row (seq == 1), got seq={t}; use "
+            "XlaPagedKernel() (the XLA path) for prefill chunks"
         )
     if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"paged attention: the Pallas decode kernel needs head_dim in {SUPPORTED_HEAD_DIMS} "
-            f"(Triton tiles are powers of two >= 16), got {d}; use XlaPagedKernel()"
+        return (
+            f"the Pallas decode kernel needs head_dim in {SUPPORTED_HEAD_DIMS} (Triton tiles are "
+            f"powers of two >= 16), got {d}; use XlaPagedKernel()"
         )
     if not _is_power_of_two(k_pages.shape[2]):
-        raise ValueError(
-            f"paged attention: the Pallas decode kernel needs a power-of-two page_size, got "
-            f"{k_pages.shape[2]}; use XlaPagedKernel()"
+        return (
+            f"the Pallas decode kernel needs a power-of-two page_size, got {k_pages.shape[2]}; "
+            "use XlaPagedKernel()"
         )
     if q.dtype != k_pages.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"paged attention: the Pallas decode kernel needs q and the pools in one dtype of "
+        return (
+            f"the Pallas decode kernel needs q and the pools in one dtype of "
             f"{[x.name for x in SUPPORTED_DTYPES]}, got q {q.dtype} and pools {k_pages.dtype}"
         )
+    return None
+
+
+def default_decode_kernel(q, k_pages, layer) -> PagedKernel:
+    """The kernel of a call whose cache names none: on a GPU the Pallas decode kernel wherever
+    it serves the call (one token per row, one layer's pool, a head_dim, page_size and dtype it
+    tiles; it measured twice the XLA path's tokens/s on an H100, bench/RESULTS.md), the XLA path
+    everywhere else. An explicitly chosen kernel is never replaced."""
+    if jax.default_backend() == "gpu" and layer is None and _pallas_refusal(q, k_pages) is None:
+        return PallasDecodeKernel()
+    return XlaPagedKernel()
 
 
 def paged_attention(
@@ -144,7 +156,7 @@ def paged_attention(
     q_positions: Int[Array, "batch seq"],
     sliding_window: Int[Array, ""] | int | None = None,
     softcap: float | None = None,
-    kernel: PagedKernel,
+    kernel: PagedKernel | None = None,
     layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """softmax(softcap(q k^T / sqrt(d)) + mask) v over each row's keys in the page pool (layout
@@ -152,7 +164,8 @@ def paged_attention(
     may be traced (one layer's window under `lax.scan`); `softcap` caps the scaled scores at
     softcap * tanh(s / softcap) (Gemma 2). `v_pages=None`: the values are the keys (MLA's
     latent pool). `layer`: the pools carry a leading stacked-layers axis and this layer's pages
-    are read (XLA path only; never a copy of the layer's whole pool).
+    are read (XLA path only; never a copy of the layer's whole pool). `kernel=None`: the
+    backend's default (`default_decode_kernel`).
 
     The key at position j is visible to the query at position `q_positions[b, i]` iff
     j <= that position, j < lengths[b] and (no window or position - j < sliding_window): a decode
@@ -169,6 +182,8 @@ def paged_attention(
     n_kv, n_pages, page_size, d = k_pages.shape[-4:]
     if is_concrete(page_table, lengths):
         check_page_table(page_table, lengths, page_size=page_size, n_pages=n_pages)
+    if kernel is None:
+        kernel = default_decode_kernel(q, k_pages, layer)
     if isinstance(kernel, XlaPagedKernel):
         return blocked_attention(
             q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap,
@@ -184,7 +199,9 @@ def paged_attention(
             "paged attention: the Pallas decode kernel reads one layer's pool; use unrolled layer "
             "storage (Policy(storage='unrolled')) or XlaPagedKernel()"
         )
-    _check_pallas(q, k_pages)
+    refusal = _pallas_refusal(q, k_pages)
+    if refusal is not None:
+        raise ValueError(f"paged attention: {refusal}")
     ppb = max(1, kernel.keys_per_block // page_size)
     blocks = -(-page_table.shape[1] // ppb)
     plan = DecodePlan(
