@@ -34,7 +34,7 @@ from infer.serve.grammar import Grammars
 from zoo import math as zmath
 
 CLIENTS, ROWS, MAX_LEN, NEW_TOKENS, PORT = 32, 8, 512, 32, 8731
-STEPS_CONSTRAINED, REPEATS, PASSES = 32, 3, 3
+STEPS_CONSTRAINED, REPEATS, PASSES = 32, 5, 3
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -134,26 +134,28 @@ def alternating(gguf, model, prompts, end_ids) -> dict[str, list]:
     return runs
 
 
-def seconds_per_step(model, prompts, grammars: Grammars | None) -> float:
+def seconds_per_step(model, prompts, grammars: Grammars) -> tuple[float, float]:
     """Wall seconds per engine step of 8 rows decoding `STEPS_CONSTRAINED` tokens each (no stop
-    token, so both runs take the same steps), median of REPEATS."""
+    token, so every run takes the same steps), unconstrained and under the JSON schema: REPEATS
+    of each, alternating (the machine's load drifts), medians."""
     engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN)
-    grammar = grammars and grammars.grammar(
+    grammar = grammars.grammar(
         {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
     )
-    times = []
+    times = {False: [], True: []}
     for _ in range(REPEATS):
-        steps, start = engine.steps, time.perf_counter()
-        for p in prompts[:ROWS]:
-            constraint = grammars.constraint(grammar) if grammars else None
-            engine.submit(
-                p, max_new_tokens=STEPS_CONSTRAINED,
-                allowed=constraint and constraint.allowed,
-                on_tokens=constraint and constraint.consume,
-            )  # fmt: skip
-        engine.run()
-        times.append((time.perf_counter() - start) / (engine.steps - steps))
-    return statistics.median(times)
+        for constrained in times:
+            steps, start = engine.steps, time.perf_counter()
+            for p in prompts[:ROWS]:
+                constraint = grammars.constraint(grammar) if constrained else None
+                engine.submit(
+                    p, max_new_tokens=STEPS_CONSTRAINED,
+                    allowed=constraint and constraint.allowed,
+                    on_tokens=constraint and constraint.consume,
+                )  # fmt: skip
+            engine.run()
+            times[constrained].append((time.perf_counter() - start) / (engine.steps - steps))
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def run(ceilings: Ceilings) -> Table:
@@ -193,8 +195,7 @@ def run(ceilings: Ceilings) -> Table:
             "TTFT p99 ms": 1e3 * percentile(ttft, 99),
         })  # fmt: skip
     grammars = Grammars(tokenizer, vocab_size=model.config.vocab_size, end_ids=end_ids)
-    free = seconds_per_step(model, prompts, None)
-    constrained = seconds_per_step(model, prompts, grammars)
+    free, constrained = seconds_per_step(model, prompts, grammars)
     context = statistics.mean(map(len, prompts[:ROWS])) + STEPS_CONSTRAINED // 2
     step = zmath.decode_step_bytes(model.config, ROWS, int(context)) / ceilings.bandwidth()
     for what, seconds in (("decode, unconstrained", free), ("decode, JSON schema", constrained)):
