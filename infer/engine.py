@@ -33,6 +33,7 @@ one step behind, streaming, prefix reuse, preemption.
 import collections
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -48,6 +49,7 @@ from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
+from layers.lora_bank import adapters_in, with_adapter_rows
 from layers.paged_cache import PagedKVCache, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
@@ -55,6 +57,9 @@ from zoo.math import kv_cache_bytes_per_token
 from zoo.transformer import Transformer
 
 OnTokens = Callable[[list[int]], None]
+# A constrained request's allowed next tokens, asked just before each step that samples for it
+# (after its previous token was streamed): an int32 bitmask [allowed_words(vocab)].
+AllowedTokens = Callable[[], np.ndarray]
 Count = int | np.integer  # numpy's integers count too
 
 # How many times each program was traced (= compiled): the engine's programs depend only on
@@ -74,11 +79,16 @@ class RowState(eqx.Module):
 
 class RowParams(eqx.Module):
     """Each row's request settings on the device, uploaded when a request joins: its sampler,
-    its stop tokens (`-1` pads) and its budget of new tokens."""
+    its stop tokens (`-1` pads), its budget of new tokens and its seed (a row's i-th new token
+    is drawn with `fold_in(fold_in(key, seed), i)`: the same request and seed give the same
+    tokens whatever else is in the batch) and its LoRA adapter (-1: none; a model with
+    `LoRABank`s, `zoo.bank_adapters`)."""
 
     sampling: SamplingParams
     stops: Int[Array, "rows stops"]
     budget: Int[Array, " rows"]
+    seed: Int[Array, " rows"]
+    adapter: Int[Array, " rows"]
 
 
 class StepPlan(eqx.Module):
@@ -102,7 +112,18 @@ class StepPlan(eqx.Module):
     had: Int[ArrayLike, " chunks"]
     drafts: Int[ArrayLike, "rows drafts"]
     k: Int[ArrayLike, " rows"]
+    allowed: Int[ArrayLike, "rows words"]
     q: Float[ArrayLike, "rows drafts vocab"] | None = None
+
+
+def allowed_words(vocab_size: int) -> int:
+    """int32 words of a row's allowed-token bitmask (bit `t % 32` of word `t // 32`)."""
+    return -(-vocab_size // 32)
+
+
+def _unpack_allowed(bits: Int[Array, "rows words"], vocab: int) -> Bool[Array, "rows vocab"]:
+    token = jnp.arange(vocab)
+    return (bits[:, token // 32] >> (token % 32)) & 1 == 1
 
 
 def _stopped(tokens, stops, count, budget):
@@ -120,11 +141,12 @@ def _cut_at_stops(tokens, n, stops, count, budget):
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
-def _step_program(model, state, params, plan, key, step, *, page_size, placement):
+def _step_program(model, state, params, plan, key, *, page_size, placement):
     """One engine step: decode rows (each its last token and its drafts, a group of
-    `k_max + 1`) and prompt chunks through one forward, then sampling or verification, stop
-    checks and the rows' state. Returns the state and `[rows, k_max + 3]` int32: each row's new
-    tokens `[k_max + 1]`, how many it emitted, whether it is done."""
+    `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
+    its own keys and allowed tokens), stop checks and the rows' state. Returns the state and
+    `[rows, k_max + 3]` int32: each row's new tokens `[k_max + 1]`, how many it emitted,
+    whether it is done."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
     TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
@@ -136,6 +158,11 @@ def _step_program(model, state, params, plan, key, step, *, page_size, placement
     tokens = jnp.concatenate([tokens, plan.tokens.reshape(-1)])
     valid = jnp.concatenate([in_group.reshape(-1), in_chunk.reshape(-1)])
     last_of_chunk = rows * group + jnp.arange(chunks) * width + jnp.maximum(plan.n - 1, 0)
+    if adapters_in(model):  # each token's row's adapter: decode groups, then the prompt chunks
+        adapter = jnp.concatenate(
+            [jnp.repeat(params.adapter, group), jnp.repeat(params.adapter[plan.row], width)]
+        )
+        model = with_adapter_rows(model, adapter)
     cache = PagedKVCache(
         state.pages,
         jnp.concatenate([plan.table, plan.table[plan.row]]),
@@ -150,18 +177,26 @@ def _step_program(model, state, params, plan, key, step, *, page_size, placement
             tokens[:, None], valid=valid[:, None], cache=cache,
             logits_at=jnp.concatenate([jnp.arange(rows * group), last_of_chunk]),
         )  # fmt: skip
-    key = jax.random.fold_in(key, step)
     at = jnp.concatenate([jnp.arange(rows), plan.row])  # each sampled row's params
+    # Each row's allowed tokens (a constrained request's grammar; all ones otherwise), and its
+    # keys: its i-th token is drawn from fold_in(fold_in(key, seed), i).
+    allowed = _unpack_allowed(plan.allowed, out.logits.shape[-1])
+    drawn = jnp.concatenate([state.count, plan.had])  # how many tokens each sampled row has
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(key, s), i))(
+        params.seed[at], drawn
+    )
     if group == 1:
-        sampled = sample(out.logits, jax.tree.map(lambda x: x[at], params.sampling), key)
+        logits = jnp.where(allowed[at], out.logits, -jnp.inf)
+        sampled = sample(logits, jax.tree.map(lambda x: x[at], params.sampling), keys)
         new, n, first = sampled[:rows, None], live.astype(jnp.int32), sampled[rows:]
     else:
-        verify_key, chunk_key = jax.random.split(key)
         logits = out.logits[: rows * group].reshape(rows, group, -1)
-        new, n = verify(logits, plan.drafts, k, plan.q, params.sampling, verify_key)
+        logits = jnp.where(allowed[:, None, :], logits, -jnp.inf)
+        new, n = verify(logits, plan.drafts, k, plan.q, params.sampling, keys[:rows])
         n = jnp.where(live, n, 0)
+        chunk_logits = jnp.where(allowed[plan.row], out.logits[rows * group :], -jnp.inf)
         chunk_sampling = jax.tree.map(lambda x: x[plan.row], params.sampling)
-        first = sample(out.logits[rows * group :], chunk_sampling, chunk_key)
+        first = sample(chunk_logits, chunk_sampling, keys[rows:])
     n, stopped = _cut_at_stops(new, n, params.stops, state.count, params.budget)
     count = state.count + n
     done = state.done | (live & stopped)
@@ -184,8 +219,9 @@ def _step_program(model, state, params, plan, key, step, *, page_size, placement
 class Request:
     """One submitted prompt. `tokens` grows as the engine generates (ending with the stop token
     that ended it, if any); `done` once finished; `error` if a callback of it failed (the
-    others go on). `ttft_s` and `decode_s` time it: submit to first token, first to last (as the
-    host sees them); `preemptions` counts how often the pool ran dry and it was recomputed.
+    others go on); `cancelled` once `Engine.cancel` ended it. `ttft_s` and `decode_s` time it:
+    submit to first token, first to last (as the host sees them); `preemptions` counts how often
+    the pool ran dry and it was recomputed. `seed` fixes its draws, `allowed` constrains them.
     Speculation: up to `draft_tokens` drafts per step, `drafted` of them verified and
     `accepted` kept (`accepted / drafted`: the acceptance rate)."""
 
@@ -194,9 +230,13 @@ class Request:
     sampler: Sampler
     stop_tokens: frozenset[int]
     on_tokens: OnTokens | None
+    seed: int = 0
+    allowed: AllowedTokens | None = None
+    adapter: int = -1
     tokens: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
     error: Exception | None = None
+    cancelled: bool = False
     ttft_s: float | None = None
     decode_s: float | None = None
     reused_tokens: int = 0
@@ -275,6 +315,12 @@ class Engine:
     `speculative` a proposer (infer/speculative/: `PromptLookup(k=4)`, `DraftModel(small,
     k=4)`) whose `k` is the most drafts a row verifies per step (each request may ask for
     fewer, or none: `submit(..., draft_tokens=)`).
+
+    Threads: `submit` and `cancel` may be called from any thread while one thread steps the
+    engine (they only queue; the stepping thread takes the queue at its next step, and `busy`
+    says whether there is anything to step). A constrained request (`submit(allowed=...)`)
+    needs its last token before its next mask, so while one runs the host waits for each step
+    before dispatching the next (no overlap).
 
     The model runs as its policy says (`model.policy`: layer storage, paged decode kernel);
     `zoo.load_pretrained` gives the fastest decode policy. `engine.model` may be replaced by a
@@ -370,6 +416,13 @@ class Engine:
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: collections.deque[Request] = collections.deque()
         self.submitted = 0
+        # What other threads hand the stepping thread: new requests and cancellations.
+        self._lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._cancels: list[Request] = []
+        self._everything_allowed = jnp.full(
+            (max_batch, allowed_words(model.config.vocab_size)), -1, jnp.int32
+        )
         self.state = RowState(
             pages,
             jnp.zeros(max_batch, jnp.int32),
@@ -383,6 +436,8 @@ class Engine:
             "min_p": np.zeros(max_batch, np.float32),
             "stops": np.full((max_batch, max_stop_tokens), -1, np.int32),
             "budget": np.ones(max_batch, np.int32),
+            "seed": np.zeros(max_batch, np.int32),
+            "adapter": np.full(max_batch, -1, np.int32),
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
@@ -417,14 +472,22 @@ class Engine:
         stop_tokens: Sequence[int] | None = None,
         on_tokens: OnTokens | None = None,
         draft_tokens: Count | None = None,
+        seed: int | None = None,
+        allowed: AllowedTokens | None = None,
+        adapter: int = -1,
     ) -> Request:
         """Queue a prompt (a list of token ids), ending at one of `stop_tokens` (default: the
         engine's `stop_tokens`; `()`: none) or after `max_new_tokens`. Bad input is a ValueError
         here, before it can disturb anything in flight: an empty prompt, ids outside the
         vocabulary, a prompt plus `max_new_tokens` beyond `max_len` or beyond the whole page pool,
-        more stop tokens than `max_stop_tokens`, a sampler or callback of the wrong type,
-        `draft_tokens` outside `[0, k]` of the engine's proposer (default: its `k`; 0: this
-        request does not speculate)."""
+        more stop tokens than `max_stop_tokens`, a sampler or callback of the wrong type, a seed
+        outside int32, `draft_tokens` outside `[0, k]` of the engine's proposer (default: its
+        `k`; 0: this request does not speculate; a constrained request never does).
+
+        `seed` fixes the request's draws (default: its submission number); `allowed` constrains
+        its tokens (see `AllowedTokens`; a failing one ends only its request, as `error`);
+        `adapter` picks one of the model's banked LoRA adapters (`zoo.bank_adapters`; -1: the
+        base model)."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -451,20 +514,47 @@ class Engine:
             )
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be callable (tokens -> None), got {on_tokens!r}")
+        if allowed is not None and not callable(allowed):
+            raise ValueError(f"allowed must be callable (() -> int32 bitmask), got {allowed!r}")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int | np.integer)
+            or not -(2**31) <= seed < 2**31
+        ):  # fmt: skip
+            raise ValueError(f"seed must be an int in [-2**31, 2**31), got {seed!r}")
+        n_adapters = adapters_in(self.model)
+        if (
+            isinstance(adapter, bool)
+            or not isinstance(adapter, int | np.integer)
+            or not (-1 <= adapter < n_adapters)
+        ):
+            raise ValueError(
+                f"adapter must be -1 (the base model) or the index of one of the model's "
+                f"{n_adapters} banked adapters, got {adapter!r}"
+            )
         stops = self.stop_tokens if stop_tokens is None else self._checked_stops(stop_tokens)
+        drafts = self._check_draft_tokens(draft_tokens)
+        if allowed is not None and draft_tokens:  # a draft's mask would need the tokens before it
+            raise ValueError(
+                f"draft_tokens={draft_tokens!r} with allowed=: a constrained request does not "
+                "speculate (leave draft_tokens unset or 0)"
+            )
         request = Request(
-            draft_tokens=self._check_draft_tokens(draft_tokens),
+            draft_tokens=0 if allowed is not None else drafts,
             prompt=[int(t) for t in row],
             max_new_tokens=max_new_tokens,
             sampler=sampler if sampler is not None else Greedy(),
             stop_tokens=stops,
             on_tokens=on_tokens,
-            order=self.submitted,
+            allowed=allowed,
+            adapter=int(adapter),
             submitted=time.perf_counter(),
         )
         request.sampler.params()  # a bad sampler fails here, not mid-batch
-        self.submitted += 1
-        self.waiting.append(request)
+        with self._lock:
+            request.order = self.submitted
+            request.seed = request.order if seed is None else int(seed)
+            self.submitted += 1
+            self._inbox.append(request)
         return request
 
     def _checked_stops(self, stop_tokens: Sequence[int]) -> frozenset[int]:
@@ -500,18 +590,36 @@ class Engine:
             )
         return int(draft_tokens)
 
+    def cancel(self, request: Request) -> None:
+        """End a request (from any thread): its row and pages are freed at the next step; a
+        finished one is left as it is."""
+        with self._lock:
+            self._cancels.append(request)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step has anything to do: requests queued, running or in flight."""
+        return bool(
+            self._inbox or self._cancels or self.waiting or any(self.rows)
+            or self._launched is not None
+        )  # fmt: skip
+
     def run(self) -> None:
         """Step until every submitted request (including those submitted meanwhile) is done."""
-        while self.waiting or any(self.rows) or self._launched is not None:
+        while self.busy:
             self.step()
 
     # --- one engine step --------------------------------------------------------------------
 
     def step(self) -> None:
         """Dispatch the next step (when there is work), then read the previous step's tokens:
-        the host runs one step behind the device. A speculating engine reads the previous
-        step's tokens first: its proposals continue them."""
-        if self.proposer is not None and self._launched is not None:
+        the host runs one step behind the device (in step with it while a constrained request
+        runs, its next mask needs its last token, and in a speculating engine, whose proposals
+        continue the previous step's tokens)."""
+        speculating = self.proposer is not None
+        if self._launched is not None and (
+            speculating or any(r is not None and r.allowed for r in self.rows)
+        ):
             self._consume(self._launched)
             self._launched = None
         launched = self._dispatch()
@@ -522,13 +630,38 @@ class Engine:
     def _warm_up(self) -> None:
         """Compile both programs now (every row idle: nothing written, nothing emitted)."""
         for chunks in (0, self.prefill_rows):
-            plan = self._plan([], [], chunks)
+            plan = self._plan([], [], chunks, {})
             if self.drafter is not None:
                 plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
             self.state, report = self._program(
-                self.model, self.state, self._row_params(), plan, self.key, np.int32(0)
+                self.model, self.state, self._row_params(), plan, self.key
             )
         report.block_until_ready()
+
+    def _take_inbox(self) -> None:
+        """What other threads handed over since the last step: new requests join the queue,
+        cancelled ones end (a step in flight may still write a cancelled row's pages: they are
+        not offered for sharing)."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        self.waiting.extend(inbox)
+        for request in cancels:
+            if not request.done:
+                request.cancelled = True
+                self._finish(request, share=False)
+
+    def _masks(self) -> dict[int, np.ndarray]:
+        """Each running constrained request's allowed next tokens, by row; a request whose
+        `allowed` fails ends with that error."""
+        masks = {}
+        for request in [r for r in self.rows if r is not None and r.allowed]:
+            try:
+                masks[request.row] = request.allowed()
+            except Exception as error:
+                request.error = error
+                self._finish(request, share=False)
+        return masks
 
     def _admit(self) -> None:
         """Waiting requests, oldest first (preempted ones are at the head), into free rows
@@ -536,7 +669,7 @@ class Engine:
         while self.waiting and None in self.rows:
             request = self.waiting[0]
             sequence = request.prompt + request.tokens
-            shared = self._shared_prefix(sequence)
+            shared = self._shared_prefix(sequence, request.adapter)
             need = -(-(len(sequence) + 1) // self.page_size) - len(shared)
             if need > self.pool.available():
                 self.pool.release(shared)
@@ -551,13 +684,13 @@ class Engine:
             self.table[row, : len(shared)] = shared
             self._set_params(row, request)
 
-    def _shared_prefix(self, sequence: list[int]) -> list[int]:
-        """Cached pages of the sequence's leading full pages; at least one token is left to
-        compute (its logits give the next token)."""
+    def _shared_prefix(self, sequence: list[int], adapter: int) -> list[int]:
+        """Cached pages of the sequence's leading full pages (computed with the same adapter);
+        at least one token is left to compute (its logits give the next token)."""
         if not self.prefix_sharing:
             return []
         shared = []
-        for key in self.pool.prefix_keys(sequence[:-1]):
+        for key in self.pool.prefix_keys(sequence[:-1], model=adapter):
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -571,6 +704,8 @@ class Engine:
         host["stops"][row] = -1
         host["stops"][row, : len(request.stop_tokens)] = sorted(request.stop_tokens)
         host["budget"][row] = request.max_new_tokens
+        host["seed"][row] = request.seed
+        host["adapter"][row] = request.adapter
         self._params = None  # uploaded again before the next step
 
     def _row_params(self) -> RowParams:
@@ -581,7 +716,9 @@ class Engine:
                 temperature=host["temperature"], top_k=host["top_k"], top_p=host["top_p"],
                 min_p=host["min_p"],
             )  # fmt: skip
-            self._params = RowParams(sampling, host["stops"], host["budget"])
+            self._params = RowParams(
+                sampling, host["stops"], host["budget"], host["seed"], host["adapter"]
+            )
         return self._params
 
     def _cover(self, request: Request, n_tokens: int) -> bool:
@@ -641,8 +778,9 @@ class Engine:
         decode: list[Request],
         chunks: list[tuple[Request, int]],
         width: int,
+        masks: dict[int, np.ndarray] | None = None,
         drafts: dict[int, np.ndarray] | None = None,
-    ):
+    ) -> StepPlan:
         rows, size = self.max_batch, self.chunk
         plan = {
             "decoding": np.zeros(rows, bool),
@@ -656,9 +794,15 @@ class Engine:
             "had": np.zeros(width, np.int32),
             "drafts": np.zeros((rows, self.max_drafts), np.int32),
             "k": np.zeros(rows, np.int32),
+            "allowed": self._everything_allowed,
         }
         for row, proposed in (drafts or {}).items():
             plan["drafts"][row, : proposed.size], plan["k"][row] = proposed, proposed.size
+        if masks:
+            allowed = np.full(self._everything_allowed.shape, -1, np.int32)
+            for row, mask in masks.items():
+                allowed[row] = mask
+            plan["allowed"] = jnp.asarray(allowed)  # as the default is: no new compilation
         for r in decode:
             plan["decoding"][r.row], plan["lengths"][r.row] = True, r.cached
         for i, (r, n) in enumerate(chunks):
@@ -689,17 +833,19 @@ class Engine:
 
     def _dispatch(self) -> _Launched | None:
         """Admit, schedule, launch this step's program (without waiting for it)."""
+        self._take_inbox()
         self._admit()
+        masks = self._masks()
         decode, chunks = self._schedule()
         if not decode and not chunks:
             return None
         drafts = self._propose(decode) if self.proposer is not None else None
-        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, drafts)
+        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, masks, drafts)
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
             plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
         self.state, report = self._program(
-            self.model, self.state, self._row_params(), plan, self.key, np.int32(self.steps)
+            self.model, self.state, self._row_params(), plan, self.key
         )
         owners = list(self.rows)
         for r in decode:
@@ -742,7 +888,8 @@ class Engine:
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""
         if self.prefix_sharing:
-            for key, page in zip(self.pool.prefix_keys(tokens), request.pages, strict=False):
+            keys = self.pool.prefix_keys(tokens, model=request.adapter)
+            for key, page in zip(keys, request.pages, strict=False):
                 self.pool.share(key, page)
 
     def _emit(self, request: Request, tokens: list[int], done: bool) -> None:

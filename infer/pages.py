@@ -58,9 +58,10 @@ class PagePool:
         self.refs[page] = 1
         return page
 
-    def prefix_keys(self, tokens: Sequence[int]) -> list[PrefixKey]:
-        """The keys of the full pages of `tokens`, in order."""
-        keys, key, size = [], (), self.page_size
+    def prefix_keys(self, tokens: Sequence[int], *, model: int = -1) -> list[PrefixKey]:
+        """The keys of the full pages of `tokens`, in order, as computed by `model` (a LoRA
+        adapter's index, -1 the base: another adapter's keys and values differ)."""
+        keys, key, size = [], (model,), self.page_size
         for start in range(0, len(tokens) - size + 1, size):
             key = (key, tuple(tokens[start : start + size]))
             keys.append(key)

@@ -24,7 +24,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray
 
 
 def _is_traced(*xs) -> bool:
@@ -280,19 +280,27 @@ def filter_logits(
 
 @jax.jit
 def sample(
-    logits: Float[Array, "batch vocab"], params: SamplingParams, key: PRNGKeyArray
+    logits: Float[Array, "batch vocab"],
+    params: SamplingParams,
+    key: PRNGKeyArray | Key[Array, " batch"],
 ) -> Int[Array, " batch"]:
     """One token per row, each row with its own settings: argmax where temperature is 0, else a
     draw from softmax of the filtered logits / temperature (Gumbel-max through
     `jax.random.categorical`: exact for every token, tail included, but one random number per
     logit). An all-greedy batch skips the filters and the draw. `params` has one row per logits
-    row, or one row for all."""
+    row, or one row for all; `key` is one key, or one per row (`[batch]`: each row's draw then
+    depends only on its own key, not on the batch around it)."""
     params = params.broadcast(logits.shape[0])
     greedy = params.temperature == 0
 
     def draw():
         tempered = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, params.temperature)[:, None]
-        drawn = jax.random.categorical(key, filter_logits(tempered, params), axis=-1)
+        filtered = filter_logits(tempered, params)
+        if key.ndim == 0:
+            drawn = jax.random.categorical(key, filtered, axis=-1)
+        else:  # what categorical does (argmax of logits + Gumbel noise), with each row's key
+            noise = jax.vmap(lambda k: jax.random.gumbel(k, filtered.shape[1:]))(key)
+            drawn = jnp.argmax(filtered + noise, axis=-1)
         return drawn.astype(jnp.int32)
 
     def no_draw():

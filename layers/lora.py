@@ -14,7 +14,26 @@ from layers.linear import Linear
 from layers.quantized import QuantizedLinear
 
 
-class LoRA(eqx.Module):
+class AroundProjection(eqx.Module):
+    """A module around a projection `base` (LoRA, a bank of adapters): it takes the base's
+    shapes and logical axes, so it can stand wherever the base did."""
+
+    base: eqx.AbstractVar[Linear | QuantizedLinear]
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return self.base.in_shape
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.base.out_shape
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.base.axes
+
+
+class LoRA(AroundProjection):
     """`base(x) + scale · dropout(x) · A · B` with `scale = alpha / rank`.
 
     `base` is the wrapped projection, kept whole as an attribute: LoRA uses only its
@@ -61,18 +80,6 @@ class LoRA(eqx.Module):
         a = std * jax.random.normal(key, (*base.in_shape, rank), jnp.float32)
         self.lora_a = a.astype(dtype)
         self.lora_b = jnp.zeros((rank, *base.out_shape), dtype)
-
-    @property
-    def in_shape(self) -> tuple[int, ...]:
-        return self.base.in_shape
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return self.base.out_shape
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return self.base.axes
 
     @property
     def scale(self) -> float:

@@ -4,6 +4,7 @@ transformer math, and tokenizers with chat templates."""
 
 from zoo import math
 from zoo.adapter import add_lora, merge_adapter
+from zoo.adapter_bank import bank_adapters
 from zoo.block import Block
 from zoo.config import Config
 from zoo.output import ModelOutput
@@ -24,6 +25,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "add_lora",
+    "bank_adapters",
     "dequantize",
     "dequantize_base",
     "from_tiktoken",

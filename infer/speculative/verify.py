@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from infer.sampling import SamplingParams, filter_logits
 
@@ -58,29 +58,31 @@ def accept_sampled(
     drafts: Int[Array, "rows drafts"],
     k: Int[Array, " rows"],
     q: Float[Array, "rows drafts vocab"] | None,
-    key: PRNGKeyArray,
+    key: PRNGKeyArray | Key[Array, " rows"],
     *,
     rejected: Residual = residual,
 ) -> tuple[Int[Array, "rows group"], Int[Array, " rows"]]:
     """The rejection rule (module docstring) on the target's distributions `p` at positions
     `0..K` and the proposer's `q` at the drafts (None: deterministic drafts, one-hot); `k` real
     drafts per row. `rejected(p, q)` is what a rejection is drawn from (`residual`; a test swaps
-    in a wrong rule to see the statistical test fail). Returns the tokens `[rows, K + 1]`, of
-    which the first `n` `[rows]` are emitted."""
+    in a wrong rule to see the statistical test fail); `key` one key, or one per row (each row's
+    draws then depend only on its own key). Returns the tokens `[rows, K + 1]`, of which the
+    first `n` `[rows]` are emitted."""
     rows, drafts_n = drafts.shape
-    uniform_key, draw_key = jax.random.split(key)
+    keys = jax.random.split(key, rows) if key.ndim == 0 else key
+    uniform_keys, draw_keys = jax.vmap(jax.random.split, out_axes=1)(keys)
     p_draft = jnp.take_along_axis(p[:, :drafts_n], drafts[..., None], axis=-1)[..., 0]
     if q is None:
         q = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)
     q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    r = jax.random.uniform(uniform_key, (rows, drafts_n))
+    r = jax.vmap(lambda one: jax.random.uniform(one, (drafts_n,)))(uniform_keys)
     real = jnp.arange(drafts_n)[None, :] < k[:, None]
     a = _leading(real & (r * q_draft < p_draft))
     p_at = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
     q_padded = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
     q_at = jnp.take_along_axis(q_padded, a[:, None, None], axis=1)[:, 0]
     dist = jnp.where((a < k)[:, None], rejected(p_at, q_at), p_at)
-    extra = jax.random.categorical(draw_key, jnp.log(dist), axis=-1).astype(jnp.int32)
+    extra = jax.vmap(jax.random.categorical)(draw_keys, jnp.log(dist)).astype(jnp.int32)
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     tokens = jnp.where(jnp.arange(drafts_n + 1)[None, :] == a[:, None], extra[:, None], padded)
     return tokens, a + 1
@@ -92,7 +94,7 @@ def verify(
     k: Int[Array, " rows"],
     q: Float[Array, "rows drafts vocab"] | None,
     params: SamplingParams,
-    key: PRNGKeyArray,
+    key: PRNGKeyArray | Key[Array, " rows"],
 ) -> tuple[Int[Array, "rows group"], Int[Array, " rows"]]:
     """Each row's emitted tokens `[rows, K + 1]` and their number `n` `[rows]` (1 to `k + 1`)
     from the target's `logits` at the row's last token and its drafts, each row by its own

@@ -265,7 +265,7 @@ def compiled_step(model, rows: int, max_len: int, chunks: int):
     plan = engine._plan([], [], chunks)
     state = eqx.filter_eval_shape(lambda: engine.state)
     lowered = infer.engine._step_program.lower(
-        model, state, engine._row_params(), plan, engine.key, np.int32(0), page_size=16,
+        model, state, engine._row_params(), plan, engine.key, page_size=16,
         placement=Placement(),
     )  # fmt: skip
     return lowered.compile(), nbytes(state.pages)
