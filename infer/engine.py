@@ -38,7 +38,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.step import check_prompts, check_tokens
-from layers.paged_cache import PagedKVCache, pools_and_rings
+from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
 from zoo.math import kv_cache_bytes_per_token
@@ -223,8 +223,11 @@ class Engine:
     full pages of prompts that start alike (a shared system prompt is prefilled once), default
     on unless a layer keeps a ring (a ring holds one row's own tokens, so a shared prefix could
     not fill it: choose `window_cache=False` to share prefixes); `max_stop_tokens` per request;
-    `warm_up` compiles both programs now (an engine of the same configuration compiled before
-    shares them); `log_steps` prints a `StepRecord` per step (`engine.records` keeps them).
+    `kv_dtype` the pools' dtype (None: the compute dtype; "int8": numbers with a scale per
+    token and K/V head, about twice the pages of bfloat16 in the same bytes; the choices are
+    `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
+    same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
+    step (`engine.records` keeps them).
 
     The model runs as its policy says (`model.policy`: layer storage, paged decode kernel);
     `zoo.load_pretrained` gives the fastest decode policy. `engine.model` may be replaced by a
@@ -246,6 +249,7 @@ class Engine:
         window_cache: bool = True,
         prefix_sharing: bool | None = None,
         max_stop_tokens: Count = 16,
+        kv_dtype: str | None = None,
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
         log_steps: bool = False,
@@ -260,6 +264,7 @@ class Engine:
             raise ValueError(f"Engine prefill_rows={prefill_rows} exceeds max_batch={max_batch}")
         model.config.check_length(max_len, "Engine max_len")
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.page_size, self.chunk, self.prefill_rows = page_size, chunk, prefill_rows
         self.row_pages = -(-max_len // page_size)
         default_pages = max_batch * self.row_pages + 1
@@ -277,7 +282,11 @@ class Engine:
         self.records: list[StepRecord] = []
         pages = self.placement.place_arrays(
             model.init_pages(
-                n_pages, page_size, rows=max_batch if window_cache else 0, span=max_len
+                n_pages,
+                page_size,
+                kv_dtype=self.kv_dtype,
+                rows=max_batch if window_cache else 0,
+                span=max_len,
             )
         )
         pools, rings = pools_and_rings(pages)
@@ -645,5 +654,7 @@ class Engine:
 
     def contiguous_kv_bytes(self) -> int:
         """What a contiguous cache of `max_batch x max_len` with full-length layers would hold."""
-        per_token = kv_cache_bytes_per_token(self.model.config, self.model.policy)
+        per_token = kv_cache_bytes_per_token(
+            self.model.config, self.model.policy, kv_dtype=self.kv_dtype
+        )
         return self.max_batch * self.max_len * per_token

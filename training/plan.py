@@ -32,8 +32,9 @@ import math
 import equinox as eqx
 import jax
 
+from layers.kernels.paged.int8 import SCALE_DTYPE as INT8_SCALE_DTYPE
 from layers.moe import Capacity, expert_capacity
-from layers.paged_cache import POOL_AXES
+from layers.paged_cache import KV_DTYPES, LATENT_AXES, POOL_AXES, check_kv_dtype
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
 from shard.pipeline import check_pipeline
@@ -157,27 +158,37 @@ def kv_cache_bytes_per_device(
     context: int,
     *,
     per_head: bool = False,
+    kv_dtype: str | None = None,
 ) -> int:
     """Keys plus values of every layer in the cache's own layout and logical axes (the page pools
     of layers/paged_cache.py, `batch` rows of `context` tokens in pages of 16 as
-    `Transformer.init_cache` makes them), in the compute dtype, sharded by the activation rules. MLA
-    caches one latent per token and layer; `per_head=True` counts per-head keys and values of the
-    same heads instead (what MLA saves)."""
-    itemsize = zmath.bytes_per_element(policy.compute_dtype)
+    `Transformer.init_cache` makes them), in `kv_dtype` (None: the compute dtype; "int8": int8
+    numbers plus their scales, layers/kernels/paged/int8.py), sharded by the activation rules.
+    MLA caches one latent per token and layer; `per_head=True` counts per-head keys and values
+    of the same heads instead (what MLA saves)."""
+    dtype = check_kv_dtype(kv_dtype) or policy.compute_dtype
     page_size = 16
     pages = batch * -(-context // page_size)
-    if config.mla and not per_head:  # LatentPages
-        names = ("latent_heads", "pages", "page_size", "latent")
-        shape = (1, pages, page_size, config.mla_kv_rank + config.mla_rope_dim)
+
+    def pool(shape, names) -> int:
         spec = rules.partition_spec(names)
-        return config.n_layers * _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
+        if dtype != "int8":
+            itemsize = zmath.bytes_per_element(dtype)
+            return _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
+        scales = rules.partition_spec(names[:-1])
+        scale_bytes = zmath.bytes_per_element(INT8_SCALE_DTYPE)
+        return _shard_bytes("KV cache", shape, names, spec, sizes, 1) + _shard_bytes(
+            "KV cache scales", shape[:-1], names[:-1], scales, sizes, scale_bytes
+        )
+
+    if config.mla and not per_head:  # LatentPages
+        width = config.mla_kv_rank + config.mla_rope_dim
+        return config.n_layers * pool((1, pages, page_size, width), LATENT_AXES)
     heads, v_dim = config.n_kv_heads, config.head_dim
     if config.mla:
         heads, v_dim = config.n_heads, config.mla_v_head_dim
-    spec = rules.partition_spec(POOL_AXES)
     total = sum(
-        _shard_bytes("KV cache", (heads, pages, page_size, width), POOL_AXES, spec, sizes, itemsize)
-        for width in (config.head_dim, v_dim)
+        pool((heads, pages, page_size, width), POOL_AXES) for width in (config.head_dim, v_dim)
     )
     return config.n_layers * total
 
@@ -212,10 +223,11 @@ def plan(
     context: int | None = None,
     microbatches: int = 1,
     offload_opt_state: bool = False,
+    kv_dtype: str | None = None,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
-    tokens per row, default `seq`) on a mesh of `mesh_shape`, with `policy`'s dtypes, kernel
-    and MoE dispatch (activations are listed for every remat policy).
+    tokens per row, default `seq`, in `kv_dtype`) on a mesh of `mesh_shape`, with `policy`'s
+    dtypes, kernel and MoE dispatch (activations are listed for every remat policy).
 
     Parameters, Adam state and KV cache are exact (the model's own logical axes under the
     rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
@@ -346,7 +358,9 @@ def plan(
         adam_state=0 if offload_opt_state else 2 * held.total + 4,
         adam_state_on_host=2 * held.total + 4 if offload_opt_state else 0,
         activations=activations,
-        kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
+        kv_cache=kv_cache_bytes_per_device(
+            config, policy, rules, sizes, batch, context or seq, kv_dtype=kv_dtype
+        ),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
         stages=stages,
@@ -355,7 +369,7 @@ def plan(
         context_attention=costs,
         context_kernel=chosen and chosen.kernel,
         kv_cache_per_head=kv_cache_bytes_per_device(
-            config, policy, rules, sizes, batch, context or seq, per_head=True
+            config, policy, rules, sizes, batch, context or seq, per_head=True, kv_dtype=kv_dtype
         )
         if config.mla
         else None,
@@ -483,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
     parser.add_argument("--hardware", default="h100", choices=list(zmath.HARDWARE))
     parser.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, default=None, help="KV cache pages (default: --dtype)"
+    )
+    parser.add_argument(
         "--moe-dispatch", choices=["dropless", "capacity"], default="dropless", help="MoE models"
     )
     parser.add_argument(
@@ -522,6 +539,7 @@ def _print_plan(args: argparse.Namespace) -> None:
         hardware=hardware,
         microbatches=microbatches,
         offload_opt_state=args.offload_opt_state,
+        kv_dtype=args.kv_dtype,
     )
     print(format_plan(p))
     if args.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:
