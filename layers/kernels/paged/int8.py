@@ -26,7 +26,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8
 
-SCALE_DTYPE = jnp.bfloat16
+SCALE_DTYPE = "bfloat16"
 LEVELS = 127  # symmetric: -127..127, so negating a key negates its numbers
 
 
