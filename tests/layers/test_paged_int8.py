@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layers.kernels.paged import Int8Pages, paged_attention, write_pages
+from layers.kernels.paged import Int8Pages, PallasDecodeKernel, paged_attention, write_pages
 from layers.kernels.paged.int8 import LEVELS, dequantize, quantize
 from layers.paged_cache import POOL_AXES
+from tests.layers.test_flash import cuda_mesh
 from tests.layers.test_paged import DECODE_CASES, EPS, KERNELS, Case, assert_close, build
 
 # bfloat16 keeps 8 significant bits: rounding moves a number by at most 2^-8 of it.
@@ -166,3 +167,30 @@ def test_int8_pools_pass_the_kernels_checks_and_mixed_pools_are_refused():
     (q, k_pages, v_pages, table, lengths), q_positions, _ = build(case)
     with pytest.raises(ValueError, match="same shape and dtype"):
         paged_attention(q, as_int8(k_pages), v_pages, table, lengths, q_positions=q_positions)
+
+
+def test_int8_pallas_decode_lowers_for_cuda_through_triton():
+    """The real (non-interpret) kernel over int8 pools and their scales, bf16 queries at
+    GPU-like sizes, passes Triton's lowering checks without a GPU (no GPU run yet)."""
+    b, heads, kv_heads, d, page_size, n_pages, row_pages = 8, 32, 8, 128, 16, 256, 32
+    numbers = jax.ShapeDtypeStruct((kv_heads, n_pages, page_size, d), jnp.int8)
+    scales = jax.ShapeDtypeStruct((kv_heads, n_pages, page_size), jnp.bfloat16)
+    shapes = (
+        jax.ShapeDtypeStruct((b, 1, heads, d), jnp.bfloat16),
+        numbers,
+        scales,
+        jax.ShapeDtypeStruct((b, row_pages), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, 1), jnp.int32),
+    )
+
+    def step(q, numbers, scales, table, lengths, q_positions):
+        pool = Int8Pages(numbers, scales, POOL_AXES)
+        return paged_attention(
+            q, pool, pool, table, lengths, q_positions=q_positions,
+            kernel=PallasDecodeKernel(interpret=False),
+        )  # fmt: skip
+
+    with jax.sharding.use_abstract_mesh(cuda_mesh()):
+        lowered = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
