@@ -139,15 +139,16 @@ def pack_examples_stream(
 
 
 def to_batch(tokens: np.ndarray, segments: np.ndarray, answers: np.ndarray | None = None) -> Batch:
-    """Shift rows `[batch, seq + 1]` into inputs and targets; mask targets across documents and,
-    given `answers` (`[batch, seq + 1]`), targets that are not answer tokens."""
-    mask = segments[:, 1:] == segments[:, :-1]
+    """Shift rows `[..., seq + 1]` (`[batch, seq + 1]`, or `[pairs, 2, seq + 1]` for preference
+    data) into inputs and targets; mask targets across documents and, given `answers` (same
+    shape), targets that are not answer tokens."""
+    mask = segments[..., 1:] == segments[..., :-1]
     if answers is not None:
-        mask = mask & answers[:, 1:]
+        mask = mask & answers[..., 1:]
     return Batch(
-        inputs=tokens[:, :-1],
-        targets=tokens[:, 1:],
-        segment_ids=segments[:, :-1],
+        inputs=tokens[..., :-1],
+        targets=tokens[..., 1:],
+        segment_ids=segments[..., :-1],
         loss_mask=mask.astype(np.float32),
     )
 
@@ -191,11 +192,14 @@ class Batches:
     def per_epoch(self) -> int:
         return len(self.tokens) // self.batch_size
 
-    def batch(self, index: int) -> Batch:
+    def rows(self, index: int) -> np.ndarray:
+        """The rows of batch `index`: epoch `index // per_epoch`'s seeded order, cut."""
         epoch, i = divmod(index, self.per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
-        rows = order[i * self.batch_size : (i + 1) * self.batch_size]
-        return self._batch(rows)
+        return order[i * self.batch_size : (i + 1) * self.batch_size]
+
+    def batch(self, index: int) -> Batch:
+        return self._batch(self.rows(index))
 
     def _batch(self, rows) -> Batch:
         answers = None if self.answers is None else self.answers[rows]

@@ -16,7 +16,9 @@ def shard_batch(batch: PyTree, rules: ShardingRules, mesh: Mesh, axes: str = "ba
 
     def place(x):
         x = np.asarray(x)
-        check_divisible(f"batch array {x.shape}", x.shape, names, sharding.spec, dict(mesh.shape))
+        # `axes` name the leading dims; any further ones (a preference pair's side) are whole.
+        leading = x.shape[: len(names)]
+        check_divisible(f"batch array {x.shape}", leading, names, sharding.spec, dict(mesh.shape))
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     return jax.tree.map(place, batch)

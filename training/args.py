@@ -122,12 +122,26 @@ class Args:
         default="stdlib",
     )
     text_column: str = _help("column holding the documents' text", default="text")
-    data_format: Literal["auto", "text", "chat", "completion", "alpaca"] = _help(
+    data_format: Literal["auto", "text", "chat", "completion", "alpaca", "preference"] = _help(
         "what --data holds: text (documents, loss on every token), chat (a 'messages' column), "
         "completion ('prompt', 'completion') or alpaca ('instruction', 'input', 'output'), the "
-        "loss on the answers only; auto: found from the columns (text when there is a "
-        "--text-column)",
+        "loss on the answers only; preference ('prompt', 'chosen', 'rejected': pairs for "
+        "--preference-loss); auto: found from the columns (text when there is a --text-column)",
         default="auto",
+    )
+    preference_loss: Literal["dpo", "ipo", "simpo", "orpo"] = _help(
+        "with preference data: DPO (Rafailov et al. 2023), IPO (Azar et al. 2023), SimPO (Meng "
+        "et al. 2024) or ORPO (Hong et al. 2024); SimPO and ORPO need no reference model",
+        default="dpo",
+    )
+    beta: float | None = _help(
+        "the preference loss's strength: DPO's beta, IPO's tau, SimPO's beta, ORPO's lambda "
+        "(default: each paper's, 0.1, 0.1, 2.0 and 0.1)",
+        default=None,
+        bounds=POSITIVE,
+    )
+    simpo_gamma: float = _help(
+        "SimPO's target reward margin gamma", default=1.0, bounds=NON_NEGATIVE
     )
     truncate: bool = _help(
         "cut instruction examples longer than --seq-len (and drop those left with no answer "

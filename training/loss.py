@@ -12,6 +12,7 @@ Megatron and Switch do per device batch). A dense model's aux loss is exactly 0.
 import dataclasses
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
@@ -42,12 +43,16 @@ class AuxWeights:
 
 
 class LossTerms(NamedTuple):
-    """`nll_sum / tokens` is the mean cross-entropy; `aux_loss` is added to it once per batch."""
+    """`nll_sum / tokens` is the mean cross-entropy; `aux_loss` is added to it once per batch.
+    Another objective (training/preference.py) puts its loss summed over what it averages in
+    `nll_sum` and their count in `tokens`; `stats` holds its extra metrics as sums over the
+    same count."""
 
     nll_sum: Float[Array, ""]
     tokens: Float[Array, ""]
     aux_loss: Float[Array, ""]
     moe: MoEStats
+    stats: dict[str, Float[Array, ""]] | None = None
 
 
 DEFAULT_AUX_WEIGHTS = AuxWeights()
@@ -71,3 +76,25 @@ def loss_terms(
         ),
         moe=out.aux,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """The training step's objective for token data (training/step.py): `loss_terms`, averaged
+    over the whole batch's counted tokens (`total`). Batches are `[batch, seq]` (`batch_axes`)."""
+
+    aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS
+    batch_axes: str = "batch seq"
+
+    def total(self, batch: Batch) -> Float[Array, ""]:
+        return jnp.sum(batch.loss_mask.astype(jnp.float32))
+
+    def terms(self, model: Transformer, batch: Batch) -> LossTerms:
+        return loss_terms(model, batch, self.aux_weights)
+
+    def abstract_batch(self, batch_size: int, seq_len: int, sharding=None) -> Batch:
+        """Shapes, dtypes (and sharding) of a batch as packing makes it: what the step is
+        compiled for before any data arrives."""
+        ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
+        mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=sharding)
+        return Batch(inputs=ids, targets=ids, segment_ids=ids, loss_mask=mask)

@@ -350,7 +350,7 @@ RECORD = "run.json"
 LOCK = ".lock"
 # What a run's files belong to: replaced by --overwrite, never by a new run without it.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", RECORD, "tokenizer.tiktoken",
-             "tokenizer.source")  # fmt: skip
+             "tokenizer.source", "reference.npy", "reference_val.npy")  # fmt: skip
 
 
 class Lock:
