@@ -20,6 +20,7 @@ from pathlib import Path
 
 import infer
 import zoo
+from layers.paged_cache import KV_DTYPES
 from shard.xla_flags import set_default_xla_flags
 
 
@@ -41,14 +42,15 @@ class Chat:
     def __init__(self, checkpoint: str | Path, *, model: zoo.Transformer | None = None,
                  chat_template: str | None = None, system: str | None = None,
                  max_len: int = 2048, max_new_tokens: int = 256,
-                 sampler: infer.Sampler | None = None, write=sys.stdout.write):  # fmt: skip
+                 sampler: infer.Sampler | None = None, kv_dtype: str | None = None,
+                 write=sys.stdout.write):  # fmt: skip
         """The checkpoint's tokenizer and model, or `model` (e.g. fine-tuned from it)."""
         self.tokenizer = zoo.load_tokenizer(checkpoint, chat_template=chat_template)
         # load_pretrained gives the fastest decode storage (per-layer weights); a fine-tuned
         # model handed in is stacked for training: converted once.
         model = (model or zoo.load_pretrained(checkpoint)).with_policy(storage="unrolled")
         self.engine = infer.Engine(
-            model, max_batch=1, max_len=min(max_len, model.config.max_seq_len)
+            model, max_batch=1, max_len=min(max_len, model.config.max_seq_len), kv_dtype=kv_dtype
         )
         self.messages = [{"role": "system", "content": system}] if system else []
         self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
@@ -96,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048, help="tokens the conversation may hold")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, help="KV cache pages (default: the compute dtype)"
+    )
     return p.parse_args(argv)
 
 
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> list[infer.Request]:
     chat = Chat(
         args.checkpoint or smollm2_gguf(), chat_template=args.chat_template, system=args.system,
         max_len=args.max_len, max_new_tokens=args.max_new_tokens, sampler=sampler,
+        kv_dtype=args.kv_dtype,
     )  # fmt: skip
     print(f"(loaded and compiled in {time.perf_counter() - t0:.1f} s)")
     replies = []

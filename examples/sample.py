@@ -29,6 +29,7 @@ import jax
 import infer
 import shard
 import zoo
+from layers.paged_cache import KV_DTYPES
 from shard.xla_flags import set_default_xla_flags
 from training.args import FRACTION, NON_NEGATIVE, POSITIVE_INT, PROBABILITY, SEED
 from training.run_dir import load_run
@@ -102,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
         "--chunk-size", type=POSITIVE_INT.flag_type(), default=4, help="tokens per streamed chunk"
     )
     p.add_argument("--seed", type=SEED.flag_type(), default=0)
+    p.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, help="KV cache pages (default: the compute dtype)"
+    )
     p.add_argument("--mesh", help="device mesh, e.g. data=2,tensor=4 (needs --rules)")
     p.add_argument("--rules", choices=shard.presets(), help="sharding strategy for --mesh")
     return p
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             on_tokens=on_tokens,
             chunk_size=args.chunk_size,
             placement=placement,
+            kv_dtype=args.kv_dtype,
         )
 
     print("compiling ...", file=sys.stderr, flush=True)

@@ -44,6 +44,8 @@ def test_filters_sample_at_temperature_one_unless_given():
         (["--stop-ids", "-3"], "--stop-ids: token ids are non-negative"),
         (["--top-k", "5", "--top-p", "0.9"], "--top-p: not allowed with argument --top-k"),
         (["--mesh", "data=2"], "--mesh and --rules go together"),
+        (["--kv-dtype", "int4"], "--kv-dtype: invalid choice: 'int4' (choose from 'float32', "
+         "'bfloat16', 'float16', 'int8')"),
     ],
 )  # fmt: skip
 def test_bad_flags_name_the_flag(flags, message, capsys):
