@@ -37,6 +37,7 @@ from layers.kernels.mask import causal_mask
 from layers.kernels.paged import (
     Int8Pages,
     PagedKernel,
+    Pool,
     XlaPagedKernel,
     paged_attention,
     write_pages,
@@ -48,8 +49,6 @@ from layers.window_cache import LayerWindow, WindowSlot
 POOL_AXES = ("kv_heads", "pages", "page_size", "head_dim")
 LATENT_AXES = ("latent_heads", "pages", "page_size", "latent")
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
-
-Pool = Float[Array, "*layers kv_heads pages page_size head_dim"] | Int8Pages
 
 
 def check_kv_dtype(kv_dtype: DTypeLike | None) -> str | None:

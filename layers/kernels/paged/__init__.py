@@ -20,12 +20,13 @@ from layers.kernels.paged.attention import (
     paged_attention,
 )
 from layers.kernels.paged.int8 import Int8Pages
-from layers.kernels.paged.pages import check_page_table, visible, write_pages
+from layers.kernels.paged.pages import Pool, check_page_table, visible, write_pages
 
 __all__ = [
     "Int8Pages",
     "PagedKernel",
     "PallasDecodeKernel",
+    "Pool",
     "XlaPagedKernel",
     "check_page_table",
     "paged_attention",

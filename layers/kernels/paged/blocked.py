@@ -69,15 +69,13 @@ def blocked_attention(
         rows = pool[:, pages] if layer is None else pool[layer, :, pages]
         if layer is not None:  # the layer index apart from the pages puts [groups, ...] first
             rows = jnp.moveaxis(rows, 2, 0)
-        return rows.reshape(n_kv, g, block, *rows.shape[4:])
+        return rows.reshape(n_kv, g, block, *rows.shape[4:]).astype(jnp.float32)
 
-    def read(pool, pages):  # the numbers [kv, g, block, d], and the scales [g, kv, 1, 1, block]
+    def read(pool, pages):  # the numbers [kv, g, block, d]; int8: the scales [g, kv, 1, 1, block]
         if not isinstance(pool, Int8Pages):
-            return gather(pool, pages).astype(jnp.float32), None
-        scales = gather(pool.scales, pages).astype(jnp.float32)
-        return gather(pool.values, pages).astype(jnp.float32), jnp.moveaxis(scales, 1, 0)[
-            :, :, None, None
-        ]
+            return gather(pool, pages), None
+        scales = jnp.moveaxis(gather(pool.scales, pages), 1, 0)
+        return gather(pool.values, pages), scales[:, :, None, None]
 
     def step(i, carry):
         top, denom, acc = carry  # [g, kv, group, s] twice, [g, kv, group, s, d]
