@@ -8,6 +8,8 @@
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
     python train.py --init-from SmolLM2.gguf --data examples/data/chat.jsonl --lr 3e-5  # chat SFT
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
+    python train.py --mesh pipeline=4,data=2 --pipeline-schedule 1f1b       # a pipeline
+    python train.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...  # on each host
     python train.py --help                   # every setting; --config FILE sets them from a file
 
 In Python: `train.run(Args(...)) -> RunResult` (examples/ call it).
@@ -16,13 +18,20 @@ Every run owns its run directory (`--out`): it records what defines the run in `
 a lock while it trains, and writes `metrics.jsonl`, `checkpoints/` and `loss.png`. It prints the
 predicted (zoo.math roofline) next to the measured step time and memory, and logs loss, tokens/s,
 step time, data-wait time and MFU. The step is compiled before the loop, and metrics stay on
-the device until a log step (no host sync per step).
+the device until a log step (no host sync per step); logging, evaluation and checkpoints are the
+loop's periodic hooks (training/loop.py).
+
+Several processes (one per host, `--coordinator/--num-processes/--process-id` or a launcher's
+environment: training/distributed.py) run one run: each loads only its rows of every batch,
+process 0 holds the run directory and writes its record, metrics, plot and log, every process
+writes its shards of each checkpoint.
 """
 
 import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,7 +44,7 @@ from tqdm import tqdm
 
 from data import packing, supervised
 from data.corpus import write_stdlib_corpus
-from data.datasets import ROW, load_examples, tokenize
+from data.datasets import ROW, load_examples, quiet_progress, tokenize
 from data.formats import row_messages
 from data.prefetch import Prefetcher
 from data.supervised import PAIR_ROLES
@@ -44,9 +53,10 @@ from layers.moe import MoEStats
 from shard import Placement
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
-from training import lora_run, offload, preference_run
+from training import distributed, loop, lora_run, offload, preference_run, run_model
 from training import run_dir as runs
-from training.args import ArgError, Args, accumulation, check, given, parse_args
+from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
+from training.distributed import Processes
 from training.loss import CrossEntropy
 from training.model_config import (
     DEFAULT_MODEL,
@@ -93,7 +103,9 @@ class RunResult:
 
 
 def say(message: str) -> None:
-    tqdm.write(message, file=sys.stdout)
+    """Print a log line (process 0 alone speaks for a run of several)."""
+    if jax.process_index() == 0:
+        tqdm.write(message, file=sys.stdout)
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
@@ -170,6 +182,7 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
     )
     tokenizer = chat_tokenizer(args, data_format, sample, cache, run_dir)
     supervised.check_tokenizer(tokenizer, data_format)
+    say(f"data: rendering the {data_format} examples with the chat template and packing them ...")
     roles = supervised.roles(tokenizer)
     encoding = getattr(tokenizer, "encoding", tokenizer)
     eot = encoding.eot_token
@@ -205,13 +218,20 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
         train = packing.Batches(tokens, segments, args.batch_size, args.seed, answers)
         entropy = unigram_entropy(tokens[answers])
         say(f"data: training: {counts.line()}; packed whole into {len(tokens):,} rows")
-    return encoding, train, val.in_order(args.eval_batches), entropy
+    return encoding, train, val, entropy
 
 
 def load_data(args: Args, run_dir: Path):
-    """Tokenizer, training batches, fixed validation batches, the unigram entropy and the data's
-    format (`--data-format`, or the one `auto` found). Preference data gives the tokenizer and
+    """Tokenizer, training batches, validation batches (their first `--eval-batches` in order
+    are the held-out set), the unigram entropy and the data's format (`--data-format`, or the
+    one `auto` found); datasets' own progress bars off. Preference data gives the tokenizer and
     its pairs (training/preference_run.py), whose reference log-probabilities come later."""
+    say(f"data: reading {args.data} ...")
+    with quiet_progress():
+        return _load_data(args, run_dir)
+
+
+def _load_data(args: Args, run_dir: Path):
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
     dataset, data_format = load_examples(
@@ -234,6 +254,7 @@ def load_data(args: Args, run_dir: Path):
     def ids(docs):
         return (d["ids"] for d in tokenize(docs, encoding, column=args.text_column))
 
+    say(f"data: tokenizing and packing into rows of {args.seq_len} tokens ...")
     val_tokens, val_segments = packing.pack(ids(val_docs), args.seq_len, eot)
     val = packing.Batches(
         val_tokens, val_segments, min(args.batch_size, len(val_tokens)), args.seed
@@ -249,7 +270,7 @@ def load_data(args: Args, run_dir: Path):
             f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
             f"{val_tokens.size:,} held out"
         )
-    return encoding, train, val.in_order(args.eval_batches), entropy, data_format
+    return encoding, train, val, entropy, data_format
 
 
 def stop_not_finite(what: str, run_dir: Path) -> None:
@@ -291,12 +312,13 @@ def build_model(
     if args.resume:
         name = runs.read_record(run_dir)["settings"].get("init_from") or args.model
         if args.lora_rank:
-            return runs.lora_model(run_dir, run_policy, placement), name
+            return run_model.lora_model(run_dir, run_policy, placement), name
         config = runs.checkpoint_config(run_dir)[0]
         return runs.abstract_model(config, run_policy), name or DEFAULT_MODEL
     if args.init_from:
+        say(f"model: loading {args.init_from} ...")
         if runs.is_run(args.init_from):
-            model = runs.run_model(args.init_from, policy=run_policy, placement=placement)
+            model = run_model.run_model(args.init_from, policy=run_policy, placement=placement)
         else:
             from zoo import load_pretrained  # needs the `checkpoints` extra (safetensors, gguf)
 
@@ -319,8 +341,8 @@ def build_model(
 
 
 def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
-    """Leave the run's tokenizer in the run directory (so `run_dir.load_run` and
-    `examples/sample.py --run` decode with it): a trained or rank-file BPE as a rank file, an
+    """Leave the run's tokenizer in the run directory (so `run_model.load_run` and
+    `eqx-zoo sample --model RUN` decode with it): a trained or rank-file BPE as a rank file, an
     OpenAI encoding name or the --init-from tokenizer as text. Returns its spec."""
     if args.init_from and args.tokenizer == "bpe":
         spec = init_tokenizer_spec(args.init_from)
@@ -335,9 +357,32 @@ def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
 
 def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args:
     """`args` with the run's recorded defining settings; a given flag that contradicts one is an
-    error naming the flag and both values."""
-    recorded = runs.read_record(run_dir)["settings"]
+    error naming the flag and both values. Without `--steps` the run trains to its own
+    recorded target; a given `--steps` becomes its new target. A pipeline's micro-batch count,
+    unless given, is chosen again for the recorded batch."""
+    record = runs.read_record(run_dir)
+    recorded, step = record["settings"], runs.latest_step(run_dir)
     changes = {}
+    if "steps" in given_names and args.steps <= step:
+        raise ArgError(
+            "--steps",
+            f"{args.steps} is not beyond the run's step {step}: --resume continues to "
+            f"--steps, so give more than {step}",
+        )
+    if "steps" not in given_names and "steps" in recorded:
+        changes["steps"] = recorded["steps"]
+        if recorded["steps"] <= step:
+            raise ArgError(
+                "--steps",
+                f"--resume {str(run_dir)!r}: the run reached its target, step {step} of "
+                f"{recorded['steps']}; give --steps beyond {step} to train it further",
+            )
+    elif "steps" not in given_names:  # a run recorded before its target was
+        raise ArgError(
+            "--steps",
+            f"--resume {str(run_dir)!r}: the run records no target number of steps (it was "
+            "started by an older train.py); give --steps",
+        )
     for name in DEFINING:
         value = getattr(args, name)
         if name == "init_from":  # where the run started; a resume continues from the run
@@ -351,15 +396,19 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
                 f"not {value!r}; drop the flag (or start a new run with another --out)",
             )
         changes[name] = recorded[name]
+    if "microbatches" not in given_names:
+        changes["microbatches"] = None
     args = dataclasses.replace(args, **changes)
     check(args)
+    if args.steps != recorded.get("steps") and jax.process_index() == 0:  # process 0 writes
+        runs.write_record(run_dir, {**record, "settings": {**recorded, "steps": args.steps}})
     return args
 
 
-def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_s,
-             predicted_line) -> dict | None:  # fmt: skip
+def log_step(telemetry, step, metrics, config, schedule, *, timing, predicted_line) -> dict | None:
     """Print and record one metrics line; the first step's (the starting point, e.g. the
-    pretrained model's loss) has no timing. Returns the timed record."""
+    pretrained model's loss) has no `timing` (step seconds, data-wait seconds). Returns the
+    timed record."""
     loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
     stats = {name: float(value) for name, value in metrics.stats.items()}
     moe = {**stats}
@@ -370,10 +419,11 @@ def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_
             "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
         }
     shown = "".join(f" | {name} {value:.3f}" for name, value in stats.items())
-    if first:
+    if timing is None:
         telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
         say(f"step {step}: loss {loss:.4f}{shown}")
         return None
+    step_s, wait_s = timing
     if predicted_line:
         say(telemetry.predicted_line(step_s))
     record = telemetry.log(
@@ -397,9 +447,36 @@ def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_
     return record
 
 
-def main(argv: list[str] | None = None) -> RunResult:
-    """The command line: `run` on the parsed flags."""
-    return run(parse_args(argv), given_names=given(argv))
+def pipeline_line(args: Args, config, placement: Placement, chosen: bool) -> str:
+    """What a pipeline does per step: stages, schedule, micro-batches (and whether they were
+    chosen here), and zoo.math's bubble and activation memory per stage."""
+    stages, (accum, m) = pipeline_stages(args), accumulation(args)
+    virtual = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
+    bubble = zmath.pipeline_bubble(stages, m, virtual=virtual)
+    tokens = args.batch_size // accum * args.seq_len // (placement.devices // stages)
+    activations = zmath.pipeline_activation_bytes(
+        config, args.seq_len, policy(args), tokens=tokens, stages=stages, microbatches=m,
+        schedule=args.pipeline_schedule, virtual=virtual,
+    )  # fmt: skip
+    how = (
+        f"the most up to 4 x {stages} stages that split each batch of "
+        f"{args.batch_size // accum} evenly over the batch's mesh axes; --microbatches to choose"
+        if chosen
+        else "--microbatches"
+    )
+    return (
+        f"pipeline: {stages} stages, {args.pipeline_schedule} schedule"
+        f"{f' ({virtual} virtual stages per device)' if virtual > 1 else ''}, {m} micro-batches "
+        f"of {args.batch_size // accum // m} sequences ({how}); predicted (zoo.math): bubble "
+        f"{bubble:.1%} of the step, activations {activations / 1e9:.3f} GB per stage"
+    )
+
+
+def main(argv: list[str] | None = None, **command) -> RunResult:
+    """The command line: `run` on the parsed flags. `command` (`prog`, `description`,
+    `overrides` of the defaults, `epilog`) describes the command line that calls it (the CLI's
+    `eqx-zoo train` and `eqx-zoo finetune`, training.args.parser)."""
+    return run(parse_args(argv, **command), given_names=given(argv))
 
 
 def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
@@ -412,6 +489,7 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             for f in dataclasses.fields(Args)
             if getattr(args, f.name) != getattr(defaults, f.name)
         )
+    processes = distributed.start(args)  # before anything touches a device
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     check_sequence_length(args.seq_len, placement.sequence_shards)
     if args.offload_opt_state:
@@ -422,13 +500,82 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             f"--init-from {args.init_from!r} is this run's own directory: --init-from starts a "
             "new run from it (give another --out), --resume continues it"
         )
-    with runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite):
+    # Process 0 holds the run directory; every process checks it runs the same run.
+    lock = distributed.agree(
+        processes,
+        args,
+        run_dir,
+        lambda: runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite),
+    )
+    try:
         if args.resume:
             args = resumed_args(args, given_names, run_dir)
-        return _train(args, placement, run_dir)
+        result = _train(args, placement, run_dir, processes, given_names)
+    finally:
+        if lock is not None:
+            lock.close()
+    distributed.stop(processes)
+    return result
 
 
-def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
+def data_feeds(
+    args: Args, placement: Placement, objective, model: Transformer, train_data, val_data,
+    run_dir: Path,
+) -> tuple[list, Callable[[int], Prefetcher]]:  # fmt: skip
+    """(the held-out batches on the devices, `train_batches(position)`). Each process loads only
+    the rows of every batch its devices hold; preference pairs (one process only,
+    training/preference_run.py) first get their reference log-probabilities from `model` and
+    are loaded whole."""
+    if isinstance(objective, PreferenceObjective):
+        place = partial(placement.batch, axes=objective.batch_axes)
+        train_data, val_batches = preference_run.attach_reference(
+            args, model, train_data, val_data, run_dir, place, say
+        )
+        return [place(b) for b in val_batches], lambda at: Prefetcher(train_data.iterate(at), place)
+    rows = placement.process_rows(val_data.batch_size, args.seq_len)
+    val_batches = [
+        placement.batch(b, rows=rows, total=val_data.batch_size)
+        for b in val_data.in_order(args.eval_batches, rows)
+    ]
+    train_rows = placement.process_rows(args.batch_size, args.seq_len)
+    return val_batches, lambda at: Prefetcher(
+        train_data.iterate(at, train_rows),
+        lambda b: placement.batch(b, rows=train_rows, total=args.batch_size),
+    )
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything the loop needs, prepared by `prepare`: the run's settings and directory, its
+    processes, the compiled steps and their state, the data (`train_batches(position)`, the
+    training batches from number `position` on, prefetched onto the devices) and the telemetry;
+    `result` is filled in as the run goes."""
+
+    args: Args
+    run_dir: Path
+    processes: Processes
+    placement: Placement
+    config: Any
+    static: Any
+    params: Any
+    opt_state: Any
+    train_fn: Any
+    eval_fn: Any
+    schedule: Any
+    telemetry: Telemetry
+    train_batches: Callable[[int], Prefetcher]
+    val_batches: list
+    start: int
+    position: int
+    rng: jax.Array
+    result: RunResult
+
+
+def prepare(
+    args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
+) -> Job:
+    """Data, tokenizer, model (fresh, imported or restored), the run's record, the optimizer
+    and the compiled step, each announced on the log."""
     start = 0
     if args.resume:
         start = runs.latest_step(run_dir)
@@ -438,7 +585,10 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 f"{args.steps} is not beyond the run's step {start}: --resume continues to "
                 f"--steps, so give more than {start}",
             )
-    encoding, train_data, val_batches, entropy, data_format = load_data(args, run_dir)
+    # Process 0 first: it fills the caches (corpus, trained tokenizer) the others then read.
+    encoding, train_data, val_data, entropy, data_format = distributed.primary_first(
+        processes, lambda: load_data(args, run_dir)
+    )
     # Recorded as found, not `auto`: a resume reads its data in the same format or fails.
     args = dataclasses.replace(args, data_format=data_format)
     say(
@@ -451,14 +601,12 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     objective = CrossEntropy(aux_weights(args))
     if data_format == "preference":
         objective = PreferenceObjective(preference_run.preference_loss(args), aux_weights(args))
-    place = partial(placement.batch, axes=objective.batch_axes)
-    if data_format == "preference":
-        train_data, val_batches = preference_run.attach_reference(
-            args, model, train_data, val_batches, run_dir, place, say
-        )
-    if not args.resume:
+    val_batches, train_batches = data_feeds(
+        args, placement, objective, model, train_data, val_data, run_dir
+    )
+    if not args.resume and processes.primary:
         spec = record_tokenizer(args, encoding, run_dir)
-        settings = {name: getattr(args, name) for name in DEFINING}
+        settings = {name: getattr(args, name) for name in (*DEFINING, "steps")}
         record = {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
         if args.lora_rank and args.init_from:
             base = Path(args.init_from).resolve()
@@ -474,10 +622,13 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         if args.lora_rank
         else f"{n_params / 1e6:.2f}M parameters"
     )
+    where = f"; {processes.describe()}" if processes.count > 1 else ""
     say(
         f"model: {name}, {trains}, compute {run_policy.compute_dtype}, "
-        f"kernel {run_policy.kernel_name}, on {placement.describe()}"
+        f"kernel {run_policy.kernel_name}, on {placement.describe()}{where}"
     )
+    if pipeline_stages(args) > 1:
+        say(pipeline_line(args, config, placement, "microbatches" not in given_names))
     schedule = learning_rate(
         args.schedule,
         peak=args.lr,
@@ -503,11 +654,13 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         opt_state = placement.init_opt_state(optimizer, params)
         if memory is not None:
             opt_state = jax.device_put(opt_state, memory[1])
+    accum = accumulation(args)[0]
     train_fn, eval_fn = compile_steps(
-        static, optimizer, accumulation(args)[0], placement=placement, model=model,
-        opt_state_memory=memory, objective=objective,
+        static, optimizer, accum, placement=placement, model=model, opt_state_memory=memory,
+        objective=objective,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
+    say("compiling the train step ...")
     t0 = time.perf_counter()
     batch_spec = objective.abstract_batch(
         args.batch_size, args.seq_len, placement.batch_sharding(objective.batch_axes)
@@ -521,92 +674,116 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     sequences = args.batch_size * (2 if data_format == "preference" else 1)  # a pair is two
     telemetry = Telemetry(
         run_dir, config, run_policy, sequences, args.seq_len, hw,
-        accum=accumulation(args)[0], lora=lora,
+        accum=accum, lora=lora, write=processes.primary,
     )  # fmt: skip
+    if args.resume:
+        telemetry.forget_after(start)
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
-    val_batches = [place(b) for b in val_batches]
     result = RunResult(run_dir, None, encoding, start, None, None, None, entropy, None, {})
+    return Job(
+        args, run_dir, processes, placement, config, static, params, opt_state, train_fn,
+        eval_fn, schedule, telemetry, train_batches, val_batches, start, position, rng, result,
+    )  # fmt: skip
+
+
+def hooks(job: Job, clock: loop.StepClock, checkpointer: runs.Checkpointer) -> list[loop.Hook]:
+    """The loop's periodic hooks: log a metrics line (and the first step's, the starting
+    point), evaluate on the held-out batches, write a checkpoint. The time the last two take
+    is left out of the step time."""
+    args, result, telemetry = job.args, job.result, job.telemetry
+
+    def log(state: loop.State) -> None:
+        timing = clock.lap()
+        first_timed = timing is not None and not result.record
+        result.record = log_step(
+            telemetry, state.step, state.metrics, job.config, job.schedule, timing=timing,
+            predicted_line=first_timed,
+        ) or result.record  # fmt: skip
+        if job.config.n_experts:
+            result.moe = state.metrics.moe
+
+    def validate(state: loop.State) -> None:
+        with clock.paused():
+            result.val_loss = evaluate(job.eval_fn, state.params, job.val_batches)
+            telemetry.log(step=state.step, val_loss=result.val_loss)
+            say(
+                f"step {state.step:5d} | validation loss {result.val_loss:.4f} "
+                f"(unigram entropy {result.unigram_entropy:.3f})"
+            )
+
+    def save(state: loop.State) -> None:
+        with clock.paused():
+            if not bool(all_finite(state.params)):
+                stop_not_finite(f"the weights after step {state.step}", job.run_dir)
+            blocked = checkpointer.save(
+                params=state.params, opt_state=state.opt_state, step=state.step,
+                data_position=job.position + state.step - job.start, rng=job.rng,
+            )  # fmt: skip
+            telemetry.log(step=state.step, checkpoint_blocked_s=blocked)
+            say(
+                f"step {state.step:5d} | checkpoint {checkpointer.path(state.step).name}: the "
+                f"loop was blocked {blocked * 1e3:.1f} ms (written in the background)"
+            )
+
+    return [
+        loop.Hook(args.log_every, log, first=True),
+        loop.Hook(args.eval_every, validate),
+        loop.Hook(args.checkpoint_every, save),
+    ]
+
+
+def _train(
+    args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
+) -> RunResult:
+    job = prepare(args, placement, run_dir, processes, given_names)
+    args, result = job.args, job.result
     if args.init_from and not args.resume:
-        val_loss = evaluate(eval_fn, params, val_batches)
-        telemetry.log(step=0, val_loss=val_loss)
-        say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
-        result.initial_val_loss = val_loss
-    batches = Prefetcher(train_data.iterate(position), place)
+        result.initial_val_loss = evaluate(job.eval_fn, job.params, job.val_batches)
+        job.telemetry.log(step=0, val_loss=result.initial_val_loss)
+        say(
+            f"step     0 | validation loss {result.initial_val_loss:.4f} (the pretrained "
+            "starting point)"
+        )
+    batches = job.train_batches(job.position)
     # Checkpoints are written in the background while the loop goes on (training/state.py).
-    checkpointer = runs.Checkpointer(run_dir, config=config, policy=run_policy, keep=args.keep)
-    bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
-    # Step time is measured over the steps between two log lines (the device is waited for
-    # only there), less the time spent evaluating and checkpointing in between.
-    window_start, window_wait, window_steps, excluded, first_log = None, 0.0, 0, 0.0, True
+    checkpointer = runs.Checkpointer(
+        run_dir, config=job.config, policy=job.static.policy, keep=args.keep
+    )
+    bar = tqdm(
+        total=args.steps, initial=job.start, disable=not (args.progress and processes.primary),
+        desc="train",
+    )  # fmt: skip
+    clock = loop.StepClock(lambda: batches.wait_s)
+
+    def check_finite(state: loop.State) -> None:
+        loss, grad_norm = float(state.metrics.loss), float(state.metrics.grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            stop_not_finite(
+                f"loss {loss} / gradient norm {grad_norm} at step {state.step}", run_dir
+            )
+        result.step, result.loss = state.step, loss
+
     try:
-        for step in range(start + 1, args.steps + 1):
-            batch = next(batches)
-            params, opt_state, metrics = train_fn(params, opt_state, batch)
-            bar.update(1)
-            window_steps += 1
-            log = step % args.log_every == 0 or step == args.steps or window_start is None
-            evaluate_now = step % args.eval_every == 0 or step == args.steps
-            save = step % args.checkpoint_every == 0 or step == args.steps
-            if not (log or evaluate_now or save):
-                continue
-            loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)  # waits for the step
-            now = time.perf_counter()
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                stop_not_finite(f"loss {loss} / gradient norm {grad_norm} at step {step}", run_dir)
-            result.step, result.loss = step, loss
-            if log:
-                result.record = log_step(
-                    telemetry, step, metrics, config, schedule, first=window_start is None,
-                    step_s=None if window_start is None
-                    else (now - window_start - excluded) / window_steps,
-                    wait_s=(batches.wait_s - window_wait) / window_steps,
-                    predicted_line=first_log and window_start is not None,
-                ) or result.record  # fmt: skip
-                first_log = first_log and window_start is None
-                if config.n_experts:
-                    result.moe = metrics.moe
-            t_extra = time.perf_counter()
-            if evaluate_now:
-                val_loss = evaluate(eval_fn, params, val_batches)
-                telemetry.log(step=step, val_loss=val_loss)
-                say(
-                    f"step {step:5d} | validation loss {val_loss:.4f} "
-                    f"(unigram entropy {entropy:.3f})"
-                )
-                result.val_loss = val_loss
-            if save:
-                if not bool(all_finite(params)):
-                    stop_not_finite(f"the weights after step {step}", run_dir)
-                blocked = checkpointer.save(
-                    params=params,
-                    opt_state=opt_state,
-                    step=step,
-                    data_position=position + step - start,
-                    rng=rng,
-                )
-                telemetry.log(step=step, checkpoint_blocked_s=blocked)
-                say(
-                    f"step {step:5d} | checkpoint {checkpointer.path(step).name}: the loop was "
-                    f"blocked {blocked * 1e3:.1f} ms (written in the background)"
-                )
-            if log:
-                window_start, window_wait, window_steps = now, batches.wait_s, 0
-                excluded = time.perf_counter() - t_extra
-            else:
-                excluded += time.perf_counter() - t_extra
+        state = loop.run(
+            job.train_fn, job.params, job.opt_state, batches, start=job.start, stop=args.steps,
+            hooks=hooks(job, clock, checkpointer), check=check_finite,
+            on_step=lambda: (bar.update(1), clock.step()),
+        )  # fmt: skip
     finally:
         batches.close()
         bar.close()
         waited = checkpointer.close()  # the last checkpoint is finalized before the run ends
     say(f"the last checkpoint was finalized {waited * 1e3:.1f} ms after the loop ended")
-    plot = telemetry.plot(run_dir / "loss.png", entropy)
-    result.model = eqx.combine(params, static)
-    if result.val_loss is not None:
-        say(
-            f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
-            f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
-        )
+    result.model = eqx.combine(state.params, job.static)
+    if processes.primary:
+        plot = job.telemetry.plot(run_dir / "loss.png", result.unigram_entropy)
+        if result.val_loss is not None:
+            say(
+                f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
+                f"{result.unigram_entropy:.3f} nats; metrics in {job.telemetry.path}, loss "
+                f"curve in {plot}"
+            )
     return result
 
 

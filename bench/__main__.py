@@ -41,21 +41,28 @@ BENCHMARKS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("name", choices=["all", "gpu-first", *BENCHMARKS], help="which benchmark to run")
+    p.add_argument("--out", type=str, help="directory for results.json and results.md")
+    p.add_argument(
+        "--profile", action="store_true", help="after each benchmark, run it again under "
+        "jax.profiler (untimed) into --out (default bench-profile/) and print its top ops"
+    )  # fmt: skip
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench") -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gpu-first"]:
         gpu_first.main(argv[1:], xla_flags=set_default_xla_flags())
         return
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "name", choices=["all", "gpu-first", *BENCHMARKS], help="which benchmark to run"
-    )
-    parser.add_argument("--out", type=Path, help="directory for results.json and results.md")
-    parser.add_argument(
-        "--profile", action="store_true", help="after each benchmark, run it again under "
-        "jax.profiler (untimed) into --out (default bench-profile/) and print its top ops"
-    )  # fmt: skip
-    args = parser.parse_args(argv)
+    args = parser(prog).parse_args(argv)
+    args.out = args.out and Path(args.out)
     xla_flags = set_default_xla_flags()
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     start = time.perf_counter()

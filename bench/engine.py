@@ -36,7 +36,7 @@ import numpy as np
 import infer
 import zoo
 from bench.harness import Ceilings, Table
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 from infer.engine import TRACES, Engine
 from zoo import math as zmath
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import infer
 import zoo
 from bench.harness import Ceilings, Table, on_gpu
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 
 PROMPTS = [
     "The capital of France is",

@@ -13,9 +13,11 @@ find the line. With `--streaming` the text of each document is checked as it is 
 `load_examples` loads instruction data the same way and finds its format (data/formats.py).
 """
 
+import contextlib
 import csv
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -381,3 +383,16 @@ def tokenize(
 
     names = dataset.column_names
     return dataset.map(encode, batched=True, remove_columns=names)
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """datasets' own progress bars off inside (its "Map" and "Generating split" bars would
+    print through train.py's lines and bar, which say what the data step does instead)."""
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()

@@ -24,7 +24,7 @@ import numpy as np
 import tiktoken
 
 from data.packing import Example
-from zoo.tokenizer import Tokenizer, bpe
+from zoo.tokenizer import Tokenizer
 
 PAIR_ROLES = ("user", "assistant")  # the roles of a prompt/completion or alpaca example
 _NEEDS_TEMPLATE = (
@@ -89,24 +89,48 @@ def answer_spans(tokenizer: Tokenizer, messages: Sequence[Mapping]) -> tuple[str
     return whole, spans
 
 
-def _token_flags(
+def _span_mask(spans: Iterable[tuple], n_chars: int) -> np.ndarray:
+    inside = np.zeros(n_chars + 1, bool)
+    for start, stop in spans:
+        inside[start:stop] = True
+    return inside
+
+
+def _flags_from_offsets(offsets: Sequence[tuple[int, int]], text: str, spans) -> np.ndarray:
+    """Per token (its [start, stop) character span in `text`), whether it overlaps a span; a
+    token of no characters counts where it stands."""
+    mask = _span_mask(spans, len(text))
+    counts = np.concatenate([[0], np.cumsum(mask[:-1])])  # answer characters before each index
+    starts, stops = np.asarray(offsets, np.int64).reshape(-1, 2).T
+    return np.where(stops > starts, counts[stops] > counts[starts], mask[starts])
+
+
+def _flags_from_bytes(
     encoding: tiktoken.Encoding, ids: Sequence[int], text: str, spans: Iterable[tuple]
 ) -> np.ndarray:
-    """Per token of `ids` (the encoding of `text`), whether it overlaps a character span."""
+    """Per token of `ids` (tiktoken's encoding of `text`), whether it overlaps a character span,
+    from each token's bytes."""
     raw = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
     inside = np.zeros(len(raw), bool)
     for start, stop in spans:
         first = len(text[:start].encode("utf-8", "surrogatepass"))
         inside[first : first + len(text[start:stop].encode("utf-8", "surrogatepass"))] = True
     sizes = np.array([len(encoding.decode_single_token_bytes(t)) for t in ids], np.int64)
-    if sizes.sum() != len(raw):  # the tokenizer dropped bytes it has no token for (as HF does)
-        absent = np.frombuffer(bpe.absent_bytes(encoding), np.uint8)
-        inside = inside[~np.isin(raw, absent)]
     if sizes.sum() != len(inside):
         raise AssertionError("token bytes do not add up to the text's: a tokenizer bug")
     counts = np.concatenate([[0], np.cumsum(inside)])
     ends = np.cumsum(sizes)
     return counts[ends] > counts[ends - sizes]
+
+
+def _encode_flagged(
+    tokenizer: Tokenizer | tiktoken.Encoding, text: str, spans: Iterable[tuple]
+) -> Example:
+    if isinstance(tokenizer, Tokenizer):
+        ids, offsets = tokenizer.encode_with_offsets(text)
+        return Example(ids, _flags_from_offsets(offsets, text, list(spans)))
+    ids = tokenizer.encode_ordinary(text)
+    return Example(ids, _flags_from_bytes(tokenizer, ids, text, spans))
 
 
 def encode_example(
@@ -120,18 +144,12 @@ def encode_example(
     earlier turns are its prompt)."""
     if has_template(tokenizer):
         text, spans = answer_spans(tokenizer, messages)
-        spans = spans[-1:] if last_answer_only else spans
-        ids = tokenizer.encode(text)
-        return Example(ids, _token_flags(tokenizer.encoding, ids, text, spans))
+        return _encode_flagged(tokenizer, text, spans[-1:] if last_answer_only else spans)
     if tuple(m["role"] for m in messages) != PAIR_ROLES:
         check_tokenizer(tokenizer, "chat")
     prompt, completion = (m["content"] for m in messages)
     text = prompt + completion
-    if isinstance(tokenizer, Tokenizer):
-        ids, encoding = tokenizer.encode(text), tokenizer.encoding
-    else:
-        ids, encoding = tokenizer.encode_ordinary(text), tokenizer
-    return Example(ids, _token_flags(encoding, ids, text, [(len(prompt), len(text))]))
+    return _encode_flagged(tokenizer, text, [(len(prompt), len(text))])
 
 
 @dataclasses.dataclass

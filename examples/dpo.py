@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import train
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 from shard.xla_flags import set_default_xla_flags
 from training import evaluate
 

@@ -20,7 +20,7 @@ import time
 import jax
 
 import zoo
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 from shard.xla_flags import set_default_xla_flags
 from training import grpo
 

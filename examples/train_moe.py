@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> train.RunResult:
             "--model", "tiny-moe", "--override", "vocab_size=1024", "--vocab-size", "1024",
             "--seq-len", "64", "--batch-size", "16", "--steps", "150", "--warmup", "15",
             "--log-every", "25", "--eval-every", "75", "--out", "runs/moe",
-            "--overwrite", "--no-progress",
+            "--overwrite",
             *(sys.argv[1:] if argv is None else argv),
         ]
     )  # fmt: skip

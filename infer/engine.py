@@ -223,7 +223,9 @@ class Engine:
     full pages of prompts that start alike (a shared system prompt is prefilled once), default
     on unless a layer keeps a ring (a ring holds one row's own tokens, so a shared prefix could
     not fill it: choose `window_cache=False` to share prefixes); `max_stop_tokens` per request;
-    `kv_dtype` the pools' dtype (None: the compute dtype; "int8": numbers with a scale per
+    `stop_tokens` those of a request submitted without its own (give `tokenizer.stop_ids()`,
+    the model's end of turn and end of sequence, and every request stops where the model says
+    stop); `kv_dtype` the pools' dtype (None: the compute dtype; "int8": numbers with a scale per
     token and K/V head, about twice the pages of bfloat16 in the same bytes; the choices are
     `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
     same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
@@ -249,6 +251,7 @@ class Engine:
         window_cache: bool = True,
         prefix_sharing: bool | None = None,
         max_stop_tokens: Count = 16,
+        stop_tokens: Sequence[int] = (),
         kv_dtype: str | None = None,
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
@@ -277,6 +280,7 @@ class Engine:
             raise ValueError(f"Engine key must be a jax.random.key(...), got {key!r}")
         self.key = jax.random.key(0) if key is None else key
         self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
+        self.stop_tokens = self._checked_stops(stop_tokens)
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
         self.records: list[StepRecord] = []
@@ -347,13 +351,14 @@ class Engine:
         *,
         max_new_tokens: Count,
         sampler: Sampler | None = None,
-        stop_tokens: Sequence[int] = (),
+        stop_tokens: Sequence[int] | None = None,
         on_tokens: OnTokens | None = None,
     ) -> Request:
-        """Queue a prompt (a list of token ids). Bad input is a ValueError here, before it can
-        disturb anything in flight: an empty prompt, ids outside the vocabulary, a prompt plus
-        `max_new_tokens` beyond `max_len` or beyond the whole page pool, more stop tokens than
-        `max_stop_tokens`, a sampler or callback of the wrong type."""
+        """Queue a prompt (a list of token ids), ending at one of `stop_tokens` (default: the
+        engine's `stop_tokens`; `()`: none) or after `max_new_tokens`. Bad input is a ValueError
+        here, before it can disturb anything in flight: an empty prompt, ids outside the
+        vocabulary, a prompt plus `max_new_tokens` beyond `max_len` or beyond the whole page pool,
+        more stop tokens than `max_stop_tokens`, a sampler or callback of the wrong type."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -380,17 +385,7 @@ class Engine:
             )
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be callable (tokens -> None), got {on_tokens!r}")
-        if isinstance(stop_tokens, str | bytes):
-            raise ValueError(f"stop_tokens must be token ids, got the string {stop_tokens!r}")
-        stops = np.asarray(list(stop_tokens)).reshape(-1)
-        check_tokens(stops if stops.size else stops.astype(np.int64),
-                     self.model.config.vocab_size, "stop_tokens")  # fmt: skip
-        stops = frozenset(int(t) for t in stops)
-        if len(stops) > self.max_stop_tokens:
-            raise ValueError(
-                f"{len(stops)} stop tokens, but the engine holds at most max_stop_tokens="
-                f"{self.max_stop_tokens} per request; make the engine with a larger one"
-            )
+        stops = self.stop_tokens if stop_tokens is None else self._checked_stops(stop_tokens)
         request = Request(
             prompt=[int(t) for t in row],
             max_new_tokens=max_new_tokens,
@@ -404,6 +399,20 @@ class Engine:
         self.submitted += 1
         self.waiting.append(request)
         return request
+
+    def _checked_stops(self, stop_tokens: Sequence[int]) -> frozenset[int]:
+        if isinstance(stop_tokens, str | bytes):
+            raise ValueError(f"stop_tokens must be token ids, got the string {stop_tokens!r}")
+        stops = np.asarray(list(stop_tokens)).reshape(-1)
+        check_tokens(stops if stops.size else stops.astype(np.int64),
+                     self.model.config.vocab_size, "stop_tokens")  # fmt: skip
+        stops = frozenset(int(t) for t in stops)
+        if len(stops) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(stops)} stop tokens, but the engine holds at most max_stop_tokens="
+                f"{self.max_stop_tokens} per request; make the engine with a larger one"
+            )
+        return stops
 
     def run(self) -> None:
         """Step until every submitted request (including those submitted meanwhile) is done."""

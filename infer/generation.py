@@ -14,6 +14,7 @@ from infer.engine import Engine
 from infer.sampling import Sampler
 from infer.step import check_prompts, check_tokens
 from shard import Placement
+from zoo.tokenizer import Tokenizer
 from zoo.transformer import Transformer
 
 OnTokens = Callable[[list[list[int]]], None]
@@ -31,7 +32,8 @@ def generate(
     max_new_tokens: int,
     sampler: Sampler,
     key: PRNGKeyArray,
-    stop_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] | None = None,
+    tokenizer: Tokenizer | None = None,
     on_tokens: OnTokens | None = None,
     chunk_size: int = 16,
     max_len: int | None = None,
@@ -39,7 +41,8 @@ def generate(
     kv_dtype: str | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (up to `max_new_tokens`, ending at the first stop token, which
-    is included).
+    is included). The stop tokens are `stop_tokens`, by default the model's end of turn and end
+    of sequence when its `tokenizer` is given (`tokenizer.stop_ids()`), else none.
 
     `prompts` is a list of prompts (each a list or 1-D array of token ids) or a 2-D array; each
     row's positions start at 0 at its first token. `on_tokens(new_tokens_per_row)` is called
@@ -62,6 +65,8 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if stop_tokens is None:
+        stop_tokens = () if tokenizer is None else tokenizer.stop_ids()
     stops = np.asarray(list(stop_tokens)).reshape(-1)
     check_tokens(stops if stops.size else stops.astype(np.int64), config.vocab_size, "stop_tokens")
     needed = max(row.size for row in rows) + max_new_tokens
@@ -84,12 +89,10 @@ def generate(
         kv_dtype=kv_dtype,
         key=key,
         warm_up=False,
+        stop_tokens=stops.tolist(),
     )
     requests = [
-        engine.submit(
-            row.tolist(), max_new_tokens=max_new_tokens, sampler=sampler, stop_tokens=stops.tolist()
-        )
-        for row in rows
+        engine.submit(row.tolist(), max_new_tokens=max_new_tokens, sampler=sampler) for row in rows
     ]
     sent, next_emit = [0] * len(requests), 1
     while not all(r.done for r in requests):

@@ -23,6 +23,7 @@ import numpy as np
 
 from shard import Placement
 from training import run_dir as runs
+from training import run_model
 from training.optimizer import adamw
 from training.state import LEGACY_STATE, Writer
 from zoo import Config, Policy
@@ -53,7 +54,7 @@ def convert(run_dir: str | Path) -> list[Path]:
     config = Config.from_dict(meta["config"], source=f"{old[-1] / LEGACY_META}")
     policy = Policy(param_dtype=meta["param_dtype"], compute_dtype=meta["param_dtype"])
     if settings.get("lora_rank"):
-        model = runs.lora_model(run_dir, policy, Placement())
+        model = run_model.lora_model(run_dir, policy, Placement())
     else:
         model = runs.abstract_model(config, policy)
     trainable = split_trainable(model)[0]

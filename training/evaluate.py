@@ -60,9 +60,10 @@ def load_model(
     `adapter` folded in. The tokenizer is a `zoo.Tokenizer` (with its chat template) where the
     checkpoint has one, else the run's tiktoken encoding."""
     from training import run_dir as runs
+    from training.run_model import run_model
 
     if runs.is_run(spec):
-        model = _folded(runs.run_model(spec))
+        model = _folded(run_model(spec))
         token_spec = runs.run_tokenizer_spec(spec)
         if token_spec is None:
             raise ValueError(f"run {spec!r} records no tokenizer: it cannot be evaluated on text")

@@ -4,9 +4,9 @@ the base checkpoint.
 
 A LoRA run's checkpoints hold the adapters and their optimizer state alone (what `split_model`
 calls trainable); the base is the `--init-from` checkpoint, re-read on `--resume` and by
-`run_dir.run_model`. Its SHA-256, recorded when the run starts, is checked each time it is re-read,
-so a base that changed under the run is an error rather than an adapter applied to weights it was
-not trained on.
+training/run_model.py. Its SHA-256, recorded when the run starts, is checked each time it is
+re-read, so a base that changed under the run is an error rather than an adapter applied to
+weights it was not trained on.
 """
 
 import dataclasses

@@ -2,8 +2,9 @@
 (`zoo.Policy`).
 
 A fresh run: the `--model` preset with `--override FIELD=VALUE` applied (architecture fields,
-type-checked by the Config). `--init-from`: the checkpoint's architecture, where an `--override`
-is refused unless it repeats the checkpoint's value. Either way the policy comes from the
+type-checked by the Config), its embedding sized to the tokenizer. A checkpoint (`--model` or
+`--init-from`): its architecture, where an `--override` is refused unless it repeats the
+checkpoint's value. Either way the policy comes from the
 run-time flags (`--dtype`, `--param-dtype`, `--remat`, `--attention`, `--moe-dispatch`,
 `--capacity-factor`), and the tokenizer and `--seq-len` must fit the model. A mesh that splits
 the sequence picks its context-parallel kernel unless `--attention` names one.
@@ -14,7 +15,7 @@ from typing import Any
 
 from layers.moe import Capacity, Dropless
 from shard import Placement
-from training.args import Args, accumulation
+from training.args import Args, accumulation, pipeline_stages
 from training.loss import AuxWeights
 from training.telemetry import hardware
 from zoo import Config, Policy, Transformer, preset
@@ -48,9 +49,11 @@ def policy(args: Args) -> Policy:
         compute_dtype=args.dtype,
         param_dtype=args.param_dtype,
         remat=args.remat,
-        attention=args.attention or "xla",
+        attention=args.attention,
         moe_dispatch=dispatch,
         microbatches=accumulation(args)[1],
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
     )
 
 
@@ -59,10 +62,13 @@ def with_context_kernel(model: Transformer, args: Args, placement: Placement) ->
     `--attention` was given: then under the context-parallel kernel (`ring` or `allgather`)
     that zoo.math predicts faster on this hardware (`--peak-flops`/`--peak-bandwidth`, else
     detected; without an interconnect figure the memory bandwidth stands in for the link).
-    The choice does not depend on the batch: both kernels' FLOPs and bytes grow with it."""
+    The choice does not depend on the batch: both kernels' FLOPs and bytes grow with it. A 1F1B
+    pipeline takes `allgather` (zoo/pipeline_loss.py refuses the ring kernel there)."""
     n = placement.sequence_shards
     if n == 1 or args.attention is not None:
         return model
+    if pipeline_stages(args) > 1 and args.pipeline_schedule == "1f1b":
+        return model.with_policy(attention="allgather")  # 1F1B refuses the ring kernel
     hw = hardware(args.peak_flops, args.peak_bandwidth, model.policy.compute_dtype)
     kernel = zmath.cheaper_context_kernel(
         model.config, model.policy, batch=1, seq=args.seq_len, context=n, hardware=hw
@@ -79,10 +85,14 @@ def aux_weights(args: Args) -> AuxWeights:
 
 
 def preset_config(args: Args, n_vocab: int) -> Config:
-    """The `--model` preset with the `--override`s applied."""
+    """The `--model` preset with the `--override`s applied. A model trained from scratch has
+    the vocabulary of its tokenizer: `vocab_size` is the tokenizer's `n_vocab` unless
+    `--override vocab_size=...` sets it (then the tokenizer must fit)."""
     name = args.model or DEFAULT_MODEL
+    changes = overrides(args)
+    changes.setdefault("vocab_size", n_vocab)
     try:
-        config = preset(name, **overrides(args))
+        config = preset(name, **changes)
     except ValueError as error:
         raise ValueError(f"--model {name!r} with --override: {error}") from error
     check_fits(config, args, n_vocab, name)

@@ -3,9 +3,15 @@ beside the compute it could hide under (the "will the communication hide under t
 table). Needs no devices: the mesh is just its axis sizes. It reads the model (zoo), so it sits
 above zoo, beside the training step, while shard/ stays model-free.
 
-    python -m training.plan --model llama3-8b --mesh fsdp=8
-    python -m training.plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch 16 --seq 4096
-    python -m training.plan --model llama3-8b --mesh fsdp=8 --offload-opt-state
+    eqx-zoo plan --model llama3-8b --mesh fsdp=8 --batch-size 8 --seq-len 4096 --dtype bfloat16
+    eqx-zoo plan --model llama3-70b --mesh fsdp=8,tensor=8 --batch-size 16 --seq-len 4096
+    eqx-zoo plan --model llama3-8b --mesh fsdp=8 --offload-opt-state --device a100-40gb
+    python -m training.plan ...      # the same
+
+The flags are train's (`--model` a preset or any model artifact, `--batch-size`, `--seq-len`,
+`--grad-accum`, `--dtype`, ...: the run it plans), plus `--device`. The plan ends with a verdict:
+whether the run fits one device of that kind, and with which remat policy and micro-batch count
+(`verdict`).
 
 Collective costs are the ring algorithm's bytes sent per device (Patarasuk & Yuan 2009):
 all-gather and reduce-scatter of a full array of S bytes over n devices send S (n-1)/n,
@@ -17,12 +23,15 @@ split over a mesh axis and capacity dispatch, each MoE layer moves its `[experts
 capacity, embed]` buffer by all-to-all to the experts and back (GShard), forward and backward,
 each beside the routed experts' matmul time it would have to hide under.
 
-Pipeline parallelism (`--mesh pipeline=S,...`, `--microbatches M`): each device is one stage
-holding n_layers / S layers (its parameters and Adam state already count only those), the
-activations are those one stage holds with all M micro-batches in flight
-(`zoo.math.pipeline_activation_bytes`), each stage hands one micro-batch's activations (forward)
-or their gradient (backward) to its neighbour per tick by collective-permute, and the step idles
-the GPipe bubble, (S - 1) / (M + S - 1) (`zoo.math.pipeline_bubble`).
+Pipeline parallelism (`--mesh pipeline=S,...`, `--microbatches M`, `--pipeline-schedule`):
+each device is one stage holding n_layers / S layers (its parameters and Adam state already
+count only those); the activations are those one stage holds at its peak on the schedule
+(`zoo.math.pipeline_activation_bytes`: GPipe and interleaved keep every micro-batch in flight,
+1F1B at most 2 S - 1 stage inputs); each stage hands one micro-batch's activations (forward) or
+their gradient (backward) to its neighbour per tick by collective-permute; the step idles the
+bubble, (S - 1) / (M V + S - 1) (`zoo.math.pipeline_bubble`, V = the interleaved schedule's
+virtual stages, 1 otherwise); the interleaved schedule regroups each stage's layer weights into
+its chunks once per step (an all-to-all, and its transpose for the gradients).
 """
 
 import argparse
@@ -34,26 +43,27 @@ import jax
 
 from layers.kernels.paged.int8 import SCALE_DTYPE as INT8_SCALE_DTYPE
 from layers.moe import Capacity, expert_capacity
-from layers.paged_cache import KV_DTYPES, LATENT_AXES, POOL_AXES, check_kv_dtype
+from layers.paged_cache import POOL_AXES, check_kv_dtype
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
-from shard.pipeline import check_pipeline
+from shard.pipeline import check_pipeline, virtual_stages
 from shard.rules import (
     MESH_AXES,
     ShardingRules,
     check_divisible,
     default_rules,
     mesh_axes_of,
-    presets,
     rules_for,
     shard_count,
 )
+from training.args import add_arguments
 from zoo import math as zmath
 from zoo.config import Config
 from zoo.policy import Policy
-from zoo.presets import preset
 from zoo.stack import segments
 from zoo.transformer import Transformer
+
+PAGE_SIZE = 16  # tokens per page of `Transformer.init_cache`'s pools (its default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +100,8 @@ class Plan:
     stages: int = 1
     microbatches: int = 1
     bubble: float = 0.0
+    schedule: str = "gpipe"
+    virtual: int = 1
     context_attention: tuple[zmath.ContextAttentionCost, ...] = ()
     context_kernel: str | None = None
     kv_cache_per_head: int | None = None  # MLA: what per-head keys and values would take
@@ -160,37 +172,47 @@ def kv_cache_bytes_per_device(
     per_head: bool = False,
     kv_dtype: str | None = None,
 ) -> int:
-    """Keys plus values of every layer in the cache's own layout and logical axes (the page pools
-    of layers/paged_cache.py, `batch` rows of `context` tokens in pages of 16 as
-    `Transformer.init_cache` makes them), in `kv_dtype` (None: the compute dtype; "int8": int8
-    numbers plus their scales, layers/kernels/paged/int8.py), sharded by the activation rules.
-    MLA caches one latent per token and layer; `per_head=True` counts per-head keys and values
-    of the same heads instead (what MLA saves)."""
-    dtype = check_kv_dtype(kv_dtype) or policy.compute_dtype
-    page_size = 16
-    pages = batch * -(-context // page_size)
-
-    def pool(shape, names) -> int:
-        spec = rules.partition_spec(names)
-        if dtype != "int8":
-            itemsize = zmath.bytes_per_element(dtype)
-            return _shard_bytes("KV cache", shape, names, spec, sizes, itemsize)
-        scales = rules.partition_spec(names[:-1])
-        scale_bytes = zmath.bytes_per_element(INT8_SCALE_DTYPE)
-        return _shard_bytes("KV cache", shape, names, spec, sizes, 1) + _shard_bytes(
-            "KV cache scales", shape[:-1], names[:-1], scales, sizes, scale_bytes
+    """Bytes one device holds of the KV cache of `batch` rows of `context` tokens: the leaves of
+    the model's own cache (`jax.eval_shape` of `Transformer.init_cache` in `kv_dtype`: the page
+    pools of layers/paged_cache.py with their page tables, int8 pools' numbers and scales, MLA's
+    latent pages, a sliding layer's ring of its window), each sharded by the activation rules
+    from its logical axes. `per_head=True` counts, for an MLA model, per-head key and value
+    pages of the same heads instead (what caching the latent saves)."""
+    if per_head:
+        pages = batch * -(-context // PAGE_SIZE)
+        dtype = check_kv_dtype(kv_dtype) or policy.compute_dtype
+        total = 0
+        for width in (config.head_dim, config.mla_v_head_dim):
+            shape = (config.n_heads, pages, PAGE_SIZE, width)
+            if dtype != "int8":
+                itemsize = zmath.bytes_per_element(dtype)
+                total += _shard_bytes(
+                    "KV cache", shape, POOL_AXES, rules.partition_spec(POOL_AXES), sizes, itemsize
+                )
+                continue
+            scale_axes = POOL_AXES[:-1]
+            total += _shard_bytes(
+                "KV cache", shape, POOL_AXES, rules.partition_spec(POOL_AXES), sizes, 1
+            ) + _shard_bytes(
+                "KV cache scales", shape[:-1], scale_axes, rules.partition_spec(scale_axes),
+                sizes, zmath.bytes_per_element(INT8_SCALE_DTYPE),
+            )  # fmt: skip
+        return config.n_layers * total
+    model = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, context, kv_dtype=kv_dtype))
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(cache, is_array_like))
+    axes = jax.tree.leaves(logical_axes(cache), is_leaf=lambda x: isinstance(x, LogicalAxes))
+    return sum(
+        _shard_bytes(
+            f"KV cache {jax.tree_util.keystr(path)}",
+            leaf.shape,
+            names.names,
+            rules.partition_spec(names.names),
+            sizes,
+            leaf.dtype.itemsize,
         )
-
-    if config.mla and not per_head:  # LatentPages
-        width = config.mla_kv_rank + config.mla_rope_dim
-        return config.n_layers * pool((1, pages, page_size, width), LATENT_AXES)
-    heads, v_dim = config.n_kv_heads, config.head_dim
-    if config.mla:
-        heads, v_dim = config.n_heads, config.mla_v_head_dim
-    total = sum(
-        pool((heads, pages, page_size, width), POOL_AXES) for width in (config.head_dim, v_dim)
+        for (path, leaf), names in zip(leaves, axes, strict=True)
     )
-    return config.n_layers * total
 
 
 def _ring(kind: str, n_bytes: float | int, n: int) -> float:
@@ -222,6 +244,8 @@ def plan(
     hardware: zmath.Hardware,
     context: int | None = None,
     microbatches: int = 1,
+    schedule: str = "gpipe",
+    virtual: int = 2,
     offload_opt_state: bool = False,
     kv_dtype: str | None = None,
 ) -> Plan:
@@ -233,7 +257,8 @@ def plan(
     rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
     divided by the tensor axis: an optimistic share, since without sequence parallelism the
     norms' and residuals' part (10 d of Korthikanti et al.'s 34 d) is not split. With a
-    pipeline axis, `microbatches` micro-batches stream through its stages (module docstring).
+    pipeline axis, `microbatches` micro-batches stream through its stages on `schedule`
+    ("gpipe", "1f1b", "interleaved" with `virtual` chunks per device; module docstring).
     """
     sizes = full_mesh(mesh_shape)
     if hardware.interconnect is None:
@@ -247,21 +272,21 @@ def plan(
     seq_shards = _axes_size(sizes, _targets(rules.mapping, "seq"))
     tokens = batch * seq // batch_shards // seq_shards
     stages = sizes["pipeline"]
+    virtual = virtual_stages(schedule, virtual)
     if stages > 1:
-        if config.n_experts:
-            raise ValueError(
-                f"a pipeline of {stages} stages over MoE layers is not supported (zoo/pipeline.py)"
-            )
-        for _, _, repeats in segments(config):
-            check_pipeline(layers=repeats, stages=stages, microbatches=microbatches, batch=batch)
+        for _, period, repeats in segments(config):
+            check_pipeline(
+                repeats=repeats, period=len(period), stages=stages, microbatches=microbatches,
+                batch=batch, schedule=schedule, virtual=virtual,
+            )  # fmt: skip
         if (batch // microbatches) % batch_shards:
             raise ValueError(
                 f"micro-batches of {batch // microbatches} sequences do not divide by the "
                 f"batch's mesh axes {sorted(batch_axes)} ({batch_shards} devices)"
             )
-        bubble = zmath.pipeline_bubble(stages, microbatches)
+        bubble = zmath.pipeline_bubble(stages, microbatches, virtual=virtual)
     else:
-        bubble, microbatches = 0.0, 1
+        bubble, microbatches, schedule, virtual = 0.0, 1, "gpipe", 1
     held = param_bytes(config, policy, rules, sizes)
     activations = {
         remat: zmath.pipeline_activation_bytes(
@@ -271,6 +296,8 @@ def plan(
             tokens=tokens,
             stages=stages,
             microbatches=microbatches,
+            schedule=schedule,
+            virtual=virtual,
         )
         / tensor
         for remat in ("none", "dots", "full")
@@ -325,10 +352,19 @@ def plan(
         # (forward) or its gradient back (backward), beside that micro-batch's stage compute.
         activation = tokens * config.d_model * zmath.bytes_per_element(policy.compute_dtype)
         sent = activation / microbatches / tensor
-        stage_fwd_s = layers * layer_fwd_s / microbatches
-        ticks = microbatches + stages - 1
-        add("coll.-permute", "pipeline", "stage outputs, forward", ticks, sent, stage_fwd_s)
-        add("coll.-permute", "pipeline", "their gradients, backward", ticks, sent, 2 * stage_fwd_s)
+        chunk_fwd_s = layers * layer_fwd_s / microbatches / virtual
+        ticks = microbatches * virtual + stages - 1
+        if schedule == "1f1b":  # lockstep ticks, each sending both ways
+            ticks = microbatches + 2 * stages - 2
+        add("coll.-permute", "pipeline", "stage outputs, forward", ticks, sent, chunk_fwd_s)
+        add("coll.-permute", "pipeline", "their gradients, backward", ticks, sent, 2 * chunk_fwd_s)
+        if virtual > 1:
+            # Each device keeps 1 / V of its consecutive layers and trades the rest for its
+            # chunks (and the gradients back), beside the whole step's compute on the stage.
+            regroup = held.layers * (virtual - 1) / virtual
+            step_s = layers * layer_fwd_s * 3
+            add("all-to-all", "pipeline", "layer weights into chunks, fwd", 1, regroup, step_s)
+            add("all-to-all", "pipeline", "their gradients back, bwd", 1, regroup, step_s)
     collectives += _expert_all_to_alls(
         config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
@@ -366,6 +402,8 @@ def plan(
         stages=stages,
         microbatches=microbatches,
         bubble=bubble,
+        schedule=schedule,
+        virtual=virtual,
         context_attention=costs,
         context_kernel=chosen and chosen.kernel,
         kv_cache_per_head=kv_cache_bytes_per_device(
@@ -444,12 +482,20 @@ def format_plan(p: Plan) -> str:
     if p.kv_cache_per_head is not None:
         lines += [f"    per-head K/V      {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
     if p.stages > 1:
+        chunks = f", {p.virtual} virtual stages per device" if p.virtual > 1 else ""
+        kept = {
+            "1f1b": f"at most {min(p.microbatches, 2 * p.stages - 1)} stage inputs in flight "
+            "plus one micro-batch's stage activations (each stage's forward is recomputed in "
+            "its backward: one more forward per micro-batch, remat or not)",
+            "interleaved": "each tick's chunk input plus one chunk's activations (each chunk is "
+            "recomputed in its backward: one more forward per micro-batch, remat or not)",
+        }.get(p.schedule, f"{p.microbatches} micro-batches in flight")
         lines += [
             "",
             f"pipeline: {p.stages} stages (one per device along `pipeline`, the bytes above are "
-            f"one stage's), {p.microbatches} micro-batches in flight (activations above), GPipe "
-            f"bubble (S - 1) / (M + S - 1) = {p.bubble:.1%} of the step: step time about "
-            f"compute / {1 - p.bubble:.3f}",
+            f"one stage's), {p.schedule} schedule{chunks}, {p.microbatches} micro-batches; "
+            f"activations above: {kept}; bubble (S - 1) / (M V + S - 1) = {p.bubble:.1%} of "
+            f"the step: step time about compute / {1 - p.bubble:.3f}",
         ]
     lines += [
         "",
@@ -480,67 +526,197 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3-8b", help="a zoo preset name")
-    parser.add_argument("--mesh", default="fsdp=8", help="e.g. fsdp=4,tensor=2, pipeline=4,data=2")
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="micro-batches per step with a pipeline axis (train.py's --grad-accum); default "
-        "the most, up to 4 x the pipeline size, that split --batch evenly over the batch axes",
+# Of a device's memory, what the plan may fill: the rest goes to XLA's temporaries and
+# fragmentation (bench/train.py checks its pick against XLA's compiled memory with the same 90%).
+USABLE = 0.9
+REMATS = ("none", "dots", "full")  # least recomputation first
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether a training run fits a device, and with which remat policy and gradient
+    accumulation (or pipeline micro-batches): the first candidate, least recomputation (which
+    costs FLOPs) then fewest micro-batches (which cost almost none), whose bytes per device fit
+    `USABLE` of its memory; else the smallest."""
+
+    fits: bool
+    remat: str
+    grad_accum: int
+    bytes_needed: float
+    parts: dict[str, float]
+    device: zmath.Hardware
+
+    def line(self) -> str:
+        gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+        usable = USABLE * self.device.memory
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in self.parts.items())
+        choice = f"--remat {self.remat}" + (
+            f" --grad-accum {self.grad_accum}" if self.grad_accum > 1 else ""
+        )
+        where = f"{self.device.name} ({gib(self.device.memory)} GiB, {USABLE:.0%} usable)"
+        if self.fits:
+            return (
+                f"verdict: fits one {where} with {choice}: {gib(self.bytes_needed)} GiB per "
+                f"device ({parts})"
+            )
+        return (
+            f"verdict: does NOT fit one {where}: the least it needs is {gib(self.bytes_needed)} "
+            f"GiB per device, with {choice} ({parts}) > {gib(usable)} GiB; shard over more "
+            "devices (a larger --mesh fsdp=N), --offload-opt-state, or a smaller --batch-size or "
+            "--seq-len"
+        )
+
+
+def _accumulations(batch: int, batch_shards: int, stages: int) -> list[int]:
+    """Micro-batch counts train.py accepts: each micro-batch splits over the batch's devices
+    (and, with a pipeline, at least one per stage)."""
+    return [
+        m for m in range(1, batch + 1)
+        if batch % m == 0 and (batch // m) % batch_shards == 0 and m >= stages
+    ]  # fmt: skip
+
+
+def verdict(
+    config: Config,
+    policy: Policy,
+    rules: ShardingRules,
+    mesh_shape: dict[str, int],
+    *,
+    batch: int,
+    seq: int,
+    device: zmath.Hardware,
+    grad_accum: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "gpipe",
+    virtual: int = 2,
+    offload_opt_state: bool = False,
+) -> Verdict:
+    """Whether training `batch x seq` tokens per step fits one `device` of the mesh, trying
+    each remat policy (least recomputation first) with `grad_accum` micro-batches (default:
+    each count train.py accepts, fewest first). Without a pipeline, micro-batches run one after
+    another, so a device holds one micro-batch's activations; with one, the pipeline's
+    `microbatches` (default: each count train.py accepts) stream through the stages on
+    `schedule` and `plan` counts what is in flight. Parameters, gradients and Adam state do not
+    depend on either."""
+    if device.memory is None:
+        raise ValueError(f"{device.name} lists no memory size; pick one of {list(zmath.DEVICES)}")
+    sizes = full_mesh(mesh_shape)
+    stages = sizes["pipeline"]
+    batch_shards = _axes_size(sizes, _targets(rules.mapping, "batch"))
+    pipelined = stages > 1
+    if pipelined and microbatches:
+        counts = [microbatches]
+    else:
+        counts = [grad_accum] if grad_accum else _accumulations(batch, batch_shards, stages)
+    if not counts:
+        raise ValueError(
+            f"--batch-size {batch} does not split into micro-batches over {batch_shards} batch "
+            f"devices and {stages} pipeline stages; give a multiple of {batch_shards * stages}"
+        )
+    plans = {
+        m: plan(
+            config,
+            policy,
+            rules,
+            mesh_shape,
+            batch=batch if pipelined else batch // m,
+            seq=seq,
+            hardware=device,
+            microbatches=m if pipelined else 1,
+            schedule=schedule,
+            virtual=virtual,
+            offload_opt_state=offload_opt_state,
+        )
+        for m in counts
+    }
+    best = None
+    for remat in REMATS:
+        for m, p in plans.items():
+            parts = {"parameters": p.params, "gradients": p.grads, "Adam": p.adam_state,
+                     "activations": p.activations[remat]}  # fmt: skip
+            needed = sum(parts.values())
+            candidate = Verdict(needed <= USABLE * device.memory, remat, m, needed, parts, device)
+            if candidate.fits:
+                return candidate
+            if best is None or needed < best.bytes_needed:
+                best = candidate
+    return best
+
+
+def parser(
+    prog: str = "python -m training.plan", *, defaults: bool = True
+) -> argparse.ArgumentParser:
+    """The plan's flags: train's own (same names, defaults and checks: training/args.py) for the
+    run it plans, and `--device` for the verdict. `defaults=False` leaves unset flags out."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog="With a pipeline axis and no --grad-accum, the micro-batches are the most, up to "
+        "4 x the pipeline size, that split --batch-size evenly over the batch axes; the "
+        "verdict tries each count train.py accepts.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--rules", choices=presets(), help="default: from the mesh's shape")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--dtype", default="bfloat16", help="compute and parameter dtype")
-    parser.add_argument("--hardware", default="h100", choices=list(zmath.HARDWARE))
-    parser.add_argument(
-        "--kv-dtype", choices=KV_DTYPES, default=None, help="KV cache pages (default: --dtype)"
+    names = ("model", "override", "mesh", "rules", "batch_size", "seq_len", "grad_accum",
+             "microbatches", "pipeline_schedule", "virtual_stages", "dtype", "param_dtype",
+             "attention", "moe_dispatch", "capacity_factor", "offload_opt_state")  # fmt: skip
+    add_arguments(p, names, defaults=defaults)
+    p.add_argument(
+        "--device",
+        default="h100-80gb",
+        choices=list(zmath.DEVICES),
+        help="the device to plan for: its peak FLOP/s and links for the collectives' times, its "
+        "memory for the verdict",
     )
-    parser.add_argument(
-        "--moe-dispatch", choices=["dropless", "capacity"], default="dropless", help="MoE models"
-    )
-    parser.add_argument(
-        "--offload-opt-state", action="store_true", help="Adam state in pinned host memory"
-    )
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m training.plan") -> Verdict:
+    p = parser(prog)
+    args = p.parse_args(argv)
+    given = vars(parser(prog, defaults=False).parse_known_args(argv)[0])
     try:
-        _print_plan(args)
+        return _print_plan(args, given_accum="grad_accum" in given)
     except ValueError as error:
-        parser.error(str(error))
+        p.error(str(error))
 
 
-def _print_plan(args: argparse.Namespace) -> None:
-    sizes = parse_mesh(args.mesh)
-    config = preset(args.model)
-    policy = Policy.of_dtype(args.dtype).replace(moe_dispatch=args.moe_dispatch)
+def _print_plan(args: argparse.Namespace, *, given_accum: bool) -> Verdict:
+    from training.artifacts import artifact_config
+    from training.model_config import overrides
+
+    sizes = parse_mesh(args.mesh) if args.mesh else {}
+    name = args.model or "gpt-mini"
+    config = artifact_config(name)
+    if args.override:
+        config = config.replace(**overrides(args))
+    policy = Policy(
+        compute_dtype=args.dtype, param_dtype=args.param_dtype, attention=args.attention,
+        moe_dispatch=Capacity(args.capacity_factor) if args.moe_dispatch == "capacity"
+        else "dropless",
+    ).for_model(config)  # fmt: skip
     rules_name = args.rules or default_rules(sizes)
-    hardware = zmath.HARDWARE[args.hardware]
+    device = zmath.DEVICES[args.device]
     stages = sizes.get("pipeline", 1)
     rows = math.prod(sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
+    batch = args.batch_size
+    # train.py's default count (training/args.py): the most, from the stage count up to 4 x it,
+    # that split the batch evenly over the batch's devices.
     microbatches = args.microbatches or max(
-        [m for m in range(1, 4 * stages + 1) if args.batch % (m * rows) == 0], default=1
+        [m for m in range(stages, 4 * stages + 1) if batch % (m * rows) == 0], default=1
     )
     print(
-        f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, "
-        f"{zmath.active_param_count(config) / 1e9:.2f}B active, {args.dtype}), "
-        f"rules {rules_name}, mesh {full_mesh(sizes)}, batch {args.batch} x seq {args.seq}, "
-        f"{hardware.name} ({hardware.interconnect / 1e9:.0f} GB/s link)"
+        f"{name} ({zmath.param_count(config) / 1e9:.2f}B params, "
+        f"{zmath.active_param_count(config) / 1e9:.2f}B active, compute {args.dtype}, weights "
+        f"{args.param_dtype}), rules {rules_name}, mesh {full_mesh(sizes)}, batch {batch} x "
+        f"seq {args.seq_len}, {device.name} ({device.interconnect / 1e9:.0f} GB/s link)"
     )
+    rules = rules_for(sizes, rules_name)
     p = plan(
-        config,
-        policy,
-        rules_for(sizes, rules_name),
-        sizes,
-        batch=args.batch,
-        seq=args.seq,
-        hardware=hardware,
-        microbatches=microbatches,
+        config, policy, rules, sizes, batch=batch, seq=args.seq_len, hardware=device,
+        microbatches=microbatches if stages > 1 else 1, schedule=args.pipeline_schedule,
+        virtual=args.virtual_stages,
         offload_opt_state=args.offload_opt_state,
-        kv_dtype=args.kv_dtype,
-    )
+    )  # fmt: skip
     print(format_plan(p))
     if args.moe_dispatch == "dropless" and config.n_experts and sizes.get("expert", 1) > 1:
         print(
@@ -548,6 +724,14 @@ def _print_plan(args: argparse.Namespace) -> None:
             "rows instead of an all-to-all; plan with --moe-dispatch capacity for expert "
             "parallelism)"
         )
+    result = verdict(
+        config, policy, rules, sizes, batch=batch, seq=args.seq_len, device=device,
+        grad_accum=args.grad_accum if given_accum else None,
+        microbatches=microbatches, schedule=args.pipeline_schedule, virtual=args.virtual_stages,
+        offload_opt_state=args.offload_opt_state,
+    )  # fmt: skip
+    print("\n" + result.line())
+    return result
 
 
 if __name__ == "__main__":

@@ -151,19 +151,31 @@ class PreferenceObjective:
     def total(self, batch: PreferenceBatch) -> Array:
         return jnp.asarray(batch.inputs.shape[0], jnp.float32)
 
-    def terms(self, model: Transformer, batch: PreferenceBatch) -> LossTerms:
-        logps, lengths, aux = response_logps(model, batch)
+    def terms(
+        self,
+        model: Transformer,
+        batch: PreferenceBatch,
+        *,
+        nll_scale: Float[Array, ""] | float = 1.0,
+        aux_scale: Float[Array, ""] | float = 1.0,
+    ) -> LossTerms:
+        """The loss terms of `model` on `batch`; `objective`, nll_scale * the pairs' summed loss
+        + aux_scale * the MoE terms, is what the step differentiates."""
+        logps, lengths, moe = response_logps(model, batch)
         stats = pair_loss(self.loss, logps, jnp.maximum(lengths, 1.0), batch.reference)
         pairs = jnp.asarray(batch.inputs.shape[0], jnp.float32)
+        nll_sum = jnp.sum(stats.loss)
+        aux = aux_loss(
+            moe,
+            load_balancing_weight=self.aux_weights.load_balancing,
+            z_loss_weight=self.aux_weights.z_loss,
+        )
         return LossTerms(
-            nll_sum=jnp.sum(stats.loss),
+            nll_sum=nll_sum,
             tokens=pairs,
-            aux_loss=aux_loss(
-                aux,
-                load_balancing_weight=self.aux_weights.load_balancing,
-                z_loss_weight=self.aux_weights.z_loss,
-            ),
-            moe=aux,
+            aux_loss=aux,
+            moe=moe,
+            objective=nll_scale * nll_sum + aux_scale * aux,
             stats={
                 "accuracy": jnp.sum((stats.margin > 0).astype(jnp.float32)),
                 "margin": jnp.sum(stats.margin),

@@ -12,6 +12,7 @@ and mean margin. The reference log-probabilities are cached in the run directory
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from data.datasets import ROW
@@ -29,7 +30,9 @@ def preference_loss(args) -> PreferenceLoss:
 
 def check_settings(args, data_format: str) -> None:
     """The preference flags with data of another format are an error (they would do nothing);
-    preference data streamed is one too (the reference pass reads every pair once, up front)."""
+    preference data streamed is one too (the reference pass reads every pair once, up front),
+    and so is a run of several processes (the pass gathers every pair's log-probabilities on
+    one host)."""
     if data_format != "preference":
         changed = {
             "--preference-loss": args.preference_loss != "dpo",
@@ -47,6 +50,12 @@ def check_settings(args, data_format: str) -> None:
         raise ValueError(
             "--data-format preference tunes a trained model against itself as it starts (the "
             "reference): pass --init-from a checkpoint (HF directory, .gguf or train.py run)"
+        )
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"--data-format preference runs in one process, not {jax.process_count()}: the "
+            "reference pass reads every pair's log-probabilities back to one host; train "
+            "preference pairs on one host's devices (--mesh within one process)"
         )
     if args.streaming:
         raise ValueError(

@@ -6,12 +6,17 @@ the policy's parameter dtype, and `sha256.json`); the last `keep` are kept. Step
 the background (`Checkpointer`) by every process of a run, and restored into any placement.
 `<run>/tokenizer.tiktoken` or `<run>/tokenizer.source` names the tokenizer. Run directories from
 before orbax (`state.eqx` checkpoints) are converted by `python -m training.convert_run RUN`.
+The model a run trained is rebuilt by training/run_model.py.
 """
 
 import json
 import os
 import re
 import shutil
+import socket
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,7 +26,6 @@ import numpy as np
 import optax
 
 from shard import Placement
-from shard.axes import is_float_array_like
 from training.state import (
     LEGACY_STATE,
     CorruptState,
@@ -185,16 +189,16 @@ def restore(
             f"--resume {str(run_dir)!r}: checkpoint {path} was written for a different model "
             f"config ({meta.get('config')}); resume with the same --model and overrides"
         )
-    params = _shapes(split_trainable(model)[0])
+    params = shapes_of(split_trainable(model)[0])
     templates = {
-        "params": _placed(params, placement.param_shardings(params), placement),
-        "opt_state": _placed(
+        "params": placed(params, placement.param_shardings(params), placement),
+        "opt_state": placed(
             jax.eval_shape(optimizer.init, params),
             opt_state_shardings or placement.opt_state_shardings(optimizer, params),
             placement,
             given=opt_state_shardings is not None,
         ),
-        "rng": _placed(
+        "rng": placed(
             {"key_data": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))},
             None,
             placement,
@@ -220,16 +224,11 @@ def restore(
     return Restored(params, opt_state, meta["step"], meta["data_position"], rng, path)
 
 
-def _is_lora_run(run_dir: str | Path) -> bool:
-    recorded = (Path(run_dir) / RECORD).is_file()
-    return recorded and bool(read_record(run_dir)["settings"].get("lora_rank"))
-
-
-def _shapes(tree: Any) -> Any:
+def shapes_of(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _placed(
+def placed(
     shapes: Any,
     shardings: Any,
     placement: Placement,
@@ -248,57 +247,6 @@ def _placed(
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
     )
-
-
-def lora_model(run_dir: str | Path, policy: Policy, placement: Placement) -> Transformer:
-    """A LoRA run's model before its trained adapters are read: the base it recorded (checked
-    against its fingerprint), or its preset re-created from its seed, under `policy`, with fresh
-    adapters."""
-    # Imported here: lora_run reads run directories with this module.
-    from training import lora_run
-    from zoo import load_pretrained
-
-    record = read_record(run_dir)
-    settings = record["settings"]
-    key = jax.random.key(settings["seed"])
-    if settings.get("init_from"):
-        lora_run.check_base(record["base"], Path(run_dir))
-        source = record["base"]["path"]
-        if is_run(source):
-            base = run_model(source, policy=policy, placement=placement)
-        else:
-            base = load_pretrained(source, policy=policy, placement=placement, quantized=False)
-    else:
-        config = Config.from_dict(record["config"], source=f"{run_dir}/{RECORD}")
-        make = lambda k: Transformer(config, policy=policy, key=k)  # noqa: E731
-        base = placement.init(make, jax.random.fold_in(key, 0))
-    lora = lora_run.LoraSettings.of(settings)
-    return lora_run.adapt(base, lora, placement, jax.random.fold_in(key, 1))
-
-
-def run_model(
-    run_dir: str | Path, *, policy: Policy | None = None, placement: Placement | None = None
-) -> Transformer:
-    """The Transformer of the latest checkpoint with its trained parameters, straight into
-    `placement`'s shardings (the optimizer state is not read). `policy` defaults to the run's
-    parameter dtype; a different `param_dtype` casts the weights after reading. A LoRA run's
-    model is its base with the trained adapters (`zoo.merge_adapter` folds them in)."""
-    config, param_dtype = checkpoint_config(run_dir)
-    stored = Policy(param_dtype=param_dtype, compute_dtype=param_dtype)
-    placement = placement or Placement()
-    if _is_lora_run(run_dir):
-        params, static = split_trainable(lora_model(run_dir, stored, placement))
-        params = _shapes(params)
-    else:
-        params, static = eqx.partition(abstract_model(config, stored), is_float_array_like)
-    path = latest(run_dir)
-    template = _placed(params, placement.param_shardings(params), placement)
-    try:
-        params = restore_state(path, {"params": template})["params"]  # not the optimizer state
-    except (CorruptState, MismatchedState) as error:
-        raise ValueError(f"checkpoint {path} is corrupt ({error}); delete it") from error
-    model = eqx.combine(params, static)
-    return model if policy is None else model.with_policy(policy)
 
 
 def run_tokenizer_spec(run_dir: str | Path) -> str | None:
@@ -333,17 +281,6 @@ def chat_tokenizer_from_spec(spec: str) -> Any:
     return load_ranks(spec) if source.is_file() else openai_encoding(spec)
 
 
-def load_run(
-    run_dir: str | Path, *, tokenizer: str | None = None, placement: Placement | None = None
-) -> tuple[Transformer, Any]:
-    """(model, tokenizer) of a run directory written by train.py, for inference: `run_model`
-    and the tokenizer named by `tokenizer` (an OpenAI encoding name or a `.tiktoken` rank file),
-    else the one the run recorded; None when the run records none."""
-    model = run_model(run_dir, placement=placement)
-    spec = tokenizer or run_tokenizer_spec(run_dir)
-    return model, None if spec is None else tokenizer_from_spec(spec)
-
-
 # --- ownership: one run per directory, one process at a time ----------------------------------
 
 RECORD = "run.json"
@@ -353,32 +290,77 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", RECORD, "tokenizer.tikt
              "tokenizer.source", "reference.npy", "reference_val.npy")  # fmt: skip
 
 
+# A lock's record is refreshed this often while its run trains, and a record from another host
+# older than LOCK_STALE_S counts as left by a dead run.
+LOCK_REFRESH_S, LOCK_STALE_S = 30.0, 120.0
+
+
+def lock_holder(run_dir: str | Path) -> dict[str, Any] | None:
+    """The record of the lock on `run_dir` (`host`, `pid`, `run_id`, `refreshed`: Unix time),
+    or None when there is none (never locked, released, or written before records existed)."""
+    try:
+        record = json.loads((Path(run_dir) / LOCK).read_text() or "null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 class Lock:
-    """An advisory lock on a run directory (`flock` on `<run>/.lock`, which records the holder's
-    pid): released when closed or when the process ends, however it ends, so a lock is never
-    stale."""
+    """The lock on a run directory, held by one process (process 0 of a multi-process run).
+
+    Two layers: `flock` on `<run>/.lock`, released when the process ends however it ends, so
+    never stale on one host; and in that file a record of its holder (host, pid, a fresh
+    `run_id`), refreshed every LOCK_REFRESH_S seconds, which a process on another host
+    respects while it is younger than LOCK_STALE_S (flock does not reach across hosts on
+    every shared filesystem). Closing releases both."""
 
     def __init__(self, run_dir: Path):
         import fcntl
 
         self.path = run_dir / LOCK
+        self.run_id = uuid.uuid4().hex
         self._file = self.path.open("a+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
+            holder = lock_holder(run_dir) or {}
             self._file.close()
             raise ValueError(
-                f"run directory {str(run_dir)!r} is in use by process {holder} (lock "
-                f"{self.path}); wait for it to finish or use another --out"
+                f"run directory {str(run_dir)!r} is in use by process "
+                f"{holder.get('pid', 'another process')} (lock {self.path}); wait for it to "
+                "finish or use another --out"
             ) from None
+        holder, host = lock_holder(run_dir), socket.gethostname()
+        age = time.time() - holder.get("refreshed", 0) if holder else None
+        if holder and holder.get("host") != host and age < LOCK_STALE_S:
+            self._file.close()
+            raise ValueError(
+                f"run directory {str(run_dir)!r} is in use by process {holder.get('pid')} on "
+                f"host {holder.get('host')!r} (its lock {self.path} was refreshed {age:.0f} s "
+                f"ago; a lock not refreshed for {LOCK_STALE_S:.0f} s is taken over); wait for "
+                "that run to finish or use another --out"
+            )
+        self._record = {"host": host, "pid": os.getpid(), "run_id": self.run_id}
+        self._write()
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh, name="run-lock", daemon=True)
+        self._refresher.start()
+
+    def _write(self) -> None:
         self._file.seek(0)
         self._file.truncate()
-        self._file.write(str(os.getpid()))
+        self._file.write(json.dumps({**self._record, "refreshed": time.time()}))
         self._file.flush()
 
+    def _refresh(self) -> None:
+        while not self._stop.wait(LOCK_REFRESH_S):
+            self._write()
+
     def close(self) -> None:
+        self._stop.set()
+        self._refresher.join()
+        self._file.seek(0)
+        self._file.truncate()  # no record: the directory is free
         self._file.close()  # closing the file releases the flock
 
     def __enter__(self) -> "Lock":

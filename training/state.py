@@ -23,6 +23,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -45,11 +46,30 @@ class MismatchedState(ValueError):
     """A state directory intact, but holding other arrays than the template asks for."""
 
 
+STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
+class _ItemMetadataNote(logging.Filter):
+    """Drops orbax's "Metadata file does not exist" for an item directory of a finalized step:
+    reading one item with a plain Checkpointer, orbax looks for the step's metadata file in the
+    item's directory, where it never is (it sits one level up, `check_complete` reads it), and
+    warns on every resume. A missing file anywhere else still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "Metadata file does not exist: %s" or not record.args:
+            return True
+        path = Path(str(record.args[0]))
+        return not (path.name == STEP_METADATA and (path.parent.parent / STEP_METADATA).is_file())
+
+
 def _ocp():
     # Imported on first use: orbax brings in tensorstore and asyncio machinery that most
     # commands (inference, the plan printer) never need.
     import orbax.checkpoint as ocp
 
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _ItemMetadataNote) for f in absl.filters):
+        absl.addFilter(_ItemMetadataNote())
     return ocp
 
 
@@ -177,7 +197,7 @@ def check_complete(directory: str | Path) -> None:
     directory = Path(directory)
     if (directory / LEGACY_STATE).exists():
         raise CorruptState(f"{directory}: an Equinox-format checkpoint ({LEGACY_STATE})")
-    if not (directory / "_CHECKPOINT_METADATA").is_file() or not (directory / META).is_dir():
+    if not (directory / STEP_METADATA).is_file() or not (directory / META).is_dir():
         raise CorruptState(
             f"{directory}: not a finalized orbax checkpoint (no _CHECKPOINT_METADATA or {META}/)"
         )

@@ -20,10 +20,10 @@ Gradient accumulation splits the batch into `accum` micro-batches and sums their
 cross-entropy gradient equal to one step on the whole batch. Micro-batch i takes rows
 i, i + accum, ... so that, with the batch split over devices, each micro-batch stays spread over
 all of them. The MoE auxiliary loss is averaged over micro-batches (see training/loss.py).
-On a mesh with a pipeline axis, train.py's `--grad-accum N` instead sets the pipeline's N
-micro-batches (`Policy.microbatches`, the same rows i::N, streamed through the stages in one
-forward and backward, zoo/pipeline.py) and this step runs with `accum=1`
-(`training.args.accumulation`).
+On a mesh with a pipeline axis each of those parts is split again into `Policy.microbatches`
+(train.py's `--microbatches`, the same rows i::M of the part) streamed through the stages in one
+forward and backward (zoo/pipeline_loss.py); the loss terms' `objective` carries the scales,
+since 1F1B computes its gradient while it runs.
 """
 
 import dataclasses
@@ -46,14 +46,23 @@ from zoo.adapter import split_trainable
 
 class Objective(Protocol):
     """What a step minimises (`CrossEntropy`, training/preference.py's `PreferenceObjective`):
-    `terms(model, micro_batch)` its loss summed over a micro-batch, `total(batch)` the count the
-    sum is divided by over the whole batch, `batch_axes` the batch's logical axes."""
+    `terms(model, micro_batch, nll_scale=, aux_scale=)` its loss summed over a micro-batch and
+    `objective`, the scaled sum the step differentiates (the scales go in, not on the result:
+    a 1F1B pipeline computes the gradient while it runs), `total(batch)` the count the sum is
+    divided by over the whole batch, `batch_axes` the batch's logical axes."""
 
     batch_axes: str
 
     def total(self, batch) -> Float[Array, ""]: ...
 
-    def terms(self, model: Transformer, batch) -> LossTerms: ...
+    def terms(
+        self,
+        model: Transformer,
+        batch,
+        *,
+        nll_scale: Float[Array, ""] | float = 1.0,
+        aux_scale: Float[Array, ""] | float = 1.0,
+    ) -> LossTerms: ...
 
 
 class StepMetrics(eqx.Module):
@@ -113,8 +122,10 @@ def train_step(
     total = jnp.maximum(objective.total(batch), 1.0)
 
     def loss(p, mb: Batch):
-        terms = objective.terms(eqx.combine(p, static), mb)
-        return terms.nll_sum / total + terms.aux_loss / accum, terms
+        terms = objective.terms(
+            eqx.combine(p, static), mb, nll_scale=1 / total, aux_scale=1 / accum
+        )
+        return terms.objective, terms
 
     def add_micro(carry, mb: Batch):
         (_, terms), g = jax.value_and_grad(loss, has_aux=True)(params, mb)

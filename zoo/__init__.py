@@ -12,7 +12,7 @@ from zoo.presets import preset, presets
 from zoo.quantize import dequantize, dequantize_base, quantize, quantize_base
 from zoo.router_balance import update_router_bias
 from zoo.stack import Stack
-from zoo.tokenizer import Tokenizer, load_tokenizer
+from zoo.tokenizer import Tokenizer, from_tiktoken, load_tokenizer, save_tokenizer
 from zoo.transformer import Transformer
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "add_lora",
     "dequantize",
     "dequantize_base",
+    "from_tiktoken",
     "load_adapter",
     "load_pretrained",
     "load_tokenizer",
@@ -37,6 +38,7 @@ __all__ = [
     "quantize_base",
     "save_adapter",
     "save_pretrained",
+    "save_tokenizer",
     "update_router_bias",
 ]
 

@@ -325,13 +325,6 @@ class Config:
         under `lax.scan`: zoo/pattern.py)."""
         return len(set(self.layer_windows)) > 1 or self.local_rope_theta is not None
 
-    @property
-    def gemma_features(self) -> tuple[str, ...]:
-        """The Gemma-only fields this config sets (an HF layout without them cannot hold it)."""
-        names = ["sandwich_norm", "embed_scale", "norm_plus_one", "attn_softcap", "final_softcap"]
-        names += ["query_scale", "layer_types", "local_rope_theta"]
-        return tuple(n for n in names if getattr(self, n) not in (None, False))
-
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (and re-checked). A `head_dim` or `n_kv_heads` that was
         derived (d_model // n_heads, or plain MHA) is derived again from the new sizes."""

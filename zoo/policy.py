@@ -22,8 +22,12 @@ from typing import Literal, get_args
 import jax.numpy as jnp
 
 from layers.kernels import AttentionKernel, kernel_named
+from layers.kernels.kernel import DEFAULT_PREFERENCE, KERNELS
 from layers.kernels.paged import PagedKernel, PallasDecodeKernel, XlaPagedKernel
+from layers.kernels.support import Needs, default_kernel, refusal
 from layers.moe import Capacity, Dispatch, Dropless
+from shard.pipeline import SCHEDULES, Schedule
+from zoo.config import Config
 
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
@@ -40,28 +44,34 @@ class Policy:
     anyway); `param_dtype`: the stored weights (and so the optimizer state); `remat`: what each
     block keeps for the backward ("none", "dots": matmul outputs, "full": nothing);
     `attention`: a kernel object (`layers.kernels.Xla()`, `Naive()`, `Flash(block_sizes=...)`)
-    or its name; `scan_layers`: run stacked layers with `lax.scan` (False: a Python loop over the
-    same weights, compile time growing with depth); `storage`: "stacked" (a leading `[repeats]`
-    axis per weight, what `lax.scan` and pipelines need) or "unrolled" (one block per layer,
-    what decode wants); `fused`: q/k/v and gate/up as one projection each (fewer kernels per
-    decode step; training, adapters, quantization and export need them separate);
-    `decode_kernel`: the paged attention kernel of cached one-token steps (`XlaPagedKernel()`,
-    `PallasDecodeKernel()`, or None: the backend's default, the Pallas kernel on a GPU where it
-    serves the model and the XLA path elsewhere); `moe_dispatch`: `Dropless()`,
-    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how many
-    micro-batches a pipelined layer stack streams through its stages per forward (used only on
-    a mesh with a `pipeline` axis, zoo/pipeline.py)."""
+    or its name, or None: the default for the model, the first of xla, flash, naive that
+    serves it and compiles on the backend (`for_model`; a Gemma 2 gets naive on a CPU, flash
+    on a GPU, since xla cannot soft-cap); `scan_layers`: run stacked layers with `lax.scan`
+    (False: a Python loop over the same weights, compile time growing with depth); `storage`:
+    "stacked" (a leading `[repeats]` axis per weight, what `lax.scan` and pipelines need) or
+    "unrolled" (one block per layer, what decode wants); `fused`: q/k/v and gate/up as one
+    projection each (fewer kernels per decode step; training, adapters, quantization and export
+    need them separate); `decode_kernel`: the paged attention kernel of cached one-token steps
+    (`XlaPagedKernel()`, `PallasDecodeKernel()`, or None: the backend's default, the Pallas
+    kernel on a GPU where it serves the model and the XLA path elsewhere); `moe_dispatch`:
+    `Dropless()`, `Capacity(factor)` or "dropless"/"capacity" (factor 1.25). On a mesh with a
+    `pipeline` axis (zoo/pipeline.py; unused elsewhere): `microbatches`, how many micro-batches
+    stream through the stages per forward; `pipeline_schedule`, "gpipe", "1f1b" or
+    "interleaved" (shard/pipeline.py); `virtual_stages`, the interleaved schedule's layer chunks
+    per device."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
     remat: Remat = "none"
-    attention: AttentionKernel | str = "xla"
+    attention: AttentionKernel | str | None = None
     scan_layers: bool = True
     storage: Storage = "stacked"
     fused: bool = False
     decode_kernel: PagedKernel | None = None
     moe_dispatch: Dispatch | str = "dropless"
     microbatches: int = 1
+    pipeline_schedule: Schedule = "gpipe"
+    virtual_stages: int = 2
 
     def __post_init__(self):
         for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat),
@@ -71,7 +81,7 @@ class Policy:
                 raise ValueError(f"Policy.{name}={value!r} is unknown; choose one of {allowed}")
         if isinstance(self.attention, str):
             object.__setattr__(self, "attention", kernel_named(self.attention))
-        elif not isinstance(self.attention, AttentionKernel):
+        elif self.attention is not None and not isinstance(self.attention, AttentionKernel):
             raise ValueError(
                 f"Policy.attention={self.attention!r} is not an attention kernel; give "
                 "layers.kernels.Xla(), Naive(), Flash(...) or one of their names"
@@ -91,6 +101,15 @@ class Policy:
             )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"Policy.microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(
+                f"Policy.pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of "
+                f"{SCHEDULES}"
+            )
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(
+                f"Policy.virtual_stages must be an int >= 1, got {self.virtual_stages!r}"
+            )
         for name in ("scan_layers", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
@@ -111,7 +130,19 @@ class Policy:
 
     @property
     def kernel_name(self) -> str:
-        return self.attention.name
+        return "default" if self.attention is None else self.attention.name
+
+    def for_model(self, config: Config) -> "Policy":
+        """This policy for a model of `config`: the default kernel (None) resolved, and a kernel
+        that cannot compute the model (soft-capping, per-layer windows, its head width) refused
+        with an error naming the kernel, the feature and the kernels that can."""
+        needs = attention_needs(config, self.compute_dtype)
+        if self.attention is None:
+            return self.replace(attention=default_kernel(needs, DEFAULT_PREFERENCE))
+        why = refusal(self.attention, needs, candidates=list(KERNELS.values()))
+        if why is not None:
+            raise ValueError(f"Policy.attention: {why}")
+        return self
 
     def replace(self, **changes) -> "Policy":
         return dataclasses.replace(self, **changes)
@@ -126,3 +157,17 @@ class Policy:
         """Compute and store in `dtype`, one array per layer: the fastest decode measured
         (bench/RESULTS.md, "Engine v2"); what `load_pretrained` gives unless told otherwise."""
         return Policy(compute_dtype=dtype, param_dtype=dtype, storage="unrolled")
+
+
+def attention_needs(config: Config, dtype: str | None = None) -> Needs:
+    """What a model of `config` computing in `dtype` asks of its attention kernel. MLA's
+    expanded attention pads queries, keys and values to one width, max(head_dim, v_head_dim)
+    (layers/mla.py)."""
+    width = max(config.head_dim, config.mla_v_head_dim) if config.mla else config.head_dim
+    return Needs(
+        softcap=config.attn_softcap,
+        window=any(w is not None for w in config.layer_windows),
+        per_layer_window=config.has_layer_pattern,
+        head_dim=width,
+        dtype=dtype,
+    )

@@ -87,6 +87,7 @@ class Transformer(eqx.Module):
 
     def __init__(self, config: Config, *, policy: Policy = DEFAULT_POLICY, key: PRNGKeyArray):
         embed_key, pos_key, blocks_key, head_key = jax.random.split(key, 4)
+        policy = policy.for_model(config)  # the default kernel resolved, an unfit one refused
         dtype = policy.params
         self.config, self.policy = config, policy
         self.embed = Embedding(config.vocab_size, config.d_model, dtype=dtype, key=embed_key)
@@ -115,8 +116,9 @@ class Transformer(eqx.Module):
         """The same weights under another policy (`policy`, or this one with `changes`). Only a
         new `param_dtype` (a cast), `storage` (stacking or unstacking the layers) or `fused`
         (fusing or splitting the projections) touches the weights, once: keep the result and
-        drop this model. Nothing else is rebuilt."""
-        policy = (policy or self.policy).replace(**changes)
+        drop this model. Nothing else is rebuilt. A kernel that cannot compute this model is
+        refused here (`Policy.for_model`)."""
+        policy = (policy or self.policy).replace(**changes).for_model(self.config)
         model = self
         if policy.param_dtype != self.policy.param_dtype:
             cast = lambda w: w.astype(policy.params) if eqx.is_inexact_array(w) else w  # noqa: E731

@@ -211,7 +211,7 @@ def items(rng):
 def model_answers(questions: list[str]) -> list[str]:
     """SmolLM2-135M-Instruct's greedy answers (48 new tokens at most) through the engine."""
     import zoo
-    from examples.chat import smollm2_gguf
+    from cli.flags import default_chat_model as smollm2_gguf
     from training.evaluate import completion_text, generate_batched
 
     model = zoo.load_pretrained(smollm2_gguf())

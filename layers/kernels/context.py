@@ -32,10 +32,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from layers.kernels.mask import AttentionMask
+from layers.kernels.support import Supports
 from layers.kernels.xla import xla_attention
 from shard.manual import per_shard
 from shard.sequence import sequence_axis
 
+# Both context kernels: no soft-capping, one fixed window, a sequence cut into 2 x context chunks.
+CONTEXT_SUPPORTS = Supports(
+    softcap=False,
+    per_layer_window=False,
+    lengths="self-attention over a sequence of 2 x (the context axis) equal chunks",
+)
 Q_AXES = "batch seq heads head_dim"
 KV_AXES = "batch seq kv_heads head_dim"
 
@@ -268,6 +275,7 @@ class Ring:
     an unsplit sequence: the same blockwise computation, no hops)."""
 
     name: ClassVar[str] = "ring"
+    supports: ClassVar[Supports] = CONTEXT_SUPPORTS
 
     def __call__(
         self,
@@ -287,6 +295,7 @@ class AllGatherKV:
     `xla_attention` of the local queries against the whole sequence."""
 
     name: ClassVar[str] = "allgather"
+    supports: ClassVar[Supports] = CONTEXT_SUPPORTS
 
     def __call__(
         self,

@@ -15,6 +15,9 @@ from jaxtyping import Array, Float
 
 from layers.kernels.mask import AttentionMask
 
+HEAD_DIMS = tuple(range(8, 257, 8))  # what cuDNN's fused attention takes
+DTYPES = ("bfloat16", "float16")
+
 
 def cudnn_attention(
     q: Float[Array, "batch seq heads head_dim"],
@@ -49,9 +52,9 @@ def _check_served(q, k, mask: AttentionMask, softcap: float | None) -> None:
         refuse("serves causal masks only")
     if mask.sliding_window is not None and not isinstance(mask.sliding_window, int):
         refuse("needs a fixed sliding window (a Python int), not a per-layer traced one")
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
+    if jnp.dtype(q.dtype).name not in DTYPES:
         refuse(f"computes in bfloat16 or float16, not {q.dtype}")
     if q.shape[1] != k.shape[1]:
         refuse(f"serves self-attention only (seq {q.shape[1]} != kv_seq {k.shape[1]})")
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
+    if q.shape[-1] not in HEAD_DIMS:
         refuse(f"needs head_dim a multiple of 8 up to 256, not {q.shape[-1]}")

@@ -2,7 +2,8 @@
 receives. Each is a frozen (hashable, so static under jit) callable with the one contract of
 `naive_attention`; a kernel carries its own settings (flash its tile sizes), so a policy can say
 exactly which kernel runs and how, and a kernel that cannot handle an input raises instead of
-falling back to another."""
+falling back to another. Each declares what it supports (`supports`, layers/kernels/support.py),
+so a model refuses a kernel that cannot serve it when it is built."""
 
 import dataclasses
 from typing import ClassVar, Protocol, runtime_checkable
@@ -10,10 +11,14 @@ from typing import ClassVar, Protocol, runtime_checkable
 from jaxtyping import Array, Float
 
 from layers.kernels.context import AllGatherKV, Ring
+from layers.kernels.cudnn import DTYPES as CUDNN_DTYPES
+from layers.kernels.cudnn import HEAD_DIMS as CUDNN_HEAD_DIMS
 from layers.kernels.cudnn import cudnn_attention
 from layers.kernels.flash import DEFAULT_BLOCK_SIZES, BlockSizes, flash_attention
+from layers.kernels.flash.config import SUPPORTED_HEAD_DIMS
 from layers.kernels.mask import AttentionMask
 from layers.kernels.naive import naive_attention
+from layers.kernels.support import Supports
 from layers.kernels.xla import xla_attention
 
 
@@ -21,9 +26,11 @@ from layers.kernels.xla import xla_attention
 class AttentionKernel(Protocol):
     """`kernel(q [batch, seq, heads, head_dim], k, v [batch, kv_seq, kv_heads, head_dim], mask,
     *, softcap=None) -> [batch, seq, heads, head_dim]`; hashable (a frozen dataclass), `name` for
-    logs and CLIs. A kernel that cannot soft-cap raises on a `softcap`."""
+    logs and CLIs, `supports` what it can compute. A kernel that cannot soft-cap raises on a
+    `softcap`."""
 
     name: str
+    supports: Supports
 
     def __call__(
         self,
@@ -41,6 +48,7 @@ class Naive:
     """The executable specification (`naive_attention`): the full score matrix in float32."""
 
     name: ClassVar[str] = "naive"
+    supports: ClassVar[Supports] = Supports()
 
     def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
         return naive_attention(q, k, v, mask, softcap=softcap)
@@ -51,6 +59,7 @@ class Xla:
     """`jax.nn.dot_product_attention(implementation="xla")` (`xla_attention`)."""
 
     name: ClassVar[str] = "xla"
+    supports: ClassVar[Supports] = Supports(softcap=False)
 
     def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
         return xla_attention(q, k, v, mask, softcap=softcap)
@@ -62,6 +71,13 @@ class Cudnn:
     bfloat16/float16; what it cannot serve is refused."""
 
     name: ClassVar[str] = "cudnn"
+    supports: ClassVar[Supports] = Supports(
+        softcap=False,
+        per_layer_window=False,
+        head_dims=CUDNN_HEAD_DIMS,
+        dtypes=CUDNN_DTYPES,
+        compiles_on=("gpu",),
+    )
 
     def __call__(self, q, k, v, mask: AttentionMask, *, softcap: float | None = None):
         return cudnn_attention(q, k, v, mask, softcap=softcap)
@@ -70,9 +86,13 @@ class Cudnn:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Flash:
     """The Pallas flash kernel (`flash_attention`) with its tiles and launch settings;
-    `interpret=None` interprets on CPU and compiles elsewhere."""
+    `interpret=None` interprets on CPU and compiles elsewhere (Triton, on a GPU). Any sequence
+    length: a length that is not a multiple of the tiles is padded inside the kernel."""
 
     name: ClassVar[str] = "flash"
+    supports: ClassVar[Supports] = Supports(
+        head_dims=SUPPORTED_HEAD_DIMS, compiles_on=("gpu",), interprets_on=("cpu",)
+    )
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES
     interpret: bool | None = None
 
@@ -82,6 +102,9 @@ class Flash:
         )
 
 
+# The order the default policy tries kernels in (`support.default_kernel`): the first that
+# serves the model and compiles on the backend.
+DEFAULT_PREFERENCE = (Xla(), Flash(), Naive())
 KERNELS: dict[str, AttentionKernel] = {
     "naive": Naive(),
     "xla": Xla(),

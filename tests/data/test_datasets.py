@@ -164,3 +164,15 @@ def test_a_bad_line_past_the_head_of_a_stream_is_named(tmp_path):
     path.write_text("".join(lines) + '{"text": null}\n')
     with pytest.raises(ValueError, match="line 501 has 'text': null"):
         list(load_text(str(path), streaming=True))
+
+
+def test_quiet_progress_turns_datasets_bars_off_and_back():
+    """train.py reads data inside it: datasets' own bars would print through its lines."""
+    import datasets
+
+    from data.datasets import quiet_progress
+
+    before = datasets.are_progress_bars_disabled()
+    with quiet_progress():
+        assert datasets.are_progress_bars_disabled()
+    assert datasets.are_progress_bars_disabled() == before

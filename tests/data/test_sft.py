@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zoo
+from cli.flags import default_chat_model as smollm2_gguf
 from data import supervised
 from data.datasets import ROW, load_examples
 from data.formats import detect_format, row_messages
 from data.packing import Example, pack_examples, pack_examples_stream, to_batch
 from data.tokenizers import train_bpe
-from examples.chat import smollm2_gguf
 from tests.training.accumulation import assert_accumulation_exact
 from training.loss import loss_terms
 from training.step import split_model

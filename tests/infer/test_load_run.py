@@ -1,4 +1,4 @@
-"""training.run_dir.load_run: a run directory written by train.py's run_dir.save gives back the
+"""training.run_model.load_run: a run directory written by train.py's run_dir.save gives back the
 trained model (same logits) and the run's tokenizer."""
 
 import equinox as eqx
@@ -9,7 +9,7 @@ import pytest
 
 import zoo
 from data.tokenizers import from_ranks, save_ranks
-from training import run_dir
+from training import run_dir, run_model
 from training.optimizer import adamw, learning_rate
 from training.state import checkpoint_files
 from training.step import split_model
@@ -26,7 +26,7 @@ def test_load_run_returns_the_trained_model_and_tokenizer(tmp_path):
     encoding = from_ranks({bytes([i]): i for i in range(256)}, name="bytes")
     save_ranks(encoding, tmp_path / "tokenizer.tiktoken")
 
-    loaded, tokenizer = run_dir.load_run(tmp_path)
+    loaded, tokenizer = run_model.load_run(tmp_path)
     tokens = jnp.array([[1, 2, 3, 4]])
     expected = eqx.combine(params, split_model(model)[1])(tokens)
     np.testing.assert_array_equal(loaded(tokens), expected)
@@ -36,7 +36,7 @@ def test_load_run_returns_the_trained_model_and_tokenizer(tmp_path):
 
 def test_load_run_without_checkpoint_says_so(tmp_path):
     with pytest.raises(ValueError, match="holds no checkpoint"):
-        run_dir.load_run(tmp_path)
+        run_model.load_run(tmp_path)
 
 
 def test_load_run_detects_a_damaged_checkpoint(tmp_path):
@@ -47,4 +47,4 @@ def test_load_run_detects_a_damaged_checkpoint(tmp_path):
     largest = max(checkpoint_files(path / "params"), key=lambda f: f.stat().st_size)
     largest.write_bytes(b"broken")
     with pytest.raises(ValueError, match="corrupt"):
-        run_dir.load_run(tmp_path)
+        run_model.load_run(tmp_path)

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 
 import zoo
 from layers.kernels import AttentionMask, BlockSizes, causal_mask, flash_attention, naive_attention
+from layers.kernels.flash.attention import padded_length
 from layers.kernels.flash.tiles import tile_ranges, tile_visibility
 from zoo.transformer import positions_from_segments
 
@@ -50,6 +51,12 @@ CASES = {
     "offset-mha-bf16-separate-dq": Case(
         1, 32, 2, 2, 16, "offset", "bfloat16", s=64, blocks=BlockSizes(backward_dq="separate")
     ),
+    # Lengths that are no multiple of the tiles: padded inside the kernel (a plain 23-token
+    # forward with the default tiles; packed documents, a cache offset, no causality).
+    "causal-23-default-blocks": Case(1, 23, 2, 2, 16, "causal", blocks=BlockSizes()),
+    "packed-window-40": Case(2, 40, 4, 2, 16, "packed-window"),
+    "offset-23-against-45": Case(1, 23, 2, 2, 16, "offset", s=45),
+    "bidirectional-20-against-37": Case(1, 20, 2, 1, 16, "bidirectional", s=37),
 }
 
 
@@ -170,9 +177,6 @@ def test_decode_step_equals_naive():
 @pytest.mark.parametrize(
     ("shape_q", "shape_kv", "dtype", "blocks", "message"),
     [
-        ((1, 48, 2, 16), (1, 48, 2, 16), "float32", BlockSizes(block_q=32), "multiple of"),
-        ((1, 24, 2, 16), (1, 24, 2, 16), "float32", BlockSizes(), "pad the sequence to 32"),
-        ((1, 64, 2, 16), (1, 40, 2, 16), "float32", BlockSizes(block_k=16), "key/value length"),
         ((1, 32, 2, 24), (1, 32, 2, 24), "float32", BlockSizes(), "head_dim=24"),
         ((1, 32, 2, 8), (1, 32, 2, 8), "float32", BlockSizes(), "head_dim=8"),
         ((1, 32, 3, 16), (1, 32, 2, 16), "float32", BlockSizes(), "multiple of kv_heads"),
@@ -188,6 +192,18 @@ def test_bad_inputs_are_refused(shape_q, shape_kv, dtype, blocks, message):
     )
     with pytest.raises(ValueError, match=message):
         flash_attention(q, k, k, mask, block_sizes=blocks)
+
+
+@pytest.mark.parametrize(
+    ("length", "blocks", "padded"),
+    [(23, (128, 64), 32), (64, (128, 64), 64), (96, (128, 64), 128), (40, (16, 16), 48),
+     (130, (128, 64), 256), (1000, (32, 64), 1024), (16, (128, 128), 16), (3, (16, 16), 16)],
+)  # fmt: skip
+def test_padded_length_is_a_multiple_of_every_used_tile(length, blocks, padded):
+    assert padded_length(length, *blocks) == padded
+    for block in blocks:
+        used = min(block, padded)
+        assert padded % used == 0 and used >= 16
 
 
 def test_mixed_dtypes_are_refused():

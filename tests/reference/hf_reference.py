@@ -11,6 +11,13 @@ Python 3.11, CPU torch, transformers, gguf, tokenizers; no JAX). One call does o
     python hf_reference.py chat JOB.json     # apply_chat_template: rendered text and token ids
     python hf_reference.py peft JOB.json     # a tiny Llama + PEFT LoRA adapter: both saved,
                                              # logits; logits of adapters written by the zoo
+    python hf_reference.py tokenizers JOB.json  # each family's tokenizer built with its
+                                             # transformers class and saved; ids of texts
+    python hf_reference.py first_day JOB.json  # tiny Gemma 2/3, Mistral, Phi-3 checkpoints
+                                             # with their tokenizers; then as export
+    python hf_reference.py export JOB.json   # directories (e.g. written by eqx-zoo merge):
+                                             # AutoTokenizer ids, AutoModelForCausalLM logits
+                                             # and greedy continuation of a chat
 
 JOB.json holds the inputs; results go to JOB["out"] as .npz / .json files.
 """
@@ -241,6 +248,162 @@ def peft(job: dict) -> None:
     np.savez(os.path.join(out, "adapter.npz"), logits=logits(model, job["tokens"]))
 
 
+def tokenizers(job: dict) -> None:
+    """Each family's tokenizer built by its own transformers class from the job's vocabularies
+    (tests/reference/tokenizer_families.py) and saved to out/NAME, and the job's GGUF files read
+    by transformers' GGUF reader; then each loaded back with AutoTokenizer: ids of the job's
+    texts (no special tokens added) and their decoded text."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    out, vocabularies = job["out"], job["vocabularies"]
+
+    def pieces(name):
+        v = vocabularies[name]
+        return {t: i for i, t in enumerate(v["tokens"])}, [tuple(m) for m in v["merges"]]
+
+    def byte_level(name):
+        v = vocabularies[name]
+        return v["vocab"], [tuple(m) for m in v["merges"]]
+
+    built = {
+        "llama2": lambda: transformers.LlamaTokenizer(*pieces("llama2"), legacy=False),
+        "mistral": lambda: transformers.LlamaTokenizer(*pieces("mistral"), legacy=True),
+        "gemma": lambda: transformers.GemmaTokenizer(*pieces("gemma")),
+        "gpt2": lambda: transformers.GPT2Tokenizer(*byte_level("gpt2")),
+        "qwen2": lambda: transformers.Qwen2Tokenizer(*byte_level("qwen2")),
+    }
+    for name, make in built.items():
+        tokenizer = make()
+        extra = [t for t in vocabularies[name]["specials"] if t not in tokenizer.get_vocab()]
+        tokenizer.add_special_tokens({"additional_special_tokens": extra})
+        tokenizer.save_pretrained(os.path.join(out, name))
+    # Mistral's hub files say legacy=true (a prefix space on every piece), which
+    # save_pretrained leaves out: put it back, as the checkpoint has it.
+    edit_json(
+        os.path.join(out, "mistral", "tokenizer_config.json"), lambda c: c.update(legacy=True)
+    )
+    # Llama 3: a generic fast tokenizer (as its tokenizer_config.json says) with its regex.
+    vocab, merges = byte_level("llama3")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in vocabularies["llama3"]["specials"]]
+    )
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+    ).save_pretrained(os.path.join(out, "llama3"))
+    loaded = {name: transformers.AutoTokenizer.from_pretrained(os.path.join(out, name))
+              for name in [*built, "llama3", "phi3"]}  # fmt: skip
+    results = {name: {"path": os.path.join(out, name)} for name in loaded}
+    for name, path in job["ggufs"].items():
+        folder, file = os.path.split(path)
+        loaded[name] = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        results[name] = {"path": path}
+    for name, tokenizer in loaded.items():
+        ids = [tokenizer.encode(text, add_special_tokens=False) for text in job["texts"]]
+        results[name] |= {
+            "class": type(tokenizer).__name__,
+            "ids": ids,
+            "decoded": [tokenizer.decode(i) for i in ids],
+        }
+    with open(os.path.join(out, "tokenizers.json"), "w") as f:
+        json.dump(results, f)
+
+
+# Llama 3's pre-tokenizer regex (its tokenizer.json's Split).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def first_day(job: dict) -> None:
+    """Tiny checkpoints as a user downloads them: for each of job["models"] (name, model_type,
+    config fields, tokenizer kind), a random model and a tokenizer built by the family's own
+    transformers class from job["vocab"] (a SentencePiece-style vocabulary: pieces, merges) with
+    the family's chat template, both saved to out/NAME; then `export`'s measurements of them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(job["vocab"]["tokens"])}
+    merges = [tuple(m) for m in job["vocab"]["merges"]]
+    for spec in job["models"]:
+        path = os.path.join(job["out"], spec["name"])
+        turn = spec["turn_tokens"]
+        if spec["tokenizer"] == "gemma":
+            tokenizer = transformers.GemmaTokenizer(vocab=dict(vocab), merges=merges)
+        elif spec["tokenizer"] == "llama":
+            tokenizer = transformers.LlamaTokenizer(vocab=dict(vocab), merges=merges, legacy=True)
+        else:  # phi3: its hub tokenizer.json, read as written
+            backend = Tokenizer(
+                models.BPE(vocab=dict(vocab), merges=merges, unk_token="<unk>", fuse_unk=True,
+                           byte_fallback=True)
+            )  # fmt: skip
+            backend.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+            backend.decoder = decoders.Sequence(
+                [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                 decoders.Strip(" ", 1, 0)]
+            )  # fmt: skip
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in ["<unk>", "<s>", "</s>"]]
+            )
+            tokenizer = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+            )
+        tokenizer.add_special_tokens({"additional_special_tokens": turn})
+        tokenizer.chat_template = spec["template"]
+        if "eos_token" in spec:
+            tokenizer.eos_token = spec["eos_token"]
+        tokenizer.save_pretrained(path)
+        torch.manual_seed(0)
+        ids = {
+            f"{name}_token_id": getattr(tokenizer, f"{name}_token_id")
+            for name in ("bos", "eos", "pad")
+        }
+        config = transformers.AutoConfig.for_model(
+            spec["model_type"], vocab_size=len(tokenizer), **ids, **spec["config"]
+        )
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        randomize(model)
+        model.save_pretrained(path)
+    export({**job, "dirs": [os.path.join(job["out"], m["name"]) for m in job["models"]]})
+
+
+def export(job: dict) -> None:
+    """Each directory of job["dirs"] (a checkpoint, or one eqx-zoo merge/export wrote) loaded
+    by AutoTokenizer and AutoModelForCausalLM: the ids of job["texts"], the chat ids of
+    job["conversation"] (with the generation prompt), the logits on them and the greedy
+    continuation of job["new_tokens"] tokens (stopping where generation_config says), in
+    out/export.json by directory."""
+    results = {}
+    for path in job["dirs"]:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        chat = tokenizer.apply_chat_template(
+            job["conversation"], add_generation_prompt=True, return_dict=False
+        )
+        out = model.generate(
+            torch.tensor([chat]), max_new_tokens=job["new_tokens"], do_sample=False,
+            attention_mask=torch.ones(1, len(chat), dtype=torch.long),
+        )  # fmt: skip
+        results[path] = {
+            "texts": [tokenizer.encode(t, add_special_tokens=False) for t in job["texts"]],
+            "chat": chat,
+            "logits": logits(model, [chat])[0, -1].tolist(),
+            "greedy": out[0, len(chat) :].tolist(),
+            "eos": model.generation_config.eos_token_id,
+        }
+    with open(os.path.join(job["out"], "export.json"), "w") as f:
+        json.dump(results, f)
+
+
 def edit_json(path: str, edit) -> None:
     with open(path) as f:
         value = json.load(f)
@@ -249,7 +412,16 @@ def edit_json(path: str, edit) -> None:
         json.dump(value, f)
 
 
-JOBS = {"tiny": tiny, "families": families, "smollm2": smollm2, "chat": chat, "peft": peft}
+JOBS = {
+    "tiny": tiny,
+    "families": families,
+    "smollm2": smollm2,
+    "chat": chat,
+    "peft": peft,
+    "tokenizers": tokenizers,
+    "first_day": first_day,
+    "export": export,
+}
 
 if __name__ == "__main__":
     command, job_file = sys.argv[1:]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import train
-from training import run_dir
+from training import run_dir, run_model
 from training.state import checkpoint_files
 
 
@@ -59,7 +59,7 @@ def test_nan_loss_stops_and_keeps_checkpoints_then_corrupt_resume(tmp_path, tiny
     kept = run_dir.checkpoints(run)
     assert kept and kept[0].name == "step_00000001"
     # No checkpoint holds a non-finite weight: an overflowing update is caught before saving.
-    restored = run_dir.run_model(run)
+    restored = run_model.run_model(run)
     assert all(np.isfinite(np.asarray(w)).all() for w in jax.tree.leaves(restored))
     largest = max(checkpoint_files(kept[-1]), key=lambda f: f.stat().st_size)
     state = largest.read_bytes()
@@ -71,3 +71,24 @@ def test_nan_loss_stops_and_keeps_checkpoints_then_corrupt_resume(tmp_path, tiny
     with pytest.raises(ValueError, match=f"{kept[-1].name} is corrupt"):
         train.main([*argv, "--resume", str(run), "--steps", "9"])
     assert largest.read_bytes() == bytes(damaged)
+
+
+def test_a_preset_takes_its_tokenizers_vocabulary(tmp_path, tiny_argv):
+    """`--model tiny-llama` (vocab_size 256 in the preset) with the default 2048... here
+    300-token BPE: the embedding is sized to the tokenizer, no flag to reconcile."""
+    argv = tiny_argv(tmp_path / "run", "--steps", "1")
+    argv.remove("--override")
+    argv.remove("vocab_size=320")
+    summary = train.main(argv)
+    assert summary.model.config.vocab_size == summary.encoding.n_vocab == 300
+
+
+def test_model_that_is_neither_a_preset_nor_a_path(tmp_path, tiny_argv, capsys):
+    """A typo in --model is named at once, with the presets, not as a missing checkpoint later."""
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*tiny_argv(tmp_path / "run"), "--model", "tiny-lama"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --model: 'tiny-lama' is neither a zoo preset (" in error
+    assert "tiny-llama" in error
+    assert not (tmp_path / "run").exists()

@@ -2,16 +2,19 @@
 file of it stays as it was: another model's checkpoint, another optimizer's state, an
 incomplete or damaged orbax directory, a mesh that cannot hold the state."""
 
+import logging
 import shutil
 
 import jax
+import jax.numpy as jnp
 import pytest
+from absl import logging as absl_logging
 
 import shard
 import zoo
 from training import run_dir
 from training.optimizer import adamw
-from training.state import checkpoint_files
+from training.state import Writer, checkpoint_files, read_meta, restore_state
 from training.step import split_model
 
 CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
@@ -77,3 +80,19 @@ def test_an_unfinished_write_is_not_a_checkpoint(saved, tmp_path):
     shutil.copytree(run_dir.latest(run), partial)
     assert run_dir.latest(run).name == "step_00000001"
     assert restore(run).step == 1
+
+
+def test_reading_a_step_prints_no_orbax_metadata_warning(tmp_path, caplog):
+    """Resuming reads each item of a finalized step; orbax would warn on every resume that the
+    item directory has no step metadata (it is one level up). A missing file elsewhere still
+    warns."""
+    with Writer(tmp_path, keep=1, asynchronous=False) as writer:
+        writer.save(1, {"params": {"w": jnp.ones(3)}}, {"step": 1})
+    (step,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    with caplog.at_level(logging.WARNING):
+        assert read_meta(step) == {"step": 1}
+        template = {"params": {"w": jax.ShapeDtypeStruct((3,), jnp.float32)}}
+        restore_state(step, template)
+        absl_logging.warning("Metadata file does not exist: %s", tmp_path / "x" / "y")
+    warned = [r.getMessage() for r in caplog.records if "Metadata file" in r.getMessage()]
+    assert warned == [f"Metadata file does not exist: {tmp_path / 'x' / 'y'}"]

@@ -48,7 +48,7 @@ def _direct_nll(model, ids: list[int], eot: int, window: int) -> tuple[float, in
 
 def test_perplexity_is_exp_of_the_mean_token_nll(loaded):
     model, tokenizer = loaded
-    encoding = tokenizer.encoding
+    encoding = tokenizer  # tiktoken's names (encode_ordinary, eot_token) on zoo.Tokenizer
     texts = ["def add(a, b):\n    return a + b\n", "import os\n" * 30, "x = [1, 2, 3]"]
     window = CONFIG.max_seq_len
     result = scoring.perplexity(model, encoding, texts, window=window, batch_size=4)
@@ -67,7 +67,7 @@ def test_perplexity_is_exp_of_the_mean_token_nll(loaded):
 
 def test_scoring_compiles_once_per_bucket(loaded):
     model, tokenizer = loaded
-    encoding = tokenizer.encoding
+    encoding = tokenizer  # tiktoken's names (encode_ordinary, eot_token) on zoo.Tokenizer
     scoring.perplexity(model, encoding, ["a = 1\n" * 3], batch_size=4)
     before = sum(scoring.SCORE_TRACES.values())
     scoring.perplexity(model, encoding, ["b = 2\n" * 5, "c"], batch_size=4)  # other lengths
@@ -81,7 +81,7 @@ def _jsonl(path, rows):
 
 def test_multiple_choice_picks_what_per_choice_forwards_pick(loaded, tmp_path):
     model, tokenizer = loaded
-    encoding = tokenizer.encoding
+    encoding = tokenizer  # tiktoken's names (encode_ordinary, eot_token) on zoo.Tokenizer
     rows = [
         {"prompt": "def f(x):", "choices": [" return x", " pass", " yield"], "answer": 0},
         {"prompt": "import", "choices": [" os", " sys"], "answer": 1},
@@ -107,7 +107,7 @@ def test_multiple_choice_picks_what_per_choice_forwards_pick(loaded, tmp_path):
 
 def test_generation_scores_exact_match_and_a_checker(loaded, tmp_path):
     model, tokenizer = loaded
-    encoding = tokenizer.encoding
+    encoding = tokenizer  # tiktoken's names (encode_ordinary, eot_token) on zoo.Tokenizer
     prompts = ["def f(", "import ", "class A", "x = "]
     ids = [[encoding.eot_token, *encoding.encode_ordinary(p)] for p in prompts]
     greedy = infer.generate(model, ids, max_new_tokens=6, sampler=infer.Greedy(),
@@ -256,7 +256,7 @@ def test_lm_eval_runs_local_tasks_end_to_end(loaded, tmp_path):
         {"prompt": "while", "choices": [" True:", " x"], "answer": 0},
     ]
     mc = _jsonl(tmp_path / "mc.jsonl", rows)
-    encoding = tokenizer.encoding
+    encoding = tokenizer  # tiktoken's names (encode_ordinary, eot_token) on zoo.Tokenizer
     prompts = ["def f(", "import "]
     ids = [[encoding.eot_token, *encoding.encode_ordinary(p)] for p in prompts]
     greedy = infer.generate(model, ids, max_new_tokens=5, sampler=infer.Greedy(),

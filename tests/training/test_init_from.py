@@ -15,7 +15,7 @@ import pytest
 import train
 import zoo
 from tests.training.conftest import TINY_LLAMA, write_checkpoint
-from training import run_dir
+from training import run_model
 from training.args import parse_args
 from training.loss import loss_terms
 from training.model_config import check_fits, check_imported, policy
@@ -73,12 +73,12 @@ def test_init_from_a_run_directory(tmp_path, tiny_argv, full_run):
     old_dir, old = full_run
     argv = tiny_argv(tmp_path / "run", "--attention", "naive", "--steps", "1", init_from=old_dir)
     summary = train.main(argv)
-    trained, tokenizer = run_dir.load_run(old_dir)
+    trained, tokenizer = run_model.load_run(old_dir)
     assert summary.model.config == trained.config
     assert summary.model.policy.kernel_name == "naive"
     # Same data, same tokenizer (the run's own BPE): the new run starts where the old one ended.
     np.testing.assert_allclose(summary.initial_val_loss, old.val_loss, rtol=1e-5)
-    _, recorded = run_dir.load_run(tmp_path / "run")
+    _, recorded = run_model.load_run(tmp_path / "run")
     text = "def load(path):\n    return open(path).read()"
     assert recorded.encode(text) == tokenizer.encode(text) == old.encoding.encode(text)
 

@@ -18,7 +18,7 @@ import train
 import zoo
 from layers import QuantizedLinear
 from tests.training.conftest import stopped_copy, write_checkpoint
-from training import run_dir
+from training import run_dir, run_model
 from training.state import saved_arrays
 from zoo.adapter import has_lora, split_trainable
 
@@ -99,7 +99,7 @@ def test_resume_continues_bit_for_bit(lora_run, tmp_path):
 
 def test_the_run_loads_back_with_its_adapters(lora_run):
     out, result = lora_run
-    model, _ = run_dir.load_run(out)
+    model, _ = run_model.load_run(out)
     tokens = jnp.array([[1, 2, 3, 4, 5]])
     np.testing.assert_array_equal(model(tokens), result.model(tokens))
 
@@ -116,7 +116,7 @@ def test_a_changed_base_is_refused(tmp_path, corpus, cache_dir, tiny_argv):
     with pytest.raises(ValueError, match="whose files changed since the run started"):
         train.main(_resume(out, 4))
     with pytest.raises(ValueError, match="whose files changed since the run started"):
-        run_dir.load_run(out)
+        run_model.load_run(out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
 
 

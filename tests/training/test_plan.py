@@ -9,7 +9,7 @@ import pytest
 import shard
 import zoo
 from shard.axes import is_array_like
-from training.plan import format_plan, main, plan
+from training.plan import REMATS, USABLE, format_plan, main, plan, verdict
 from zoo.math import HARDWARE
 
 # Naive attention: the cheapest kernel to compile (the kernels are tested elsewhere).
@@ -63,9 +63,10 @@ def test_plan_bytes_match_real_shardings(name):
         assert p.expert_params == 0
     state = shard.init_opt_state(optax.adam(1e-3), model, rules, mesh)
     assert p.adam_state == bytes_per_device(state)
-    # The real cache (its layout and logical axes from layers/kv_cache.py), placed by them.
+    # The real cache (its layout and logical axes from the model's init_cache), placed by them:
+    # every leaf, keys, values and the rows' positions alike.
     cache = shard.Placement(mesh, rules).place_arrays(model.init_cache(8, 16))
-    assert p.kv_cache == bytes_per_device(cache.layers)
+    assert p.kv_cache == bytes_per_device(cache)
 
 
 def test_plan_lists_each_strategys_collectives():
@@ -103,13 +104,69 @@ def test_plan_moves_the_capacity_buffer_by_all_to_all():
     assert not [c for c in dropless.collectives if c.name == "all-to-all"]
 
 
-def test_cli_prints_the_table(capsys):
-    main(["--model", "tiny-llama", "--mesh", "fsdp=4,tensor=2", "--batch", "8", "--seq", "64"])
+def test_cli_prints_the_table_and_a_verdict(capsys):
+    argv = ["--model", "tiny-llama", "--mesh", "fsdp=4,tensor=2", "--batch-size", "8",
+            "--seq-len", "64"]  # fmt: skip
+    assert main(argv).fits
     out = capsys.readouterr().out
     assert "rules fsdp_tp" in out and "reduce-scatter" in out and "hides?" in out
+    assert "verdict: fits one NVIDIA H100 SXM 80GB (80.0 GiB, 90% usable) with --remat none" in out
     main(["--model", "tiny-moe", "--mesh", "fsdp=2,expert=4", "--moe-dispatch", "capacity"])
     out = capsys.readouterr().out
     assert "rules ep" in out and "active" in out and "routed experts" in out and "all-to-all" in out
+
+
+def test_the_kv_cache_is_the_models_own_windows_counted():
+    """Gemma 2's sliding layers keep a ring of their window: the plan counts the real cache
+    (eval_shape of init_cache), not every layer at full length."""
+    sizes = dict(n_layers=2, sliding_window=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                 d_ff=128, vocab_size=256, max_seq_len=64)  # fmt: skip
+    gemma = zoo.preset("gemma2-2b", layer_types=("sliding", "full"), **sizes)
+    rules, mesh_shape = shard.ShardingRules.preset("fsdp"), {"fsdp": 8}
+    p = plan(gemma, NAIVE, rules, mesh_shape, batch=8, seq=32, hardware=HARDWARE["h100"])
+    mesh = shard.mesh(**mesh_shape)
+    model = zeros_in_shardings(gemma, NAIVE, rules, mesh)
+    cache = shard.Placement(mesh, rules).place_arrays(model.init_cache(8, 32))
+    assert p.kv_cache == bytes_per_device(cache)
+    full = zoo.preset("gemma2-2b", layer_types=("full", "full"), **sizes)
+    full_length = plan(full, NAIVE, rules, mesh_shape, batch=8, seq=32, hardware=HARDWARE["h100"])
+    # The sliding layer holds 4 of 32 positions: about half of two full-length layers.
+    assert p.kv_cache < 0.7 * full_length.kv_cache
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "expected"),
+    [(8, 4096, ("dots", 1)), (128, 4096, ("dots", 4)), (512, 4096, ("dots", 16)),
+     (8, 32768, ("full", 1))],
+)  # fmt: skip
+def test_the_verdict_is_the_first_fitting_choice(batch, seq, expected):
+    """llama3-8b in bfloat16 on 8 H100s: at 4096 tokens its activations do not fit without
+    remat, with "dots" they do, larger batches in micro-batches; one 32k-token sequence per
+    device needs "full". Every candidate before the chosen one (less recomputation first, then
+    fewer micro-batches) does not fit."""
+    config, policy = zoo.preset("llama3-8b"), zoo.Policy.of_dtype("bfloat16")
+    rules, device = shard.ShardingRules.preset("fsdp"), zoo.math.DEVICES["h100-80gb"]
+    run = dict(batch=batch, seq=seq, device=device)
+    result = verdict(config, policy, rules, {"fsdp": 8}, **run)
+    assert result.fits and (result.remat, result.grad_accum) == expected
+    assert result.bytes_needed <= USABLE * device.memory
+    counts = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % 8 == 0]
+    earlier = [(r, m) for r in REMATS[: REMATS.index(result.remat) + 1] for m in counts]
+    for remat, m in earlier[: earlier.index((result.remat, result.grad_accum))]:
+        p = plan(config, policy.replace(remat=remat), rules, {"fsdp": 8}, batch=batch // m,
+                 seq=seq, hardware=device)  # fmt: skip
+        needed = p.params + p.grads + p.adam_state + p.activations[remat]
+        assert needed > USABLE * device.memory, (remat, m)
+
+
+def test_a_run_too_big_for_the_device_says_what_to_do():
+    config, policy = zoo.preset("llama3-70b"), zoo.Policy.of_dtype("bfloat16")
+    rules = shard.ShardingRules.preset("fsdp")
+    result = verdict(config, policy, rules, {"fsdp": 8}, batch=8, seq=4096,
+                     device=zoo.math.DEVICES["a100-40gb"])  # fmt: skip
+    assert not result.fits and result.remat == "full"
+    assert "does NOT fit one NVIDIA A100 40GB" in result.line()
+    assert "a larger --mesh fsdp=N" in result.line()
 
 
 def test_pipeline_plan_splits_the_layers_and_predicts_the_bubble():
@@ -127,6 +184,37 @@ def test_pipeline_plan_splits_the_layers_and_predicts_the_bubble():
     for remat in ("none", "dots", "full"):
         assert piped.activations[remat] == pytest.approx(one.activations[remat] / 4 * 7 / 4)
     assert {c.name for c in piped.collectives if c.axis == "pipeline"} == {"coll.-permute"}
+
+    # Interleaved, 2 chunks per device: 4 x 2 + 3 ticks of half a stage each.
+    inter = plan(
+        config.replace(n_layers=8), NAIVE, rules, {"data": 2, "pipeline": 4}, batch=8, seq=16,
+        hardware=h100, microbatches=4, schedule="interleaved", virtual=2,
+    )  # fmt: skip
+    one8 = plan(config.replace(n_layers=8), NAIVE, rules, {"data": 2}, batch=8, seq=16,
+                hardware=h100)  # fmt: skip
+    assert inter.bubble == pytest.approx(3 / 11) and inter.virtual == 2
+    tokens, inputs = 8 * 16 // 2, config.d_model * 4  # a device's tokens; float32 inputs
+    for remat in ("none", "dots", "full"):
+        # 11 ticks' chunk inputs, and one chunk's activations (an eighth of the layers), all
+        # of them whatever the remat policy (the chunk is run again in its backward).
+        chunk = one8.activations["none"] / tokens / 8
+        assert inter.activations[remat] == pytest.approx(tokens / 4 * (11 * inputs + chunk))
+    regroups = [c for c in inter.collectives if c.name == "all-to-all"]
+    assert len(regroups) == 2  # the layer weights into chunks, and their gradients back
+    # Half of a stage's 2 float32 layers moves (the other half is already in place).
+    layer_bytes = zoo.math.layer_params(config) * 4
+    assert regroups[0].bytes_per_device == pytest.approx(2 * layer_bytes / 2)
+    # 1F1B: at most 2 S - 1 = 7 stage inputs (4 here: M) plus one micro-batch's stage
+    # activations; the bubble is GPipe's.
+    f1b = plan(
+        config, NAIVE, rules, {"data": 2, "pipeline": 4}, batch=8, seq=16, hardware=h100,
+        microbatches=4, schedule="1f1b",
+    )  # fmt: skip
+    assert f1b.bubble == pytest.approx(3 / 7)
+    for remat in ("none", "dots", "full"):
+        stage = one.activations["none"] / tokens / 4
+        assert f1b.activations[remat] == pytest.approx(tokens / 4 * (4 * inputs + stage))
+    assert "at most 4 stage inputs in flight" in format_plan(f1b)
 
     bad = {"data": 2, "pipeline": 4}
     with pytest.raises(ValueError, match="2 micro-batches are fewer than the 4 pipeline stages"):

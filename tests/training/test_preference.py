@@ -15,10 +15,10 @@ import pytest
 
 import train
 import zoo
+from cli.flags import default_chat_model as smollm2_gguf
 from data.formats import detect_format
 from data.packing import Example
 from data.preference import PreferenceBatches, encode_pair, pair_rows, row_pair
-from examples.chat import smollm2_gguf
 from tests.reference.runner import ROOT, reference_python
 from tests.training.conftest import write_checkpoint
 from training.preference import (

@@ -97,3 +97,33 @@ def test_an_equinox_format_run_is_refused_then_converted_and_resumes(tmp_path, t
     train.main(argv)
     full_losses, resumed_losses = _losses(full_dir), _losses(run)
     assert all(resumed_losses[s] == full_losses[s] for s in (4, 5, 6))
+
+
+def _bare_resume(run: Path, cache_dir) -> list[str]:
+    """`--resume RUN` and nothing the run records (no --steps): what a user types."""
+    return ["--resume", str(run), "--cache-dir", str(cache_dir), "--no-progress",
+            "--peak-flops", "1e11", "--peak-bandwidth", "1e10"]  # fmt: skip
+
+
+def test_resume_without_steps_trains_to_the_runs_own_target(tmp_path, full_run, cache_dir):
+    full_dir, _ = full_run
+    resumed_dir = stopped_copy(full_dir, tmp_path / "resumed", step=3)
+    resumed = train.main(_bare_resume(resumed_dir, cache_dir))
+    assert resumed.step == 6  # the run's --steps 6, not train.py's default 300
+    assert _losses(resumed_dir)[6] == _losses(full_dir)[6]  # and exactly where it would be
+
+
+def test_a_finished_run_resumed_without_steps_says_how_to_go_on(full_run, cache_dir):
+    full_dir, _ = full_run
+    with pytest.raises(ValueError, match="the run reached its target, step 6 of 6; give --steps"):
+        train.main(_bare_resume(full_dir, cache_dir))
+
+
+def test_a_new_target_is_recorded_once_the_resume_is_accepted(tmp_path, full_run, tiny_argv):
+    full_dir, _ = full_run
+    run = stopped_copy(full_dir, tmp_path / "run", step=6)
+    with pytest.raises(ValueError, match="--lr"):  # a contradicting flag: nothing is changed
+        train.main(tiny_argv(tmp_path / "x", "--steps", "9", "--lr", "1", "--resume", str(run)))
+    assert json.loads((run / "run.json").read_text())["settings"]["steps"] == 6
+    train.main(tiny_argv(tmp_path / "x", "--steps", "7", "--resume", str(run)))
+    assert json.loads((run / "run.json").read_text())["settings"]["steps"] == 7

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import infer
 import zoo
 from infer.engine import Engine
 from layers.kernels import Naive
@@ -286,10 +287,28 @@ def test_unimplemented_config_fields_are_refused(changes, message):
         config_from_hf(_GEMMA3_HF | changes)
 
 
-def test_xla_kernel_refuses_soft_capping(loaded):
-    model = loaded["gemma2-gqa"].with_policy(attention="xla")
-    with pytest.raises(ValueError, match="attention='xla' cannot soft-cap"):
-        model(jnp.asarray(TOKENS))
+def test_xla_kernel_is_refused_when_the_policy_is_set(loaded):
+    """Soft-capping is checked when the policy changes (or the model is built), not on the
+    first call; the message names the kernel, the feature and the kernels that can."""
+    with pytest.raises(
+        ValueError,
+        match=r"kernel 'xla' cannot compute soft-capping of attention scores \(softcap=1\.5\); "
+        "kernels that can: naive, flash",
+    ):
+        loaded["gemma2-gqa"].with_policy(attention="xla")
+
+
+@pytest.mark.parametrize("name", ["gemma2-gqa", "gemma3-gqa-linear-rope"])
+def test_every_default_loads_and_generates(reference, name):
+    """No policy given: the default kernel serves the checkpoint (naive on a CPU for Gemma 2,
+    whose scores xla cannot cap) and generation runs with the engine's defaults."""
+    model = zoo.load_pretrained(reference / name)
+    assert model.policy.kernel_name == ("naive" if name.startswith("gemma2") else "xla")
+    expected = np.load(reference / f"{name}.npz")["logits"]
+    assert relative_error(forward(model, jnp.asarray(TOKENS)), expected) < 1e-4  # as above
+    out = infer.generate(model, [TOKENS[0]], max_new_tokens=4, sampler=infer.Greedy(),
+                         key=jax.random.key(0))  # fmt: skip
+    assert len(out[0]) == 4
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The registry of HF architectures the zoo reads and writes, keyed by the class name that
 config.json lists under `architectures`. Adding one is one module with the five functions
-below, the `READS`/`ONLY` field lists (zoo/pretrained/hf_fields.py), `read_tensors` where
-checkpoints come in more than one layout, and one entry here."""
+below, the `READS`/`ONLY` field lists (zoo/pretrained/hf_fields.py), the `HOLDS` Config fields
+its layout expresses (zoo/pretrained/field_map.py), `read_tensors` where checkpoints come in
+more than one layout, and one entry here."""
 
 import dataclasses
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from zoo.pretrained import (
     qwen3,
     qwen3_moe,
 )
+from zoo.pretrained.field_map import held_exactly, off_default
 from zoo.pretrained.tensor_map import TensorGroup
 
 
@@ -30,11 +32,13 @@ class Architecture:
     `prefix` starts the names of the base model's tensors ("transformer." for GPT-2, "model." for
     Llama); files saved from the base model alone lack it. `ignored(config)` lists regular
     expressions of checkpoint tensors that hold no weights of ours (buffers, a repeated tied head);
-    any other unknown tensor is an error. `tensors(config)` is the layout `save_pretrained`
-    writes; `read_tensors(config, names)`, where given, picks the layout of a checkpoint holding
-    the tensors `names` (Mixtral's experts stored apart or fused). `reads` are the config.json
-    fields `config_from_hf` maps, `only` those it implements at one value alone
-    (`hf_fields.check_fields` refuses anything else).
+    any other unknown tensor is an error. `holds` are the Config fields (beyond the sizes) its
+    layout expresses; `exports(config)` the values it takes, checked only for a config with no
+    other field away from its default (`holds_config`). `tensors(config)` is the layout
+    `save_pretrained` writes; `read_tensors(config, names)`, where given, picks the layout of a
+    checkpoint holding the tensors `names` (Mixtral's experts stored apart or fused). `reads`
+    are the config.json fields `config_from_hf` maps, `only` those it implements at one value
+    alone (`hf_fields.check_fields` refuses anything else).
     """
 
     name: str
@@ -46,7 +50,13 @@ class Architecture:
     ignored: Callable[[Config], tuple[str, ...]]
     reads: frozenset[str] = frozenset()
     only: dict = dataclasses.field(default_factory=dict)
+    holds: frozenset[str] = frozenset()
     read_tensors: Callable[[Config, set[str]], list[TensorGroup]] | None = None
+
+    def holds_config(self, config: Config) -> bool:
+        """Whether this layout holds `config` exactly: no Config field it has no place for is
+        away from its default, and `exports` takes the values of those it has."""
+        return held_exactly(config, self.holds) and self.exports(config)
 
     def tensors_in(self, config: Config, names: set[str]) -> list[TensorGroup]:
         """The groups to read from a checkpoint whose tensors are called `names`."""
@@ -66,6 +76,7 @@ def _from_module(name: str, prefix: str, module) -> Architecture:
         ignored=module.ignored,
         reads=frozenset(module.READS),
         only=dict(getattr(module, "ONLY", {})),
+        holds=frozenset(module.HOLDS),
         read_tensors=getattr(module, "read_tensors", None),
     )
 
@@ -101,17 +112,24 @@ def architecture_for(config: Config, name: str | None = None) -> Architecture:
     or Mistral, which compute the same, unless asked for by name)."""
     if name is not None:
         arch = architecture(name)
-        if not arch.exports(config):
+        if not arch.holds_config(config):
+            unheld = off_default(config, arch.holds)
+            why = f" (it has no place for {unheld})" if unheld else ""
             raise ValueError(
-                f"{name}'s HF layout cannot hold this Config; architectures that can: "
-                f"{[a.name for a in ARCHITECTURES.values() if a.exports(config)]}"
+                f"{name}'s HF layout cannot hold this Config{why}; architectures that can: "
+                f"{[a.name for a in ARCHITECTURES.values() if a.holds_config(config)]}"
             )
         return arch
     for arch in ARCHITECTURES.values():
-        if arch.exports(config):
+        if arch.holds_config(config):
             return arch
+    held_nowhere = [
+        f for f in off_default(config, frozenset())
+        if all(f not in a.holds for a in ARCHITECTURES.values())
+    ]  # fmt: skip
+    why = f" (no layout holds the Config fields {held_nowhere})" if held_nowhere else ""
     raise ValueError(
-        "no HF architecture holds this Config (e.g. a LayerNorm with rotary positions, shared "
-        "experts or interleaved dense/MoE layers, or a mix of GPT-2 and Llama features); known: "
-        f"{', '.join(ARCHITECTURES)}"
+        f"no HF architecture holds this Config{why}: e.g. a LayerNorm with rotary positions, "
+        "shared experts or interleaved dense/MoE layers, or a mix of GPT-2 and Llama features; "
+        f"known: {', '.join(ARCHITECTURES)}"
     )

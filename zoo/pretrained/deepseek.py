@@ -17,6 +17,7 @@ embed]` and `mlp.experts.down_proj`, transformers' in-memory layout); written pe
 import numpy as np
 
 from zoo.config import Config
+from zoo.pretrained.field_map import sizes_from_hf, sizes_to_hf
 from zoo.pretrained.rope import rope_from_hf, rope_to_hf
 from zoo.pretrained.tensor_map import TensorGroup, embedding, linear, same
 
@@ -71,6 +72,14 @@ ONLY = {
 }
 
 
+HOLDS = frozenset(
+    {"rope_theta", "rope_scaling", "mla_kv_rank", "mla_q_rank", "mla_rope_dim", "mla_v_head_dim",
+     "mla_rope_interleave", "n_experts", "n_experts_per_token", "n_shared_experts", "moe_d_ff",
+     "first_dense_layers", "router_scoring", "router_normalize", "router_scale", "router_bias",
+     "router_groups", "router_topk_groups", "router_group_score"}
+)  # fmt: skip
+
+
 def mla_config(hf: dict, arch: str) -> Config:
     """The Config of a DeepSeek-V2/V3 config.json up to its routing: MLA, rope, sizes, and the
     dense layers (`n_experts=0`; `moe_fields` adds the MoE layers)."""
@@ -91,21 +100,15 @@ def mla_config(hf: dict, arch: str) -> Config:
     if hf.get("n_shared_experts", 1) < 1:
         raise ValueError(f"{arch} n_shared_experts must be >= 1 (every MoE layer has one)")
     theta, scaling = rope_from_hf(hf, arch, ("yarn",))
+    # MLA: every head has its own keys and values (no GQA), q/k heads nope + rope wide.
+    sizes = sizes_from_hf(hf) | {"n_kv_heads": heads, "head_dim": nope + rope}
     return Config(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        head_dim=nope + rope,
-        d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
+        **sizes,
         norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         position="rope",
         rope_theta=theta,
         rope_scaling=scaling,
         mlp="swiglu",
-        tie_embeddings=hf.get("tie_word_embeddings", False),
         mla_kv_rank=hf["kv_lora_rank"],
         mla_q_rank=hf.get("q_lora_rank"),
         mla_rope_dim=rope,
@@ -147,19 +150,12 @@ def config_to_hf(config: Config) -> dict:
     c = config
     rope = rope_to_hf(c.rope_theta, c.rope_scaling)
     moe = c.n_experts > 0
+    sizes = {k: v for k, v in sizes_to_hf(c).items() if k != "head_dim"}  # MLA: qk_*_head_dim
     return {
         "model_type": "deepseek_v3",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.d_model,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_heads,
-        "intermediate_size": c.d_ff,
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
+        **sizes,
         "hidden_act": "silu",
         "attention_bias": False,
-        "tie_word_embeddings": c.tie_embeddings,
         "rope_parameters": rope,
         "rope_interleave": c.mla_rope_interleave,
         "kv_lora_rank": c.mla_kv_rank,
@@ -182,18 +178,23 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether DeepSeek-V3's layout holds this config exactly: MLA, and MoE layers (if any)
-    after the dense ones, each with shared experts, biased sigmoid routing."""
+    """Whether DeepSeek-V3's layout takes the values of the fields it holds: MLA with YaRN (or
+    no) rope scaling, and MoE layers (if any) after the dense ones, each with shared experts,
+    biased sigmoid routing."""
     c = config
-    dense_rest = c.norm == "rmsnorm" and c.mlp == "swiglu" and c.sliding_window is None
-    if not (c.mla and dense_rest):
-        return False
-    return c.n_experts == 0 or (
-        c.moe_every == 1
-        and c.n_shared_experts >= 1
-        and c.router_scoring == "sigmoid"
-        and c.router_bias
-        and (c.router_groups == 1 or c.router_group_score == "top2")
+    yarn = c.rope_scaling is None or c.rope_scaling.kind == "yarn"
+    return (
+        c.mla
+        and yarn
+        and (
+            c.n_experts == 0
+            or (
+                c.n_shared_experts >= 1
+                and c.router_scoring == "sigmoid"
+                and c.router_bias
+                and (c.router_groups == 1 or c.router_group_score == "top2")
+            )
+        )
     )
 
 

@@ -21,6 +21,7 @@ ONLY = {
     "norm_topk_prob": False,
 }
 _METHODS = ("greedy", "group_limited_greedy")
+HOLDS = deepseek.HOLDS
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -55,17 +56,15 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether DeepSeek-V2's layout holds this config exactly: MLA with interleaved rotary dims,
-    MoE layers after the dense ones with shared experts and V2's routing."""
+    """Whether DeepSeek-V2's layout takes the values of the fields it holds: MLA with
+    interleaved rotary dims, MoE layers after the dense ones with shared experts and V2's
+    routing."""
     c = config
     return (
         c.mla
         and c.mla_rope_interleave
-        and c.norm == "rmsnorm"
-        and c.mlp == "swiglu"
-        and c.sliding_window is None
+        and (c.rope_scaling is None or c.rope_scaling.kind == "yarn")
         and c.n_experts > 0
-        and c.moe_every == 1
         and c.n_shared_experts >= 1
         and c.router_scoring == "softmax"
         and not c.router_bias

@@ -1,5 +1,8 @@
-"""`save_pretrained`: a Transformer -> an HF model directory (model.safetensors + config.json)
-that transformers' `from_pretrained` loads, so a fine-tuned model goes back to the ecosystem."""
+"""`save_pretrained`: a Transformer (and its tokenizer) -> a complete HF model directory
+(model.safetensors, config.json, tokenizer.json, tokenizer_config.json with the chat template,
+generation_config.json with the stop ids) that transformers' `AutoModelForCausalLM` and
+`AutoTokenizer` load and `zoo.load_pretrained` / `zoo.load_tokenizer` read back, so a fine-tuned
+model goes back to the ecosystem."""
 
 import json
 import os
@@ -14,6 +17,7 @@ from zoo.pretrained.safetensors import INDEX
 from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
 from zoo.quantize import dequantize as zoo_dequantize
 from zoo.quantize import quantized_formats
+from zoo.tokenizer import Tokenizer, save_tokenizer
 from zoo.transformer import Transformer
 
 
@@ -51,6 +55,7 @@ def save_pretrained(
     model: Transformer,
     directory: str | os.PathLike,
     *,
+    tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     architecture: str | None = None,
     dequantize: bool = False,
@@ -58,11 +63,13 @@ def save_pretrained(
     """Write `model` in the HF layout of `architecture` (an HF class name, e.g.
     "Phi3ForCausalLM"), by default the first of `architectures.ARCHITECTURES` that holds its
     config (a Phi-3 model is written as a Llama or Mistral unless asked), weights in their own
-    dtype. Gathers the weights on the host (one copy of the
-    model). A non-empty `directory` is refused unless `overwrite`, which first removes every
-    HF model file there (weights, shard index, config, tokenizer). A quantized model (packed
-    weights: `zoo.quantize`, a GGUF loaded as it is) is refused unless `dequantize`, which
-    writes the float weights its blocks stand for (in the policy's parameter dtype)."""
+    dtype, and with `tokenizer` its files (`zoo.save_tokenizer`) and generation_config.json
+    (bos and the ids generation stops at, `tokenizer.stop_ids()`). Gathers the weights on the
+    host (one copy of the model). A non-empty `directory` is refused unless `overwrite`, which
+    first removes every HF model file there (weights, shard index, config, tokenizer). A
+    quantized model (packed weights: `zoo.quantize`, a GGUF loaded as it is) is refused unless
+    `dequantize`, which writes the float weights its blocks stand for (in the policy's parameter
+    dtype)."""
     formats = quantized_formats(model)
     if formats and not dequantize:
         raise ValueError(
@@ -81,6 +88,11 @@ def save_pretrained(
     model.check_unfused("save_pretrained")
     config = model.config
     arch = architecture_for(config, architecture)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"save_pretrained: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {config.vocab_size}: it is not this model's tokenizer"
+        )
     directory = os.fspath(directory)
     _clear(directory, overwrite)
     tensors: dict[str, np.ndarray] = {}
@@ -94,3 +106,11 @@ def save_pretrained(
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config_to_hf(arch, config, model.policy.param_dtype), f, indent=2)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, directory)
+        generation = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": list(tokenizer.stop_ids()),
+        }
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            json.dump({k: v for k, v in generation.items() if v not in (None, [])}, f, indent=2)

@@ -16,6 +16,7 @@ Weights map one to one (norm weights stay offsets from 1: our RMSNorm has `plus_
 import types
 
 from zoo.config import Config
+from zoo.pretrained.field_map import sizes_from_hf, sizes_to_hf
 from zoo.pretrained.rope import rope_from_hf, rope_to_hf, scaling_from_hf
 from zoo.pretrained.tensor_map import TensorGroup, embedding, linear, same
 
@@ -49,6 +50,11 @@ _COMMON_READS = (
 )
 # Biases on the projections are not implemented.
 ONLY = {"attention_bias": False}
+HOLDS_GEMMA2 = frozenset(
+    {"rope_theta", "rope_scaling", "norm_plus_one", "mlp", "sandwich_norm", "embed_scale",
+     "query_scale", "attn_softcap", "final_softcap", "sliding_window", "layer_types"}
+)  # fmt: skip
+HOLDS_GEMMA3 = HOLDS_GEMMA2 | {"qk_norm", "local_rope_theta"}
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 _HF_LAYER_TYPES = {v: k for k, v in _LAYER_TYPES.items()}
 
@@ -91,28 +97,18 @@ def _check_common(hf: dict, arch: str) -> None:
 
 
 def _config(hf: dict, arch: str, layer_types: tuple[str, ...], **fields) -> Config:
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    query = float(hf.get("query_pre_attn_scalar", head_dim))
+    sizes = sizes_from_hf(hf, tie_embeddings=True)
+    query = float(hf.get("query_pre_attn_scalar", sizes["head_dim"]))
     windowed = "sliding" in layer_types
     return Config(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
+        **sizes,
         norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         norm_plus_one=True,
         position="rope",
         mlp="geglu",
-        tie_embeddings=hf.get("tie_word_embeddings", True),
         sandwich_norm=True,
         embed_scale=True,
-        query_scale=None if query == head_dim else query,
+        query_scale=None if query == sizes["head_dim"] else query,
         attn_softcap=hf.get("attn_logit_softcapping"),
         final_softcap=hf.get("final_logit_softcapping"),
         sliding_window=hf.get("sliding_window") if windowed else None,
@@ -158,18 +154,9 @@ def gemma3_config_from_hf(hf: dict) -> Config:
 def _common_to_hf(c: Config) -> dict:
     types_ = c.layer_types or tuple("full" if w is None else "sliding" for w in c.layer_windows)
     return {
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.d_model,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.d_ff,
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
+        **sizes_to_hf(c),
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": False,
-        "tie_word_embeddings": c.tie_embeddings,
         # An int in HF's config class.
         "query_pre_attn_scalar": c.head_dim if c.query_scale is None else int(c.query_scale),
         "sliding_window": c.sliding_window,
@@ -197,23 +184,19 @@ def gemma3_config_to_hf(c: Config) -> dict:
 
 
 def _gemma_layout(c: Config) -> bool:
-    """The features both Gemmas have, and nothing their layout has no place for."""
+    """The values of the fields both Gemmas hold (`HOLDS_GEMMA2`)."""
     return (
-        c.position == "rope"
-        and c.norm == "rmsnorm"
-        and c.norm_plus_one
+        c.norm_plus_one
         and c.mlp == "geglu"
         and c.sandwich_norm
         and c.embed_scale
-        and not c.bias
-        and c.n_experts == 0
         and (c.rope_scaling is None or c.rope_scaling.kind == "linear")
         and (c.query_scale is None or float(c.query_scale).is_integer())
     )
 
 
 def gemma2_exports(c: Config) -> bool:
-    return _gemma_layout(c) and not c.qk_norm and c.local_rope_theta is None
+    return _gemma_layout(c)
 
 
 def gemma3_exports(c: Config) -> bool:
@@ -263,6 +246,7 @@ def ignored(c: Config) -> tuple[str, ...]:
 GEMMA2 = types.SimpleNamespace(
     READS=_COMMON_READS,
     ONLY=ONLY,
+    HOLDS=HOLDS_GEMMA2,
     config_from_hf=gemma2_config_from_hf,
     config_to_hf=gemma2_config_to_hf,
     exports=gemma2_exports,
@@ -272,6 +256,7 @@ GEMMA2 = types.SimpleNamespace(
 GEMMA3 = types.SimpleNamespace(
     READS=(*_COMMON_READS, "rope_local_base_freq"),
     ONLY=ONLY,
+    HOLDS=HOLDS_GEMMA3,
     config_from_hf=gemma3_config_from_hf,
     config_to_hf=gemma3_config_to_hf,
     exports=gemma3_exports,

@@ -31,6 +31,7 @@ READS = (
     "summary_use_proj",
 )
 ONLY = {"add_cross_attention": False}
+HOLDS = frozenset({"norm", "position", "mlp", "bias"})
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -77,15 +78,12 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether GPT-2's layout holds this config exactly."""
+    """Whether GPT-2's layout takes the values of the fields it holds."""
     return (
         config.position == "learned"
         and config.norm == "layernorm"
         and config.mlp == "gelu"
         and config.bias
-        and not config.qk_norm
-        and config.sliding_window is None
-        and not config.gemma_features
     )
 
 

@@ -3,6 +3,7 @@ layout: nn.Linear weights stored `[out, in]`, GQA, RMSNorm, SwiGLU, rotary posit
 optional Llama-3 frequency scaling, tied or untied head. SmolLM2 is a Llama."""
 
 from zoo.config import Config
+from zoo.pretrained.field_map import sizes_from_hf, sizes_to_hf
 from zoo.pretrained.rope import rope_from_hf, rope_to_hf
 from zoo.pretrained.tensor_map import TensorGroup, bias, embedding, linear, same
 
@@ -25,6 +26,8 @@ READS = (
     "tie_word_embeddings",
 )
 ONLY = {"pretraining_tp": 1}
+# The Config fields Llama's layout holds beyond the sizes (field_map.held_exactly).
+HOLDS = frozenset({"rope_theta", "rope_scaling", "bias"})
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -37,23 +40,13 @@ def config_from_hf(hf: dict) -> Config:
             "the zoo's Config.bias puts biases on both or neither"
         )
     theta, scaling = rope_from_hf(hf, "Llama", ("llama3",))
-    heads = hf["num_attention_heads"]
     return Config(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
+        **sizes_from_hf(hf),
         norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         position="rope",
         rope_theta=theta,
         rope_scaling=scaling,
         mlp="swiglu",
-        tie_embeddings=hf.get("tie_word_embeddings", False),
         bias=attention_bias,
     )
 
@@ -62,19 +55,10 @@ def config_to_hf(config: Config) -> dict:
     rope = rope_to_hf(config.rope_theta, config.rope_scaling)
     return {
         "model_type": "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.d_ff,
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
+        **sizes_to_hf(config),
         "hidden_act": "silu",
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
-        "tie_word_embeddings": config.tie_embeddings,
         # Both spellings, so that transformers before and after v5 read the same rope.
         "rope_parameters": rope,
         "rope_theta": config.rope_theta,
@@ -83,19 +67,9 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Llama's layout holds this config exactly."""
-    return (
-        config.position == "rope"
-        and config.norm == "rmsnorm"
-        and config.mlp == "swiglu"
-        and not config.qk_norm
-        and not config.qkv_bias
-        and not config.mla
-        and config.sliding_window is None
-        and (config.rope_scaling is None or config.rope_scaling.kind == "llama3")
-        and config.n_experts == 0
-        and not config.gemma_features
-    )
+    """Whether Llama's layout takes the values of the fields it holds (`HOLDS`): no rope
+    scaling but Llama 3's."""
+    return config.rope_scaling is None or config.rope_scaling.kind == "llama3"
 
 
 def tensors(c: Config) -> list[TensorGroup]:

@@ -8,6 +8,7 @@ from zoo.pretrained.tensor_map import TensorGroup
 
 READS = (*(f for f in llama.READS if f not in ("attention_bias", "mlp_bias")), "sliding_window")
 ONLY = llama.ONLY
+HOLDS = llama.HOLDS - {"bias"} | {"sliding_window"}
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -22,11 +23,9 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Mistral's layout holds this config exactly: Llama's, window or not (a config
-    without one is written as a Llama unless Mistral is asked for by name)."""
-    if config.layer_types is not None:  # per-layer windows: Gemma's layout
-        return False
-    return llama.exports(config.replace(sliding_window=None)) and not config.bias
+    """Whether Mistral's layout takes the values of the fields it holds: Llama's, window or not
+    (a config without one is written as a Llama unless Mistral is asked for by name)."""
+    return llama.exports(config)
 
 
 def tensors(c: Config) -> list[TensorGroup]:

@@ -33,6 +33,10 @@ READS = (
 )
 # Router noise during training (Mixtral's jitter) is not implemented.
 ONLY = {"router_jitter_noise": 0.0}
+HOLDS = llama.HOLDS - {"bias"} | {
+    "sliding_window", "n_experts", "n_experts_per_token", "moe_d_ff", "router_scoring",
+    "router_normalize",
+}  # fmt: skip
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -63,23 +67,13 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Mixtral's layout holds this config exactly: every layer an MoE of routed experts
-    (no shared ones), softmax routing with renormalised top-k, no biases."""
+    """Whether Mixtral's layout takes the values of the fields it holds: every layer an MoE of
+    routed experts, softmax routing with renormalised top-k."""
     return (
-        config.position == "rope"
-        and config.norm == "rmsnorm"
-        and config.mlp == "swiglu"
-        and not config.qk_norm
-        and not config.mla
-        and not config.bias
-        and not config.qkv_bias
+        llama.exports(config)
         and config.n_experts > 0
-        and config.n_shared_experts == 0
-        and config.first_dense_layers == 0
-        and config.moe_every == 1
         and config.router_scoring == "softmax"
         and config.router_normalize
-        and not config.gemma_features
     )
 
 

@@ -26,6 +26,7 @@ READS = (
 )
 # Later Phi-3 config.json files say attention_bias=false; the model has no biases.
 ONLY = llama.ONLY | {"partial_rotary_factor": 1.0, "attention_bias": False}
+HOLDS = llama.HOLDS - {"bias"} | {"sliding_window"}
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -61,11 +62,9 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Phi-3's layout holds this config exactly: Llama's without biases, window or not
+    """Whether Phi-3's layout takes the values of the fields it holds: Llama's, window or not
     (written as a Llama or Mistral unless Phi-3 is asked for by name)."""
-    if config.layer_types is not None:  # per-layer windows: Gemma's layout
-        return False
-    return llama.exports(config.replace(sliding_window=None)) and not config.bias
+    return llama.exports(config)
 
 
 def _fused(zoo: tuple[str, ...], hf: str, out_shapes: tuple[tuple[int, ...], ...], d: int):

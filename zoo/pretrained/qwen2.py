@@ -17,6 +17,7 @@ _WINDOW_FIELDS = ("use_sliding_window", "sliding_window", "max_window_layers", "
 READS = (*(f for f in llama.READS if f not in ("attention_bias", "mlp_bias")), *_WINDOW_FIELDS)
 # Qwen2.5's config.json says use_mrope=false: multimodal rotary sections (Qwen2-VL) are not here.
 ONLY = llama.ONLY | {"use_mrope": False}
+HOLDS = llama.HOLDS - {"bias"} | {"qkv_bias", "sliding_window"}
 
 
 def window(hf: dict, arch: str) -> int | None:
@@ -70,12 +71,9 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Qwen2's layout holds this config exactly: a Llama with q/k/v biases (and
-    optionally one window on every layer)."""
-    if config.layer_types is not None:  # per-layer windows: Gemma's layout
-        return False
-    llama_like = llama.exports(config.replace(qkv_bias=False, sliding_window=None))
-    return llama_like and config.qkv_bias and not config.bias
+    """Whether Qwen2's layout takes the values of the fields it holds: a Llama with q/k/v
+    biases (and optionally one window on every layer)."""
+    return llama.exports(config) and config.qkv_bias
 
 
 def tensors(c: Config) -> list[TensorGroup]:

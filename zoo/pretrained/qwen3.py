@@ -11,6 +11,7 @@ READS = qwen2.READS
 # attention_bias puts biases on q, k, v and o alone, which no Config holds (Config.bias also
 # covers the MLP, qkv_bias leaves o out).
 ONLY = qwen2.ONLY | {"attention_bias": False}
+HOLDS = llama.HOLDS - {"bias"} | {"qk_norm", "sliding_window"}
 
 
 def config_from_hf(hf: dict) -> Config:
@@ -24,12 +25,9 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Qwen3's layout holds this config exactly: a Llama with q/k norms and no biases
-    (optionally one window on every layer)."""
-    if config.layer_types is not None:  # per-layer windows: Gemma's layout
-        return False
-    llama_like = llama.exports(config.replace(qk_norm=False, sliding_window=None))
-    return llama_like and config.qk_norm and not config.bias
+    """Whether Qwen3's layout takes the values of the fields it holds: a Llama with q/k norms
+    (and optionally one window on every layer)."""
+    return llama.exports(config) and config.qk_norm
 
 
 def tensors(c: Config) -> list[TensorGroup]:

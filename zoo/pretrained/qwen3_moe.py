@@ -36,6 +36,10 @@ READS = (
     "mlp_only_layers",
 )
 ONLY = qwen3.ONLY
+HOLDS = qwen3.HOLDS | {
+    "n_experts", "n_experts_per_token", "moe_d_ff", "moe_every", "first_dense_layers",
+    "router_scoring", "router_normalize",
+}  # fmt: skip
 
 
 def _dense_layers(hf: dict) -> tuple[int, int]:
@@ -86,12 +90,11 @@ def config_to_hf(config: Config) -> dict:
 
 
 def exports(config: Config) -> bool:
-    """Whether Qwen3-MoE's layout holds this config exactly: Qwen3 attention, MoE layers of
-    routed experts with softmax routing, dense ones where HF's rule puts them."""
+    """Whether Qwen3-MoE's layout takes the values of the fields it holds: Qwen3 attention, MoE
+    layers of routed experts with softmax routing, dense ones where HF's rule puts them."""
     return (
-        qwen3.exports(config.replace(n_experts=0))
+        qwen3.exports(config)
         and config.n_experts > 0
-        and config.n_shared_experts == 0
         and config.first_dense_layers % config.moe_every == 0
         and config.router_scoring == "softmax"
     )

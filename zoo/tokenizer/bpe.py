@@ -1,19 +1,15 @@
-"""Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM2) as `tiktoken.Encoding`s, and the pieces
-every byte-level BPE in the project shares: GPT-2's byte alphabet and the pre-tokenizer regexes.
+"""Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) as HF `tokenizers` objects: GPT-2's byte
+alphabet, the pre-tokenizer regexes llama.cpp names, the pipeline of a byte-level vocabulary, and
+the conversion of tiktoken ranks (a BPE train.py trained, an OpenAI encoding) to vocabulary and
+merges.
 
-tiktoken encodes by merging, inside each regex piece, the adjacent pair whose concatenation has
-the lowest rank, and returns ranks as ids. An HF/GGUF BPE merges in the order of its merge list.
-The two agree when ranks are the token ids and the ids grow with the merge order, which is how
-these vocabularies are built; `build_encoding` checks it and refuses a vocabulary where it fails.
+`tokenizers` is imported inside the functions: `import zoo` must not need it (it is a
+training/tokenizing dependency, absent from some inference machines).
 """
 
 import functools
-import json
 
-import regex
-import tiktoken
-
-# The pre-tokenizer regexes, in tiktoken's (fancy-regex) syntax.
+# The pre-tokenizer regexes (the fancy-regex syntax of tiktoken and `tokenizers` alike).
 # GPT-2's split: contractions, letters, digits, punctuation runs, whitespace runs.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # HF's Sequence[Digits(individual_digits), ByteLevel] (SmolLM2; llama.cpp's "smollm") as one
@@ -24,14 +20,26 @@ LLAMA3_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# Qwen2/2.5/3 (transformers' PRETOKENIZE_REGEX of Qwen2Tokenizer): Llama 3's with single digits.
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # llama.cpp's names for the pre-tokenizers above (`tokenizer.ggml.pre`).
-GGUF_PATTERNS = {"gpt2": GPT2_PATTERN, "smollm": DIGITS_PATTERN, "llama-bpe": LLAMA3_PATTERN}
+GGUF_PATTERNS = {
+    "default": GPT2_PATTERN,
+    "gpt2": GPT2_PATTERN,
+    "smollm": DIGITS_PATTERN,
+    "llama-bpe": LLAMA3_PATTERN,
+    "llama3": LLAMA3_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+}
 
 
 @functools.cache
-def byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, inverted (Radford et al. 2019): the
-    alphabet in which byte-level BPE vocabularies write their tokens."""
+def byte_encoder() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (Radford et al. 2019): the alphabet in
+    which byte-level BPE vocabularies write their tokens."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     chars, extra = {}, 0
     for b in range(256):
@@ -40,114 +48,70 @@ def byte_decoder() -> dict[str, int]:
         else:
             chars[b] = chr(256 + extra)
             extra += 1
-    return {c: b for b, c in chars.items()}
+    return chars
 
 
-def token_bytes(token: str) -> bytes:
-    """The bytes a byte-level BPE token stands for (`"Ġhi"` -> `b" hi"`)."""
-    decoder = byte_decoder()
-    try:
-        return bytes(decoder[c] for c in token)
-    except KeyError as e:
-        raise ValueError(
-            f"token {token!r} is not byte-level BPE (character {e} has no byte); only GPT-2 style "
-            "byte-level vocabularies convert to tiktoken"
-        ) from e
+@functools.cache
+def byte_decoder() -> dict[str, int]:
+    """`byte_encoder` inverted: stand-in character -> byte."""
+    return {c: b for b, c in byte_encoder().items()}
 
 
-def _merge(merge: str | list[str]) -> tuple[str, str]:
-    a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
-    return a, b
+def spell(token: bytes) -> str:
+    """A token's bytes in the byte-level alphabet (`b" hi"` -> `"Ġhi"`)."""
+    encoder = byte_encoder()
+    return "".join(encoder[b] for b in token)
 
 
-def build_encoding(
-    name: str,
-    *,
-    vocab: dict[str, int],
-    merges: list,
-    added: dict[str, int],
-    special: dict[str, int],
-    pat_str: str,
-) -> tiktoken.Encoding:
-    """tiktoken encoding from a byte-level BPE's vocab (piece -> id) and merge list.
+def byte_level(vocab: dict[str, int], merges: list, pattern: str):
+    """A `tokenizers.Tokenizer` of a byte-level BPE: `vocab` (spelled piece -> id) and `merges`
+    (pairs, or "a b" strings, in merge order), text split by `pattern` then mapped to the byte
+    alphabet, decoded back to bytes. Special tokens are added by the caller."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    `added` are the tokens outside the BPE (HF's added tokens, GGUF's control and user-defined
-    tokens): they leave the ranks, so merges can never produce them. `special` are the strings
-    matched whole in any text before the BPE runs, as HF matches added tokens and the named
-    special tokens: `added` plus, for example, an eos token the vocabulary also holds as an
-    ordinary piece (which stays a rank too, as it stays in HF's BPE model).
-    """
-    ranks = {token_bytes(t): i for t, i in vocab.items() if t not in added}
-    previous = -1
-    for merge in merges:
-        a, b = _merge(merge)
-        merged = vocab.get(a + b)
-        if merged is None or merged <= previous:
-            raise ValueError(
-                f"merge {a!r} + {b!r} (-> id {merged}) breaks the rule that ids grow with merge "
-                "order, so tiktoken's rank-based BPE would tokenize differently; not convertible"
-            )
-        previous = merged
-    return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
-
-
-def pattern_from_hf(pre: dict | None) -> str:
-    """tiktoken regex equal to an HF tokenizer.json pre_tokenizer (the byte-level ones)."""
-    steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
-    kinds = [step["type"] for step in steps]
-    byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
-    if byte_level and byte_level.get("add_prefix_space"):
-        raise ValueError("ByteLevel add_prefix_space=True is not supported by tiktoken encodings")
-    if kinds == ["ByteLevel"] and byte_level.get("use_regex", True):
-        return GPT2_PATTERN
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
-        return DIGITS_PATTERN
-    if kinds == ["Split", "ByteLevel"] and not byte_level.get("use_regex", True):
-        split = steps[0]
-        if (
-            split.get("behavior") == "Isolated"
-            and not split.get("invert")
-            and "Regex" in split.get("pattern", {})
-        ):
-            return split["pattern"]["Regex"]
-    raise ValueError(
-        f"pre_tokenizer {json.dumps(pre)} is not supported; the converter knows ByteLevel (GPT-2), "
-        "Digits + ByteLevel (SmolLM2) and Split(regex) + ByteLevel (Llama 3)"
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
-def absent_bytes(encoding: tiktoken.Encoding) -> bytes:
-    """The single bytes the vocabulary has no token for. Byte-level BPEs trained from text can
-    lack bytes that never occurred: SmolLM2 lacks 21 (control bytes such as 0x04, and 0xF1/0xF2,
-    the lead bytes of planes 4-11)."""
-    absent = []
-    for b in range(256):
-        try:
-            encoding.encode_single_token(bytes([b]))
-        except KeyError:
-            absent.append(b)
-    return bytes(absent)
+def _parts(ranks: dict[bytes, int], token: bytes, below: int) -> list[bytes]:
+    """`token` split by BPE with the merges ranked below `below` (tiktoken's algorithm)."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        scored = [
+            (rank, i)
+            for i in range(len(parts) - 1)
+            if (rank := ranks.get(parts[i] + parts[i + 1])) is not None and rank < below
+        ]
+        if not scored:
+            break
+        _, i = min(scored)
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
 
 
-def encode_dropping(encoding: tiktoken.Encoding, text: str, absent: bytes) -> list[int]:
-    """`encoding.encode(text, allowed_special="all")` for a text holding bytes the vocabulary
-    lacks (`absent`), as HF's BPE without an unknown token encodes it: such bytes are dropped from
-    each pre-token and the rest is merged as usual. tiktoken itself panics on them.
-
-    Splits the text as tiktoken does (special tokens, then the pre-tokenizer regex, run by the
-    `regex` module as tiktoken's own pure-Python reference does) and runs tiktoken's BPE on each
-    piece's remaining bytes. Slower than `encode`: only for texts that need it.
-    """
-    specials = sorted(encoding.special_tokens_set, key=len, reverse=True)
-    parts = regex.split(f"({'|'.join(map(regex.escape, specials))})", text) if specials else [text]
-    pieces = regex.compile(encoding._pat_str)  # tiktoken keeps the pattern private
-    ids = []
-    for i, part in enumerate(parts):
-        if i % 2:  # the split's captured separators: special tokens
-            ids.append(encoding.encode_single_token(part))
+def from_ranks(ranks: dict[bytes, int], pattern: str) -> tuple[dict[str, int], list[tuple]]:
+    """(vocab, merges) of the byte-level BPE that tiktoken's `ranks` (token bytes -> rank) encode
+    with: each multi-byte token is the merge of the two parts BPE leaves it in with the merges
+    ranked before it (as transformers converts tiktoken files). A rank table that is no BPE (a
+    token that no single merge makes) is refused."""
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
             continue
-        for piece in pieces.findall(part):
-            kept = piece.encode("utf-8", "surrogatepass").translate(None, absent)
-            if kept:  # tiktoken panics on an empty piece
-                ids += encoding._encode_single_piece(kept)
-    return ids
+        parts = _parts(ranks, token, rank)
+        if len(parts) != 2:
+            raise ValueError(
+                f"tiktoken rank {rank} ({token!r}) is not made by one merge of earlier tokens "
+                f"(BPE leaves {len(parts)} parts): these ranks are no byte-level BPE"
+            )
+        merges.append((spell(parts[0]), spell(parts[1])))
+    return vocab, merges

@@ -1,5 +1,5 @@
-"""`load_tokenizer`: the tokenizer and chat template of an HF directory, a tokenizer.json or a
-GGUF file, read without the network.
+"""`load_tokenizer`: the tokenizer and chat template of an HF directory, a tokenizer.json, a
+GGUF file or a tiktoken rank file, read without the network; HF `tokenizers` does the encoding.
 
 Where each part comes from (as transformers reads it):
 
@@ -9,9 +9,17 @@ Where each part comes from (as transformers reads it):
   templates of which "default" is used); chat_template.jinja, which newer transformers write and
   which wins over tokenizer_config.json's; generation_config.json's `eos_token_id` (stop ids).
 - tokenizer.json alone: no named tokens, no template.
-- GGUF: `tokenizer.ggml.*` (tokens, merges, token types: control and user-defined tokens are the
-  added tokens; bos/eos/unknown/padding ids name the special tokens; eot/eom ids are stop ids)
-  and `tokenizer.chat_template`.
+- GGUF: `tokenizer.ggml.*` (tokens, merges, scores, token types: control tokens are the special
+  added tokens, user-defined ones plain added tokens; bos/eos/unknown/padding ids name the special
+  tokens; eot/eom ids are stop ids) and `tokenizer.chat_template`. Both of llama.cpp's BPE kinds:
+  "gpt2" (byte-level: zoo/tokenizer/bpe.py) and "llama" (SentencePiece-style with byte fallback:
+  zoo/tokenizer/sentencepiece.py), built as transformers builds them from the same metadata.
+- tiktoken: a `.tiktoken` rank file (a BPE train.py trained) or a `tiktoken.Encoding`
+  (`from_tiktoken`): vocabulary and merges recovered from the ranks, no named tokens.
+
+A tokenizer.json gets the pipeline transformers gives the tokenizer class tokenizer_config.json
+names (as written for a generic class; rebuilt from the class for Llama, Gemma, GPT-2 and Qwen2's
+own: zoo/tokenizer/classes.py), so that the ids are transformers'.
 
 Named special tokens are matched whole in text even when the vocabulary also holds them as
 ordinary pieces, as transformers adds them to its added tokens.
@@ -22,8 +30,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zoo.tokenizer.bpe import GGUF_PATTERNS, build_encoding, pattern_from_hf
-from zoo.tokenizer.tokenizer import Tokenizer
+from zoo.tokenizer.bpe import GGUF_PATTERNS, byte_encoder, byte_level, from_ranks, spell
+from zoo.tokenizer.classes import pipeline_for
+from zoo.tokenizer.sentencepiece import sentencepiece_bpe
+from zoo.tokenizer.tokenizer import ENDOFTEXT, Tokenizer
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the special tokens a chat template sees by name.
 NAMED_TOKENS = (
@@ -43,16 +53,18 @@ _GGUF_NAMED = {
 }
 _GGUF_STOPS = ("eot_token_id", "eom_token_id")  # llama.cpp's end of turn / end of message
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types that are not BPE pieces
+# llama.cpp architectures whose SentencePiece vocabulary needs its own pipeline.
+_SENTENCEPIECE_FAMILIES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}
 _HOW_TO_PASS = "zoo.load_tokenizer(path, chat_template='file.jinja')"
 
 
 def load_tokenizer(path: str | Path, *, chat_template: str | Path | None = None) -> Tokenizer:
-    """The tokenizer of a checkpoint: an HF directory, a tokenizer.json file or a .gguf file.
+    """The tokenizer of a checkpoint: an HF directory, a tokenizer.json file, a .gguf file or a
+    .tiktoken rank file.
 
     `chat_template` replaces the checkpoint's template (or gives one to a checkpoint without):
     a `Path` or a string naming a file (read as UTF-8), or a string holding Jinja (`{{` or `{%`)
-    used as the template itself. Only byte-level BPE vocabularies load (GPT-2, Llama 3, SmolLM2);
-    anything tiktoken would encode differently from HF is refused with the reason.
+    used as the template itself.
     """
     source = None
     if chat_template is not None:  # checked first: a bad template fails before the slow part
@@ -67,12 +79,19 @@ def load_tokenizer(path: str | Path, *, chat_template: str | Path | None = None)
         tokenizer = _from_hf_directory(path)
     elif path.suffix == ".json" and path.is_file():
         tokenizer = _from_tokenizer_json(
-            path, config={}, chat_template=None, stop_ids=(), source=str(path)
+            path, config={}, chat_template=None, eos_ids=(), source=str(path)
         )
+    elif path.suffix == ".tiktoken" and path.is_file():
+        from tiktoken.load import load_tiktoken_bpe
+
+        from zoo.tokenizer.bpe import GPT2_PATTERN
+
+        ranks = load_tiktoken_bpe(str(path))
+        tokenizer = from_tiktoken_ranks(ranks, GPT2_PATTERN, {ENDOFTEXT: len(ranks)}, str(path))
     else:
         raise ValueError(
             f"{str(path)!r} is not a tokenizer: pass an HF directory (with tokenizer.json), a "
-            "tokenizer.json file or a .gguf file"
+            "tokenizer.json file, a .gguf file or a .tiktoken rank file"
         )
     if source is not None:
         tokenizer = dataclasses.replace(tokenizer, chat_template=source)
@@ -131,7 +150,7 @@ def _config_template(value: Any, where: Path) -> str | None:
     )
 
 
-def _stop_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: Any) -> tuple[int, ...]:
     ids = value if isinstance(value, list) else [] if value is None else [value]
     return tuple(int(i) for i in ids)
 
@@ -139,9 +158,14 @@ def _stop_ids(value: Any) -> tuple[int, ...]:
 def _from_hf_directory(folder: Path) -> Tokenizer:
     tokenizer_json = folder / "tokenizer.json"
     if not tokenizer_json.is_file():
+        also = (
+            " (a SentencePiece tokenizer.model is there alone)"
+            if (folder / "tokenizer.model").is_file()
+            else ""
+        )
         raise ValueError(
-            f"{str(folder)!r} has no tokenizer.json (only byte-level BPE tokenizers in "
-            "tokenizer.json load; a SentencePiece tokenizer.model does not)"
+            f"{str(folder)!r} has no tokenizer.json{also}; write one with transformers: "
+            "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
         )
     config = _read_json(folder / "special_tokens_map.json") | _read_json(
         folder / "tokenizer_config.json"
@@ -151,13 +175,29 @@ def _from_hf_directory(folder: Path) -> Tokenizer:
     if jinja_file.is_file():
         template = read_chat_template(jinja_file)
     generation = _read_json(folder / "generation_config.json")
+    model_type = _read_json(folder / "config.json").get("model_type")
     return _from_tokenizer_json(
         tokenizer_json,
         config=config,
         chat_template=template,
-        stop_ids=_stop_ids(generation.get("eos_token_id")),
+        eos_ids=_eos_ids(generation.get("eos_token_id")),
         source=str(folder),
+        model_type=model_type,
     )
+
+
+def _with_special(backend, special: dict[str, int], source: str) -> dict[str, int]:
+    """`special` (string -> id) made special added tokens of `backend` (matched whole in any
+    text, as transformers matches the named special tokens); each must keep its id."""
+    from tokenizers import AddedToken
+
+    added = [AddedToken(t, special=True, normalized=False) for t in special]
+    backend.add_special_tokens(added)
+    vocab = backend.get_vocab(with_added_tokens=True)
+    moved = {t: (i, vocab.get(t)) for t, i in special.items() if vocab.get(t) != i}
+    if moved:
+        raise ValueError(f"{source}: special tokens {moved} (id, id in the vocabulary) disagree")
+    return special
 
 
 def _from_tokenizer_json(
@@ -165,28 +205,23 @@ def _from_tokenizer_json(
     *,
     config: dict,
     chat_template: str | None,
-    stop_ids: tuple[int, ...],
+    eos_ids: tuple[int, ...],
     source: str,
+    model_type: str | None = None,
 ) -> Tokenizer:
-    spec = _read_json(path)
-    model = spec.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    """A tokenizer.json with tokenizer_config.json's `config`, the pipeline transformers gives
+    the class it names (zoo/tokenizer/classes.py)."""
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
         raise ValueError(
-            f"{path}: model type {model.get('type')!r} (byte_fallback={model.get('byte_fallback')})"
-            " is not byte-level BPE; only byte-level BPE converts to tiktoken"
-        )
-    if spec.get("normalizer") is not None:
-        raise ValueError(f"{path}: a normalizer ({spec['normalizer']['type']}) is not supported")
-    added = {}
-    for token in spec.get("added_tokens", []):
-        for flag in ("lstrip", "rstrip", "single_word"):
-            if token.get(flag):
-                raise ValueError(
-                    f"{path}: added token {token['content']!r} has {flag}=true, which tiktoken "
-                    "cannot reproduce (it matches added tokens exactly); not supported"
-                )
-        added[token["content"]] = token["id"]
-    vocab = model["vocab"]
+            f"{path} is not a tokenizer.json the tokenizers library reads ({e})"
+        ) from e
+    backend = pipeline_for(backend, path, config, model_type)
+    vocab = backend.get_vocab(with_added_tokens=True)
+    added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     named = {name: _content(config[name]) for name in NAMED_TOKENS if config.get(name)}
     special = dict(added)
     for token in [*named.values(), *_extra_tokens(config)]:
@@ -197,22 +232,86 @@ def _from_tokenizer_json(
                     "which is neither an added token nor in the vocabulary"
                 )
             special[token] = vocab[token]
-    encoding = build_encoding(
-        path.parent.name or path.stem,
-        vocab=vocab,
-        merges=model.get("merges", []),
-        added=added,
-        special=special,
-        pat_str=pattern_from_hf(spec.get("pre_tokenizer")),
-    )
     return Tokenizer(
-        encoding=encoding,
-        special_tokens=special,
+        backend=backend,
+        special_tokens=_with_special(backend, special, source),
         named_tokens=named,
         chat_template=chat_template,
-        stop_ids=stop_ids,
+        eos_ids=eos_ids,
         source=source,
     )
+
+
+def from_tiktoken_ranks(
+    ranks: dict[bytes, int], pattern: str, special: dict[str, int], source: str
+) -> Tokenizer:
+    """A `Tokenizer` equal to the tiktoken encoding of `ranks`, `pattern` and `special` (string
+    -> id): a BPE train.py trained, or an OpenAI encoding. No named tokens, no template."""
+    vocab, merges = from_ranks(ranks, pattern)
+    backend = byte_level(vocab, merges, pattern)
+    return Tokenizer(
+        backend=backend,
+        special_tokens=_with_special(backend, dict(special), source),
+        named_tokens={},
+        source=source,
+    )
+
+
+def from_tiktoken(encoding) -> Tokenizer:
+    """`from_tiktoken_ranks` of a `tiktoken.Encoding` (its ranks, regex and special tokens)."""
+    # tiktoken keeps these private; they are what the encoding is made of.
+    return from_tiktoken_ranks(
+        encoding._mergeable_ranks, encoding._pat_str, encoding._special_tokens, encoding.name
+    )
+
+
+def _gguf_backend(reader, tokens: list[str], types: list[int], source: str):
+    """(backend, added tokens: string -> (id, special)) of a GGUF vocabulary of either kind."""
+    from zoo.pretrained.gguf import metadata
+
+    kind = metadata(reader, "tokenizer.ggml.model")
+    merges = metadata(reader, "tokenizer.ggml.merges", []) or None
+    if kind == "gpt2":
+        pre = metadata(reader, "tokenizer.ggml.pre", "gpt2")
+        if pre not in GGUF_PATTERNS:
+            raise ValueError(
+                f"{source}: GGUF pre-tokenizer {pre!r} is not supported; known: "
+                f"{', '.join(GGUF_PATTERNS)}"
+            )
+        alphabet = set(byte_encoder().values())
+        # transformers' spelling: a piece outside the byte alphabet is spelled byte by byte.
+        spelled = [t if set(t) <= alphabet else spell(t.encode()) for t in tokens]
+        backend = byte_level(
+            {t: i for i, t in enumerate(spelled)}, merges or [], GGUF_PATTERNS[pre]
+        )
+        # A "control" token outside the byte alphabet is a mislabelled piece (as transformers).
+        control = lambda i: set(tokens[i]) <= alphabet  # noqa: E731
+    elif kind == "llama":
+        arch = metadata(reader, "general.architecture", "llama")
+        unk = metadata(reader, "tokenizer.ggml.unknown_token_id", -1)
+        backend = sentencepiece_bpe(
+            tokens,
+            metadata(reader, "tokenizer.ggml.scores", []) or None,
+            merges,
+            unk=tokens[unk] if 0 <= unk < len(tokens) else None,
+            family=_SENTENCEPIECE_FAMILIES.get(arch, "llama"),
+        )
+        control = lambda i: True  # noqa: E731
+    else:
+        raise ValueError(
+            f"{source}: GGUF tokenizer model {kind!r} is not supported; known: 'gpt2' "
+            "(byte-level BPE) and 'llama' (SentencePiece-style BPE)"
+        )
+    from tokenizers import AddedToken
+
+    vocab = backend.get_vocab()
+    specials = [i for i, k in enumerate(types) if k == _GGUF_CONTROL and control(i)]
+    plain = [i for i, k in enumerate(types) if k == _GGUF_USER_DEFINED and tokens[i] in vocab]
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in specials]
+    )
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in plain])
+    return backend, {tokens[i]: i for i in specials}
 
 
 def _from_gguf(path: Path) -> Tokenizer:
@@ -221,18 +320,9 @@ def _from_gguf(path: Path) -> Tokenizer:
     from zoo.pretrained.gguf import metadata, open_gguf
 
     reader = open_gguf(str(path))
-    kind = metadata(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; only 'gpt2' (BPE)")
-    pre = metadata(reader, "tokenizer.ggml.pre", "gpt2")
-    if pre not in GGUF_PATTERNS:
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(GGUF_PATTERNS)}"
-        )
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    types = metadata(reader, "tokenizer.ggml.token_type")
-    not_bpe = (_GGUF_CONTROL, _GGUF_USER_DEFINED)
-    added = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in not_bpe}
+    types = metadata(reader, "tokenizer.ggml.token_type", []) or [1] * len(tokens)
+    backend, added = _gguf_backend(reader, tokens, types, str(path))
 
     def token_id(key: str) -> int | None:
         value = metadata(reader, f"tokenizer.ggml.{key}", -1)
@@ -240,21 +330,13 @@ def _from_gguf(path: Path) -> Tokenizer:
 
     named_ids = {name: i for name, key in _GGUF_NAMED.items() if (i := token_id(key)) is not None}
     named = {name: tokens[i] for name, i in named_ids.items()}
-    special = added | {tokens[i]: i for i in named_ids.values() if tokens[i] not in added}
-    encoding = build_encoding(
-        path.stem,
-        vocab={t: i for i, t in enumerate(tokens)},
-        merges=metadata(reader, "tokenizer.ggml.merges"),
-        added=added,
-        special=special,
-        pat_str=GGUF_PATTERNS[pre],
-    )
+    special = added | {tokens[i]: i for i in named_ids.values()}
     template = metadata(reader, "tokenizer.chat_template", "") or None
     return Tokenizer(
-        encoding=encoding,
-        special_tokens=special,
+        backend=backend,
+        special_tokens=_with_special(backend, special, str(path)),
         named_tokens=named,
         chat_template=template,
-        stop_ids=tuple(i for key in _GGUF_STOPS if (i := token_id(key)) is not None),
+        eos_ids=tuple(i for key in _GGUF_STOPS if (i := token_id(key)) is not None),
         source=str(path),
     )

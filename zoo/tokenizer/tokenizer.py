@@ -5,20 +5,18 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import tiktoken
-
-from zoo.tokenizer import bpe
-
 _NO_TEMPLATE = (
     "{source} has no chat template (none in its GGUF metadata, tokenizer_config.json or "
     "chat_template.jinja); pass one: zoo.load_tokenizer(path, chat_template='file.jinja') "
     "(a file, or the template text itself)"
 )
+ENDOFTEXT = "<|endoftext|>"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Tokenizer:
-    """A byte-level BPE tokenizer (tiktoken does the encoding) with its chat template.
+    """A tokenizer (HF `tokenizers` does the encoding: byte-level BPE, SentencePiece-style BPE
+    with byte fallback, any tokenizer.json) with its chat template.
 
     `encode` behaves like HF's `tokenizer.encode(text, add_special_tokens=False)`: every string in
     `special_tokens` (the checkpoint's added tokens and named special tokens) that appears in the
@@ -26,32 +24,45 @@ class Tokenizer:
     those itself. `apply_chat_template` is HF's `apply_chat_template(messages, tokenize=True)` with
     its defaults, tested against transformers token for token.
 
-    Fields: `encoding` (the tiktoken engine, with `special_tokens` as its special tokens),
+    Fields: `backend` (the `tokenizers.Tokenizer`, with `special_tokens` among its added tokens),
     `special_tokens` (string -> id), `named_tokens` (`bos_token`, `eos_token`, `unk_token`, ...
     -> string; templates see them as variables), `chat_template` (Jinja source or None),
-    `stop_ids` (the checkpoint's own extra end ids: generation_config.json's eos_token_id, GGUF's
+    `eos_ids` (the checkpoint's own extra end ids: generation_config.json's eos_token_id, GGUF's
     eot/eom ids), `source` (where it came from, for messages). Equality is identity.
+
+    Training's data path (data/) takes this or a `tiktoken.Encoding` alike: `name`, `n_vocab`,
+    `eot_token` (the document separator), `encode_ordinary` and `encode_ordinary_batch` (special
+    strings stay text) are tiktoken's names for the same things.
     """
 
-    encoding: tiktoken.Encoding
+    backend: Any  # tokenizers.Tokenizer (not imported here: `import zoo` must not need it)
     special_tokens: Mapping[str, int]
     named_tokens: Mapping[str, str]
     chat_template: str | None = None
-    stop_ids: tuple[int, ...] = ()
+    eos_ids: tuple[int, ...] = ()
     source: str = "this tokenizer"
 
     def __post_init__(self):
-        missing = set(self.special_tokens) - self.encoding.special_tokens_set
-        if missing:
-            raise ValueError(f"special tokens {sorted(missing)} are not special in the encoding")
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        wrong = {t: i for t, i in self.special_tokens.items() if vocab.get(t) != i}
+        if wrong:
+            raise ValueError(f"special tokens {wrong} do not have these ids in the vocabulary")
         unnamed = {k: t for k, t in self.named_tokens.items() if t not in self.special_tokens}
         if unnamed:
             raise ValueError(f"named tokens {unnamed} are not in special_tokens")
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        """One more than the largest id (ranks and special tokens)."""
-        return self.encoding.n_vocab
+        """One more than the largest id (pieces and added tokens)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values()) + 1
+
+    @property
+    def n_vocab(self) -> int:
+        return self.vocab_size
+
+    @property
+    def name(self) -> str:
+        return self.source
 
     def _named_id(self, name: str) -> int | None:
         token = self.named_tokens.get(name)
@@ -65,31 +76,57 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._named_id("eos_token")
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def eot_token(self) -> int:
+        """The document separator training packs between documents: `<|endoftext|>` where the
+        vocabulary has it, else eos."""
+        if ENDOFTEXT in self.special_tokens:
+            return self.special_tokens[ENDOFTEXT]
+        if self.eos_token_id is None:
+            raise ValueError(
+                f"{self.source} has neither {ENDOFTEXT} nor an eos token to separate documents"
+            )
+        return self.eos_token_id
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """The ids of `text`; special-token strings in it become their ids, and bytes the
-        vocabulary has no token for are dropped (both as in HF)."""
-        if self._absent_bytes:
-            raw = text.encode("utf-8", "surrogatepass")
-            if len(raw.translate(None, self._absent_bytes)) != len(raw):
-                return bpe.encode_dropping(self.encoding, text, self._absent_bytes)
-        return self.encoding.encode(text, allowed_special="all")
+        vocabulary has no token for are dropped or fall back to byte tokens (both as in HF).
+        `add_special_tokens`: the tokenizer's own post-processing too (a BOS where it adds one),
+        as HF's `tokenizer(text)` for a prompt without a chat template."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and each token's [start, stop) character span in `text`."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     @functools.cached_property
-    def _absent_bytes(self) -> bytes:
-        return bpe.absent_bytes(self.encoding)
+    def _ordinary(self):
+        """A copy of the backend that encodes special-token strings as text."""
+        from tokenizers import Tokenizer as Backend
+
+        copy = Backend.from_str(self.backend.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The ids of `text` with special-token strings encoded as text (tiktoken's
+        `encode_ordinary`: documents of a training corpus)."""
+        return self._ordinary.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._ordinary.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """The text of `ids` (bytes that are not valid UTF-8 become U+FFFD, as in HF)."""
+        """The text of `ids` (special tokens included; bytes that are not valid UTF-8 become
+        U+FFFD, as in HF)."""
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        try:
-            return self.encoding.decode(ids)
-        except KeyError as e:
-            raise ValueError(f"token id {e} is not in the vocabulary (a gap in its ids)") from e
+        return self.backend.decode(ids, skip_special_tokens=False)
 
     def _template(self) -> str:
         if self.chat_template is None:
@@ -136,7 +173,7 @@ class Tokenizer:
         template writes right after an assistant message's text (`<|im_end|>` for ChatML,
         `<|eot_id|>` for Llama 3; found by rendering a user -> assistant probe conversation,
         absent without a template or when the template refuses the probe), (2) eos, (3)
-        `stop_ids` (generation_config.json's eos_token_id, GGUF's eot/eom token ids)."""
+        `eos_ids` (generation_config.json's eos_token_id, GGUF's eot/eom token ids)."""
         ids = []
         if self.chat_template is not None:
             from zoo.tokenizer import chat
@@ -146,4 +183,9 @@ class Tokenizer:
                 ids.append(self.special_tokens[end])
         if self.eos_token_id is not None:
             ids.append(self.eos_token_id)
-        return tuple(dict.fromkeys([*ids, *self.stop_ids]))
+        return tuple(dict.fromkeys([*ids, *self.eos_ids]))
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids generation stops at by default (`stop_tokens=` of `infer.generate` and
+        `Engine.submit`): the model's end of turn and end of sequence, `end_of_turn_ids`."""
+        return self.end_of_turn_ids

