@@ -33,7 +33,8 @@ class Chat:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, system: str | None = None,
                  max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
-                 placement: shard.Placement | None = None, write=sys.stdout.write):  # fmt: skip
+                 placement: shard.Placement | None = None, kv_dtype: str | None = None,
+                 write=sys.stdout.write):  # fmt: skip
         """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
         what `load_pretrained` gives; a run's stacked model is converted once)."""
         tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
@@ -44,6 +45,7 @@ class Chat:
             max_len=min(max_len, model.config.max_seq_len),
             key=jax.random.key(seed),
             placement=placement,
+            kv_dtype=kv_dtype,
         )
         self.messages = [{"role": "system", "content": system}] if system else []
         self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
@@ -80,6 +82,7 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
         help="tokens the conversation may hold",
     )
     flags.add_sampling(p)
+    flags.add_kv_dtype(p)
     flags.add_placement(p)
     return p
 
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
     chat = Chat(
         artifact.model, artifact.tokenizer, system=args.system, max_len=args.max_len,
         max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
-        seed=args.seed, placement=placement,
+        seed=args.seed, placement=placement, kv_dtype=args.kv_dtype,
     )  # fmt: skip
     print(f"(compiled in {time.perf_counter() - start:.1f} s)")
     replies = []
