@@ -172,7 +172,7 @@ def test_plan_counts_the_int8_pools_as_placed(config):
     )
     p = plan(config, model.policy, rules, mesh_shape, batch=8, seq=16,
              hardware=HARDWARE["h100"], kv_dtype="int8")  # fmt: skip
-    assert p.kv_cache == bytes_per_device(cache.layers)
+    assert p.kv_cache == bytes_per_device(cache)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int4", "fp8", "q8_0"])
