@@ -1,10 +1,10 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers, the serving engine, LoRA/QLoRA vs full fine-tuning, the pipeline bubble,
-asynchronous vs synchronous checkpoint saves, quantized inference and its kernels, GRPO
-rollout vs update, the int8 KV cache) with sizes for the device found, each printing
-predicted (zoo.math roofline) vs measured beside the ceilings measured once in this run,
-and writes `results.json` and `results.md` to RESULTS_DIR.
+samplers, the serving engine, speculative decoding, LoRA/QLoRA vs full fine-tuning, the
+pipeline bubble, asynchronous vs synchronous checkpoint saves, quantized inference and its
+kernels, GRPO rollout vs update, the int8 KV cache) with sizes for the device found, each
+printing predicted (zoo.math roofline) vs measured beside the ceilings measured once in this
+run, and writes `results.json` and `results.md` to RESULTS_DIR.
 
     python -m bench all --out results/
     python -m bench decode                 # one benchmark
@@ -30,6 +30,7 @@ BENCHMARKS = {
     "flash-blocks": "bench.flash_blocks",
     "sampling": "bench.sampling",
     "engine": "bench.engine",
+    "speculative": "bench.speculative",
     "lora": "bench.lora",
     "context": "bench.context",
     "pipeline": "bench.pipeline",

@@ -5,6 +5,7 @@ tokens/s of every reply.
     eqx-zoo chat --model runs/finetune                  # a fine-tuned run (LoRA or full)
     eqx-zoo chat --model base.gguf --adapter adapter/   # a base and a PEFT adapter
     eqx-zoo chat --model merged/ --message "What is the capital of Quillmora?"
+    eqx-zoo chat --prompt-lookup 6      # speculative decoding: drafts from the chat's own n-grams
 
 The conversation is rendered with the model's own chat template (or `--chat-template`) and served
 by one `infer.Engine` for the whole session: it compiles once at start, each turn's prompt (the
@@ -23,6 +24,7 @@ import jax
 import infer
 import shard
 from cli import commands, flags, stream
+from infer.speculative import PromptLookup, Proposer
 from training.artifacts import load_artifact, plain
 from zoo import Tokenizer, Transformer
 
@@ -34,9 +36,10 @@ class Chat:
                  max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
                  placement: shard.Placement | None = None, kv_dtype: str | None = None,
-                 write=sys.stdout.write):  # fmt: skip
+                 write=sys.stdout.write, speculative: Proposer | None = None):  # fmt: skip
         """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
-        what `load_pretrained` gives; a run's stacked model is converted once)."""
+        what `load_pretrained` gives; a run's stacked model is converted once); `speculative`
+        a proposer of draft tokens (infer/speculative/)."""
         tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
         self.tokenizer = tokenizer
         self.engine = infer.Engine(
@@ -46,6 +49,7 @@ class Chat:
             key=jax.random.key(seed),
             placement=placement,
             kv_dtype=kv_dtype,
+            speculative=speculative,
         )
         self.messages = [{"role": "system", "content": system}] if system else []
         self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
@@ -83,6 +87,13 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
     )
     flags.add_sampling(p)
     flags.add_kv_dtype(p)
+    p.add_argument(
+        "--prompt-lookup",
+        type=flags.POSITIVE_INT.flag_type(),
+        metavar="K",
+        help="speculative decoding: up to K drafts per step from the conversation's own n-grams "
+        "(infer.speculative.PromptLookup); default off",
+    )
     flags.add_placement(p)
     return p
 
@@ -128,6 +139,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         artifact.model, artifact.tokenizer, system=args.system, max_len=args.max_len,
         max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
         seed=args.seed, placement=placement, kv_dtype=args.kv_dtype,
+        speculative=None if args.prompt_lookup is None else PromptLookup(k=args.prompt_lookup),
     )  # fmt: skip
     print(f"(compiled in {time.perf_counter() - start:.1f} s)")
     replies = []
@@ -142,7 +154,8 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         print(
             f"\n     ({n} tokens, stopped by {answer.stopped_by}, first after "
             f"{request.ttft_s * 1e3:.0f} ms, then {rate:.1f} tokens/s; {request.reused_tokens} "
-            "prompt tokens reused from the cache)"
+            "prompt tokens reused from the cache"
+            + (f"; {request.accepted}/{request.drafted} drafts kept)" if request.drafted else ")")
         )
         replies.append(answer)
     return replies

@@ -16,6 +16,13 @@ one step behind, streaming, prefix reuse, preemption.
   settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
   k+1 before it reads step k's tokens and its Python bookkeeping (streaming, freeing rows and
   pages) overlaps the device.
+- Speculative decoding (`speculative=`, infer/speculative/): a decoding row's group holds its last
+  token and up to `k` proposed tokens, verified by the same forward (the decode run of groups is
+  `k_max + 1` wide; a row's `k` is data, so no `k` or acceptance compiles anything new); the
+  device accepts, draws the extra token, and reports up to `k + 1` tokens per row. Rejected
+  tokens are rolled back by the row's length: their pages stay with the row and are written over.
+  The host proposes from the tokens it has read, so a speculating engine reads each step's
+  tokens before it dispatches the next.
 - Pages are allocated as tokens arrive. When the pool runs dry, the youngest running request is
   preempted: its pages go back, it returns to the head of the queue and is recomputed (its prompt
   and the tokens it already has, prefilled again) when pages free up; its tokens are kept.
@@ -33,10 +40,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
+from infer.speculative.draft import DraftModel, DraftRunner
+from infer.speculative.proposer import Proposer
+from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
 from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
 from shard import Placement
@@ -77,7 +87,9 @@ class StepPlan(eqx.Module):
     decode-only step): each chunk's engine `row`, its `tokens` `[prefill_rows, chunk]`, how many
     are real (`n`), where it starts (`start`), whether it ends the prompt (`final`, so its last
     logits give the request's next token) and how many tokens the request had (`had`: more than 0
-    after a preemption)."""
+    after a preemption). Speculation: each decoding row's proposed `drafts` (`[rows, k_max]`,
+    `[rows, 0]` in an engine that does not speculate), of which the first `k` are real, and
+    the distributions they were drawn from (`q`; None: deterministic drafts)."""
 
     decoding: Bool[ArrayLike, " rows"]
     lengths: Int[ArrayLike, " rows"]
@@ -88,55 +100,83 @@ class StepPlan(eqx.Module):
     start: Int[ArrayLike, " chunks"]
     final: Bool[ArrayLike, " chunks"]
     had: Int[ArrayLike, " chunks"]
+    drafts: Int[ArrayLike, "rows drafts"]
+    k: Int[ArrayLike, " rows"]
+    q: Float[ArrayLike, "rows drafts vocab"] | None = None
 
 
 def _stopped(tokens, stops, count, budget):
     return jnp.any(tokens[:, None] == stops, axis=1) | (count >= budget)
 
 
+def _cut_at_stops(tokens, n, stops, count, budget):
+    """A row's run of `n` new tokens ends at its first stop token (kept) and at its budget:
+    the tokens it emits and whether it is done."""
+    stop = jnp.any(tokens[:, :, None] == stops[:, None, :], axis=2)
+    stop &= jnp.arange(tokens.shape[1])[None, :] < n[:, None]
+    n = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, n)
+    n = jnp.clip(budget - count, 0, n)  # a row that is not live emits nothing (n = 0)
+    return n, jnp.any(stop, axis=1) | (count + n >= budget)
+
+
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
 def _step_program(model, state, params, plan, key, step, *, page_size, placement):
-    """One engine step: decode rows and prompt chunks through one forward, then sampling, stop
-    checks and the rows' state. Returns the state and `[3, rows]` int32: each row's new token,
-    whether it emitted one, whether it is done."""
+    """One engine step: decode rows (each its last token and its drafts, a group of
+    `k_max + 1`) and prompt chunks through one forward, then sampling or verification, stop
+    checks and the rows' state. Returns the state and `[rows, k_max + 3]` int32: each row's new
+    tokens `[k_max + 1]`, how many it emitted, whether it is done."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
-    TRACES["mixed" if chunks else "decode"] += 1
+    group = plan.drafts.shape[1] + 1
+    TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
     live = plan.decoding & ~state.done
+    k = jnp.where(live, plan.k, 0)
     in_chunk = jnp.arange(width)[None, :] < plan.n[:, None]
-    tokens = jnp.concatenate([state.last, plan.tokens.reshape(-1)])
-    valid = jnp.concatenate([live, in_chunk.reshape(-1)])
-    last_of_chunk = rows + jnp.arange(chunks) * width + jnp.maximum(plan.n - 1, 0)
+    in_group = live[:, None] & (jnp.arange(group)[None, :] <= k[:, None])
+    tokens = jnp.concatenate([state.last[:, None], plan.drafts], axis=1).reshape(-1)
+    tokens = jnp.concatenate([tokens, plan.tokens.reshape(-1)])
+    valid = jnp.concatenate([in_group.reshape(-1), in_chunk.reshape(-1)])
+    last_of_chunk = rows * group + jnp.arange(chunks) * width + jnp.maximum(plan.n - 1, 0)
     cache = PagedKVCache(
         state.pages,
         jnp.concatenate([plan.table, plan.table[plan.row]]),
         jnp.concatenate([plan.lengths, plan.start]),
         rows=jnp.concatenate([jnp.arange(rows), plan.row]),
-        segments=((rows, 1), (chunks, width)) if chunks else ((rows, 1),),
+        segments=((rows, group), (chunks, width)) if chunks else ((rows, group),),
         kernel=model.policy.decode_kernel,
         page_size=page_size,
     )
     with placement.context():
         out = model.forward(
             tokens[:, None], valid=valid[:, None], cache=cache,
-            logits_at=jnp.concatenate([jnp.arange(rows), last_of_chunk]),
+            logits_at=jnp.concatenate([jnp.arange(rows * group), last_of_chunk]),
         )  # fmt: skip
+    key = jax.random.fold_in(key, step)
     at = jnp.concatenate([jnp.arange(rows), plan.row])  # each sampled row's params
-    sampling = jax.tree.map(lambda x: x[at], params.sampling)
-    sampled = sample(out.logits, sampling, jax.random.fold_in(key, step))
-    new = sampled[:rows]
-    count = state.count + live
-    done = state.done | (live & _stopped(new, params.stops, count, params.budget))
-    last, emitted = jnp.where(live, new, state.last), live
+    if group == 1:
+        sampled = sample(out.logits, jax.tree.map(lambda x: x[at], params.sampling), key)
+        new, n, first = sampled[:rows, None], live.astype(jnp.int32), sampled[rows:]
+    else:
+        verify_key, chunk_key = jax.random.split(key)
+        logits = out.logits[: rows * group].reshape(rows, group, -1)
+        new, n = verify(logits, plan.drafts, k, plan.q, params.sampling, verify_key)
+        n = jnp.where(live, n, 0)
+        chunk_sampling = jax.tree.map(lambda x: x[plan.row], params.sampling)
+        first = sample(out.logits[rows * group :], chunk_sampling, chunk_key)
+    n, stopped = _cut_at_stops(new, n, params.stops, state.count, params.budget)
+    count = state.count + n
+    done = state.done | (live & stopped)
+    ends = jnp.take_along_axis(new, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+    last = jnp.where(n > 0, ends, state.last)
     # Rows whose prompt ends here: their first token (chunks that do not end write nothing).
     row = jnp.where(plan.final, plan.row, rows)
-    first, had = sampled[rows:], plan.had + 1
+    had = plan.had + 1
     ended = _stopped(first, params.stops[plan.row], had, params.budget[plan.row])
     last = last.at[row].set(first, mode="drop")
-    new = new.at[row].set(first, mode="drop")
+    new = new.at[row, 0].set(first, mode="drop")
     count = count.at[row].set(had, mode="drop")
     done = done.at[row].set(ended, mode="drop")
-    emitted = emitted.at[row].set(True, mode="drop")
-    report = jnp.stack([new, emitted.astype(jnp.int32), done.astype(jnp.int32)])
+    n = n.at[row].set(1, mode="drop")
+    report = jnp.concatenate([new, n[:, None], done[:, None].astype(jnp.int32)], axis=1)
     return RowState(out.cache.layers, last, count, done), report
 
 
@@ -145,7 +185,9 @@ class Request:
     """One submitted prompt. `tokens` grows as the engine generates (ending with the stop token
     that ended it, if any); `done` once finished; `error` if a callback of it failed (the
     others go on). `ttft_s` and `decode_s` time it: submit to first token, first to last (as the
-    host sees them); `preemptions` counts how often the pool ran dry and it was recomputed."""
+    host sees them); `preemptions` counts how often the pool ran dry and it was recomputed.
+    Speculation: up to `draft_tokens` drafts per step, `drafted` of them verified and
+    `accepted` kept (`accepted / drafted`: the acceptance rate)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -159,6 +201,9 @@ class Request:
     decode_s: float | None = None
     reused_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # drafts proposed per step at most (0: no speculation)
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # drafts the target kept
     # Engine bookkeeping.
     order: int = 0  # submission order: the youngest is preempted first
     row: int = -1
@@ -229,7 +274,9 @@ class Engine:
     token and K/V head, about twice the pages of bfloat16 in the same bytes; the choices are
     `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
     same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
-    step (`engine.records` keeps them).
+    step (`engine.records` keeps them); `speculative` a proposer (infer/speculative/:
+    `PromptLookup(k=4)`, `DraftModel(small, k=4)`) whose `k` is the most drafts a row verifies
+    per step (each request may ask for fewer, or none: `submit(..., draft_tokens=)`).
 
     The model runs as its policy says (`model.policy`: layer storage, paged decode kernel);
     `zoo.load_pretrained` gives the fastest decode policy. `engine.model` may be replaced by a
@@ -256,6 +303,7 @@ class Engine:
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
         log_steps: bool = False,
+        speculative: Proposer | DraftModel | None = None,
     ):
         if not isinstance(model, Transformer):
             raise ValueError(f"Engine needs a zoo.Transformer, got {type(model).__name__}")
@@ -281,6 +329,15 @@ class Engine:
         self.key = jax.random.key(0) if key is None else key
         self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
         self.stop_tokens = self._checked_stops(stop_tokens)
+        if speculative is not None and not isinstance(speculative, Proposer | DraftModel):
+            raise ValueError(
+                f"Engine speculative must be a proposer (infer.speculative.PromptLookup or "
+                f"DraftModel), got {speculative!r}"
+            )
+        if isinstance(speculative, DraftModel):
+            speculative.check_target(model)
+        self.proposer = speculative
+        self.max_drafts = 0 if speculative is None else speculative.k
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
         self.records: list[StepRecord] = []
@@ -291,6 +348,7 @@ class Engine:
                 kv_dtype=self.kv_dtype,
                 rows=max_batch if window_cache else 0,
                 span=max_len,
+                ring_extra=self.max_drafts,
             )
         )
         pools, rings = pools_and_rings(pages)
@@ -333,6 +391,16 @@ class Engine:
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
+        self.drafter = None
+        if isinstance(speculative, DraftModel):
+            draft_pages = speculative.model.init_pages(
+                n_pages, page_size, rows=max_batch if window_cache else 0, span=max_len,
+                ring_extra=self.max_drafts,
+            )  # fmt: skip
+            self.drafter = DraftRunner(
+                speculative, self.placement.place_arrays(draft_pages), rows=max_batch,
+                page_size=page_size, placement=self.placement, key=jax.random.split(self.key)[1],
+            )  # fmt: skip
         self._program = functools.partial(
             _step_program, page_size=page_size, placement=self.placement
         )
@@ -353,12 +421,15 @@ class Engine:
         sampler: Sampler | None = None,
         stop_tokens: Sequence[int] | None = None,
         on_tokens: OnTokens | None = None,
+        draft_tokens: Count | None = None,
     ) -> Request:
         """Queue a prompt (a list of token ids), ending at one of `stop_tokens` (default: the
         engine's `stop_tokens`; `()`: none) or after `max_new_tokens`. Bad input is a ValueError
         here, before it can disturb anything in flight: an empty prompt, ids outside the
         vocabulary, a prompt plus `max_new_tokens` beyond `max_len` or beyond the whole page pool,
-        more stop tokens than `max_stop_tokens`, a sampler or callback of the wrong type."""
+        more stop tokens than `max_stop_tokens`, a sampler or callback of the wrong type,
+        `draft_tokens` outside `[0, k]` of the engine's proposer (default: its `k`; 0: this
+        request does not speculate)."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -387,6 +458,7 @@ class Engine:
             raise ValueError(f"on_tokens must be callable (tokens -> None), got {on_tokens!r}")
         stops = self.stop_tokens if stop_tokens is None else self._checked_stops(stop_tokens)
         request = Request(
+            draft_tokens=self._check_draft_tokens(draft_tokens),
             prompt=[int(t) for t in row],
             max_new_tokens=max_new_tokens,
             sampler=sampler if sampler is not None else Greedy(),
@@ -414,6 +486,25 @@ class Engine:
             )
         return stops
 
+    def _check_draft_tokens(self, draft_tokens) -> int:
+        if draft_tokens is None:
+            return self.max_drafts
+        if self.proposer is None and not (isinstance(draft_tokens, int) and draft_tokens == 0):
+            raise ValueError(
+                f"draft_tokens={draft_tokens!r}, but the engine does not speculate; make it with "
+                "speculative=PromptLookup(k=...)"
+            )
+        if (
+            isinstance(draft_tokens, bool)
+            or not isinstance(draft_tokens, int | np.integer)
+            or not 0 <= draft_tokens <= self.max_drafts
+        ):
+            raise ValueError(
+                f"draft_tokens must be an int in [0, {self.max_drafts}] (the engine proposer's "
+                f"k, the static maximum; 0: no speculation), got {draft_tokens!r}"
+            )
+        return int(draft_tokens)
+
     def run(self) -> None:
         """Step until every submitted request (including those submitted meanwhile) is done."""
         while self.waiting or any(self.rows) or self._launched is not None:
@@ -423,7 +514,11 @@ class Engine:
 
     def step(self) -> None:
         """Dispatch the next step (when there is work), then read the previous step's tokens:
-        the host runs one step behind the device."""
+        the host runs one step behind the device. A speculating engine reads the previous
+        step's tokens first: its proposals continue them."""
+        if self.proposer is not None and self._launched is not None:
+            self._consume(self._launched)
+            self._launched = None
         launched = self._dispatch()
         if self._launched is not None:
             self._consume(self._launched)
@@ -433,6 +528,8 @@ class Engine:
         """Compile both programs now (every row idle: nothing written, nothing emitted)."""
         for chunks in (0, self.prefill_rows):
             plan = self._plan([], [], chunks)
+            if self.drafter is not None:
+                plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
             self.state, report = self._program(
                 self.model, self.state, self._row_params(), plan, self.key, np.int32(0)
             )
@@ -544,7 +641,13 @@ class Engine:
         # was scheduled before it.
         return decode, chunks
 
-    def _plan(self, decode: list[Request], chunks: list[tuple[Request, int]], width: int):
+    def _plan(
+        self,
+        decode: list[Request],
+        chunks: list[tuple[Request, int]],
+        width: int,
+        drafts: dict[int, np.ndarray] | None = None,
+    ):
         rows, size = self.max_batch, self.chunk
         plan = {
             "decoding": np.zeros(rows, bool),
@@ -556,7 +659,11 @@ class Engine:
             "start": np.zeros(width, np.int32),
             "final": np.zeros(width, bool),
             "had": np.zeros(width, np.int32),
+            "drafts": np.zeros((rows, self.max_drafts), np.int32),
+            "k": np.zeros(rows, np.int32),
         }
+        for row, proposed in (drafts or {}).items():
+            plan["drafts"][row, : proposed.size], plan["k"][row] = proposed, proposed.size
         for r in decode:
             plan["decoding"][r.row], plan["lengths"][r.row] = True, r.cached
         for i, (r, n) in enumerate(chunks):
@@ -566,13 +673,36 @@ class Engine:
             plan["had"][i] = len(r.sequence) - len(r.prompt)
         return StepPlan(**plan)
 
+    def _propose(self, decode: list[Request]) -> dict[int, np.ndarray]:
+        """Each speculating row's drafts: at most its `draft_tokens`, what its budget can still
+        emit after the target's own token, and what pages it holds or the pool can give without
+        preempting anyone (a dry pool shortens the drafts, nothing more)."""
+        drafts = {}
+        for r in decode:
+            k = min(r.draft_tokens, r.max_new_tokens - r.scheduled - 1)
+            if k < 1:
+                continue
+            if self.drafter is None:
+                proposed = self.proposer.propose(np.asarray(r.prompt + r.tokens), k)
+            else:  # drawn on the device by the draft model
+                proposed = np.zeros(k, np.int32)
+            self._cover(r, r.cached + 1 + proposed.size)
+            room = len(r.pages) * self.page_size - r.cached - 1
+            drafts[r.row] = proposed[:room]
+            r.drafted += drafts[r.row].size
+        return drafts
+
     def _dispatch(self) -> _Launched | None:
         """Admit, schedule, launch this step's program (without waiting for it)."""
         self._admit()
         decode, chunks = self._schedule()
         if not decode and not chunks:
             return None
-        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0)
+        drafts = self._propose(decode) if self.proposer is not None else None
+        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, drafts)
+        if self.drafter is not None:
+            sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
+            plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
         self.state, report = self._program(
             self.model, self.state, self._row_params(), plan, self.key, np.int32(self.steps)
         )
@@ -596,7 +726,8 @@ class Engine:
     def _consume(self, launched: _Launched) -> None:
         """Read a dispatched step's tokens (waiting for it) and act on them: record, stream,
         finish the requests the device found done."""
-        tokens, emitted, done = np.asarray(launched.report)
+        report = np.asarray(launched.report)
+        tokens, emitted, done = report[:, :-2], report[:, -2], report[:, -1]
         record = dataclasses.replace(
             launched.record, ms=(time.perf_counter() - launched.started) * 1e3
         )
@@ -606,7 +737,12 @@ class Engine:
         for row, request in enumerate(launched.owners):
             if request is None or request.done or not emitted[row]:
                 continue
-            self._emit(request, int(tokens[row]), bool(done[row]))
+            extra = int(emitted[row]) - 1  # accepted drafts: past the one token dispatch counted
+            request.cached, request.scheduled = request.cached + extra, request.scheduled + extra
+            request.accepted += extra
+            if self.drafter is not None:
+                self.drafter.kept(row, request.cached)
+            self._emit(request, tokens[row, : emitted[row]].tolist(), bool(done[row]))
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""
@@ -614,17 +750,17 @@ class Engine:
             for key, page in zip(self.pool.prefix_keys(tokens), request.pages, strict=False):
                 self.pool.share(key, page)
 
-    def _emit(self, request: Request, token: int, done: bool) -> None:
-        """Record a new token, stream it, and finish the request when the device says it is
+    def _emit(self, request: Request, tokens: list[int], done: bool) -> None:
+        """Record new tokens, stream them, and finish the request when the device says it is
         done (a failing callback finishes only its own request)."""
         now = time.perf_counter()
         if not request.tokens:
             request.first_token = now
             request.ttft_s = now - request.submitted
-        request.tokens.append(token)
+        request.tokens.extend(tokens)
         if request.on_tokens is not None:
             try:
-                request.on_tokens([token])
+                request.on_tokens(tokens)
             except Exception as error:
                 request.error = error
                 self._finish(request, share=False)

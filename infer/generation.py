@@ -12,6 +12,7 @@ from jaxtyping import PRNGKeyArray
 
 from infer.engine import Engine
 from infer.sampling import Sampler
+from infer.speculative.proposer import Proposer
 from infer.step import check_prompts, check_tokens
 from shard import Placement
 from zoo.tokenizer import Tokenizer
@@ -39,6 +40,7 @@ def generate(
     max_len: int | None = None,
     placement: Placement | None = None,
     kv_dtype: str | None = None,
+    speculative: Proposer | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (up to `max_new_tokens`, ending at the first stop token, which
     is included). The stop tokens are `stop_tokens`, by default the model's end of turn and end
@@ -58,6 +60,8 @@ def generate(
     `model.with_policy(storage="unrolled")` converts once). Nothing copies the weights per call.
     Sharded generation: give the `placement` the model was created or loaded in
     (`shard.Placement(mesh, rules)`); the rows must divide by the mesh's batch axes.
+    `speculative` a proposer of draft tokens (`infer.speculative.PromptLookup(k=4)`): the same
+    tokens (greedy) or the same distribution (sampling), fewer target forwards.
     """
     config = model.config
     rows = check_prompts(prompts, config.vocab_size)
@@ -90,6 +94,7 @@ def generate(
         key=key,
         warm_up=False,
         stop_tokens=stops.tolist(),
+        speculative=speculative,
     )
     requests = [
         engine.submit(row.tolist(), max_new_tokens=max_new_tokens, sampler=sampler) for row in rows

@@ -526,6 +526,28 @@ def pipeline_activation_bytes(
     return micro * (microbatches + stages - 1) * stage_share
 
 
+def speculative_tokens_per_step(acceptance: float, k: int) -> float:
+    """Expected tokens one verification of `k` drafts emits when each draft is kept with
+    probability `acceptance`, independently (Leviathan et al. 2023, eq. 1): the kept run plus
+    the target's own token, `(1 - a^(k+1)) / (1 - a)` (k + 1 when every draft is kept)."""
+    if not 0 <= acceptance <= 1:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    if acceptance == 1:
+        return float(k + 1)
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def speculative_speedup(
+    acceptance: float, k: int, *, verify_cost: float, draft_cost: float = 0.0
+) -> float:
+    """Expected speedup of speculative decoding over one-token decoding (Leviathan et al. 2023,
+    Theorem 3.8, with the verification's own cost): tokens per step over the step's cost, in
+    units of a one-token target step: `verify_cost` for the target's `k + 1`-token group (about
+    1 while decode reads the weights, not the FLOPs, as the bound: `decode_step_bytes`),
+    `draft_cost` per proposed token (0 for prompt lookup, a draft model's step otherwise)."""
+    return speculative_tokens_per_step(acceptance, k) / (verify_cost + k * draft_cost)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
     """Peak dense matmul rate per dtype (FLOP/s), memory bandwidth (bytes/s), for chips built

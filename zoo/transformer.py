@@ -203,13 +203,23 @@ class Transformer(eqx.Module):
         )  # fmt: skip
 
     def init_pages(
-        self, n_pages: int, page_size: int, *, kv_dtype=None, rows: int = 0, span: int = 0
+        self,
+        n_pages: int,
+        page_size: int,
+        *,
+        kv_dtype=None,
+        rows: int = 0,
+        span: int = 0,
+        ring_extra: int = 0,
     ) -> tuple:
         """Empty page pools for a `PagedKVCache` (`layers`), shaped like the layer storage:
         per-head key and value pools, or MLA's one latent pool, in `kv_dtype` (as `init_cache`).
         With `rows` > 0, a layer whose sliding window is shorter than `span` (a row's most
-        tokens) keeps a ring of its window for each of `rows` rows instead of pages
-        (layers/window_cache.py), in the compute dtype."""
+        tokens) keeps a ring of its window (plus `ring_extra` slots) for each of `rows` rows
+        instead of pages (layers/window_cache.py), in the compute dtype. A speculating engine's
+        rejected drafts (up to `k` tokens past a row's length, rolled back by the length alone)
+        overwrite the ring slots of the `k` oldest positions: with `ring_extra = k` those are
+        outside every later query's window."""
         c, dtype = self.config, check_kv_dtype(kv_dtype) or self.policy.compute
         if c.mla:
             width = c.mla_kv_rank + c.mla_rope_dim
@@ -218,9 +228,9 @@ class Transformer(eqx.Module):
             full = functools.partial(
                 LayerPages.zeros, n_pages, page_size, c.n_kv_heads, c.head_dim, dtype
             )
-        return self.cache_layers(full, rows=rows, span=span)
+        return self.cache_layers(full, rows=rows, span=span, ring_extra=ring_extra)
 
-    def cache_layers(self, full, *, rows: int, span: int, dtype=None) -> tuple:
+    def cache_layers(self, full, *, rows: int, span: int, dtype=None, ring_extra: int = 0) -> tuple:
         """A cache's per-layer arrays shaped like the layer storage (`Stack.cache_like`): how a
         KV cache or a page pool mirrors the model. `full(layers=...)` makes a layer's
         full-length arrays; a (non-MLA) layer whose window is shorter than `span` gets a ring
@@ -228,9 +238,9 @@ class Transformer(eqx.Module):
         c, dtype = self.config, dtype or self.policy.compute
 
         def make(*, layers, window):
-            if rows and not c.mla and window is not None and window < span:
+            if rows and not c.mla and window is not None and window + ring_extra < span:
                 return LayerWindow.zeros(
-                    rows, window, c.n_kv_heads, c.head_dim, dtype, layers=layers
+                    rows, window + ring_extra, c.n_kv_heads, c.head_dim, dtype, layers=layers
                 )
             return full(layers=layers)
 

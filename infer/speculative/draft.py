@@ -1,0 +1,210 @@
+"""A draft model as the proposer (Leviathan et al. 2023; Chen et al. 2023): a smaller zoo model
+with the target's tokenizer proposes `k` tokens per row autoregressively, on the device, in its
+own paged cache. Its pools are indexed by the target's page table (the same page ids, its own
+pools: a page the engine gives a row holds the row's tokens in both models), so the engine's
+host bookkeeping serves both and prefix sharing shares both.
+
+Each step (`draft_program`): one forward over each decoding row's catch-up (the one or two
+tokens the target holds that the draft does not yet: the row's last token, and the last kept
+draft when every draft was kept) together with the step's prompt chunks, then `K - 1` one-token
+forwards, each drawing the next draft from the draft's distribution under the row's sampler
+(argmax for greedy rows), which is `q` in the rejection rule."""
+
+import collections
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from infer.sampling import SamplingParams
+from infer.speculative.proposer import check_k
+from infer.speculative.verify import target_probs
+from layers.paged_cache import PagedKVCache
+from zoo.stack import Stack
+from zoo.tokenizer import Tokenizer
+from zoo.transformer import Transformer
+
+CATCH_UP = 2  # tokens a row's draft cache may lag its target's by (module docstring)
+# How many times the draft program was traced (= compiled), as infer.engine.TRACES counts the
+# engine's: per shape and static setting, never per step.
+TRACES = collections.Counter()
+
+
+class DraftModel(eqx.Module):
+    """`model` proposes up to `k` drafts per row and step (the engine's static maximum)."""
+
+    model: Transformer
+    k: int = eqx.field(static=True, default=4)
+
+    def __check_init__(self):
+        if not isinstance(self.model, Transformer):
+            raise ValueError(f"DraftModel needs a zoo.Transformer, got {type(self.model).__name__}")
+        check_k("DraftModel", self.k)
+
+    def check_target(self, target: Transformer) -> None:
+        """The draft must speak the target's vocabulary (its token ids are the target's)."""
+        draft, ours = self.model.config, target.config
+        if draft.vocab_size != ours.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "
+                f"({ours.vocab_size} tokens): a draft must share the target's tokenizer"
+            )
+
+
+def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
+    """The target's first `n_layers` layers under its embedding, final norm and head: a draft
+    that costs `n_layers / model.config.n_layers` of a target step, with the target's tokenizer
+    by construction (the early-exit drafts of self-speculative decoding, Zhang et al. 2024,
+    "Draft & Verify", without their layer choice). The weights are the target's own arrays (no
+    copy); the model's layers must form one stack."""
+    config = model.config
+    if (
+        isinstance(n_layers, bool)
+        or not isinstance(n_layers, int)
+        or not 0 < n_layers < config.n_layers
+    ):
+        raise ValueError(
+            f"truncated_draft n_layers must be an int in [1, {config.n_layers - 1}] (fewer "
+            f"than the target's layers), got {n_layers!r}"
+        )
+    if len(model.stacks) != 1:
+        raise ValueError(
+            f"truncated_draft takes a model whose layers form one stack, got "
+            f"{len(model.stacks)} stacks (dense layers before experts)"
+        )
+    model = model.with_policy(storage="unrolled")
+    (stack,) = model.stacks
+    if n_layers % stack.period:
+        raise ValueError(
+            f"truncated_draft n_layers={n_layers} cuts the model's attention pattern (a period "
+            f"of {stack.period} layers); give a multiple of {stack.period}"
+        )
+    stack = Stack(stack.blocks[:n_layers], n_layers // stack.period, stack.period, stacked=False)
+    types = config.layer_types and config.layer_types[:n_layers]
+    draft = eqx.tree_at(lambda m: m.stacks, model, (stack,))
+    # A static field: rebuilt from the same leaves (no copy), as Transformer.with_policy does.
+    draft = jax.tree.map(lambda leaf: leaf, draft)
+    object.__setattr__(
+        draft, "config", dataclasses.replace(config, n_layers=n_layers, layer_types=types)
+    )
+    return draft
+
+
+def check_tokenizers(target: Tokenizer, draft: Tokenizer) -> None:
+    """A draft checkpoint's tokenizer must be the target's: the same vocabulary size, special
+    tokens and encoding of a probe text; the error names both."""
+    probe = "Speculative decoding: 12345 tokens, naïve café, 東京, </s> <|im_end|>."
+    same = (
+        target.vocab_size == draft.vocab_size
+        and dict(target.special_tokens) == dict(draft.special_tokens)
+        and target.encode(probe) == draft.encode(probe)
+    )
+    if not same:
+        raise ValueError(
+            f"the draft's tokenizer ({draft.source}, {draft.vocab_size} tokens) is not the "
+            f"target's ({target.source}, {target.vocab_size} tokens): a draft model must share "
+            "the target's tokenizer"
+        )
+
+
+def _draws(
+    logits: Float[Array, "rows vocab"], params: SamplingParams, key: PRNGKeyArray
+) -> tuple[Int[Array, " rows"], Float[Array, "rows vocab"]]:
+    """Each row's draft and the distribution it came from (greedy rows: the argmax)."""
+    probs = target_probs(logits[:, None], params)[:, 0]
+    drawn = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    greedy = params.temperature == 0
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), probs
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("drafts", "page_size", "placement"))
+def draft_program(
+    model, pages, table, catch_up, catch_up_n, lengths, k, chunks, sampling, key, step, *,
+    drafts, page_size, placement,
+):  # fmt: skip
+    """The draft's work for one engine step. `table` `[rows, row_pages]` the engine's page
+    table; per row: `catch_up` `[rows, CATCH_UP]` tokens (`catch_up_n` real, 0 for a row that is
+    not decoding), `lengths` the tokens its draft cache holds, `k` its drafts; `chunks` the
+    step's prompt chunks `(row, tokens, n, start)`; `sampling` each row's sampler. Returns the
+    pools, the drafts `[rows, drafts]` and their distributions `[rows, drafts, vocab]`."""
+    row, chunk_tokens, n, start = chunks
+    rows, (n_chunks, width) = table.shape[0], chunk_tokens.shape
+    TRACES[("mixed" if n_chunks else "decode") + f" k={drafts}"] += 1
+    in_chunk = jnp.arange(width)[None, :] < n[:, None]
+    in_catch_up = jnp.arange(CATCH_UP)[None, :] < catch_up_n[:, None]
+    segments = ((rows, CATCH_UP), (n_chunks, width)) if n_chunks else ((rows, CATCH_UP),)
+    cache = PagedKVCache(
+        pages,
+        jnp.concatenate([table, table[row]]),
+        jnp.concatenate([lengths, start]),
+        rows=jnp.concatenate([jnp.arange(rows), row]),
+        segments=segments,
+        kernel=model.policy.decode_kernel,
+        page_size=page_size,
+    )
+    tokens = jnp.concatenate([catch_up.reshape(-1), chunk_tokens.reshape(-1)])
+    valid = jnp.concatenate([in_catch_up.reshape(-1), in_chunk.reshape(-1)])
+    at = jnp.arange(rows) * CATCH_UP + jnp.maximum(catch_up_n - 1, 0)
+    key = jax.random.fold_in(key, step)
+    with placement.context():
+        out = model.forward(tokens[:, None], valid=valid[:, None], cache=cache, logits_at=at)
+    token, q = _draws(out.logits, sampling, jax.random.fold_in(key, 0))
+    proposed, probs = [token], [q]
+    lengths = lengths + catch_up_n
+    pages = out.cache.layers
+    for j in range(1, drafts):
+        live = k > j  # the row wants a draft after this one
+        cache = PagedKVCache(
+            pages, table, lengths, kernel=model.policy.decode_kernel, page_size=page_size
+        )
+        with placement.context():
+            out = model.forward(token[:, None], valid=live[:, None], cache=cache)
+        token, q = _draws(out.logits[:, 0], sampling, jax.random.fold_in(key, j))
+        proposed.append(token)
+        probs.append(q)
+        lengths, pages = lengths + live, out.cache.layers
+    return pages, jnp.stack(proposed, axis=1), jnp.stack(probs, axis=1)
+
+
+class DraftRunner:
+    """The engine's side of a `DraftModel`: the draft's pools (the engine's page ids, its own
+    arrays) and how many tokens each engine row's draft cache holds, as the host knows it (a
+    speculating engine reads each step before the next, so this is exact)."""
+
+    def __init__(self, draft: DraftModel, pages, *, rows: int, page_size: int, placement, key):
+        self.draft, self.pages, self.page_size, self.placement = draft, pages, page_size, placement
+        self.key = key
+        self.lengths = np.zeros(rows, np.int32)
+
+    def propose(self, plan, sequences: dict[int, tuple[list[int], int]], sampling, step: int):
+        """`plan` with the drafts (and their distributions `q`) of every decoding row, from the
+        draft's forwards; `sequences` maps each decoding row to its tokens (prompt and output)
+        and how many the target's cache holds. Also feeds the step's prompt chunks to the
+        draft's cache."""
+        rows = self.lengths.size
+        catch_up = np.zeros((rows, CATCH_UP), np.int32)
+        catch_up_n = np.zeros(rows, np.int32)
+        lengths = self.lengths.copy()
+        for row, (tokens, cached) in sequences.items():
+            lag = tokens[self.lengths[row] : cached + 1]
+            catch_up[row, : len(lag)], catch_up_n[row] = lag, len(lag)
+            self.lengths[row] = cached + max(int(plan.k[row]), 1)
+        for row, n, start in zip(plan.row, plan.n, plan.start, strict=True):
+            if n:
+                self.lengths[row] = start + n
+        self.pages, drafts, q = draft_program(
+            self.draft.model, self.pages, plan.table, catch_up, catch_up_n, lengths, plan.k,
+            (plan.row, plan.tokens, plan.n, plan.start), sampling, self.key, np.int32(step),
+            drafts=self.draft.k, page_size=self.page_size, placement=self.placement,
+        )  # fmt: skip
+        return eqx.tree_at(
+            lambda p: (p.drafts, p.q), plan, (drafts, q), is_leaf=lambda x: x is None
+        )
+
+    def kept(self, row: int, cached: int) -> None:
+        """After a verification: the row's draft cache holds no more than the target kept."""
+        self.lengths[row] = min(self.lengths[row], cached)

@@ -1,0 +1,268 @@
+"""Speculative decoding in the engine: greedy output is each request's alone (the greedy
+specification of tests/infer/test_engine.py) on every family's tiny config,
+whatever the drafts (all kept, some, none), with rows of different k and rows without
+speculation in one batch; stop tokens and budgets inside an accepted run; nothing compiles as k
+or acceptance vary; prompt lookup finds its n-grams; bad input is refused."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import infer
+import zoo
+from infer.engine import TRACES, Engine
+from infer.speculative import (
+    DraftModel,
+    PromptLookup,
+    Proposer,
+    check_tokenizers,
+    truncated_draft,
+)
+from infer.speculative.draft import TRACES as DRAFT_TRACES
+from tests.infer.test_engine import FAMILIES, LLAMA, alone, prompts
+
+
+class Oracle(Proposer):
+    """Drafts from known continuations (`answers`: prompt + greedy tokens), with the draft at
+    index `len(tokens) % (k + 1)` corrupted when `corrupt`: acceptance then varies from all to
+    none across steps, as a real proposer's does."""
+
+    k: int
+    answers: tuple
+    corrupt: bool = True
+
+    def propose(self, tokens, k):
+        tokens = list(tokens)
+        for answer in self.answers:
+            if list(answer[: len(tokens)]) == tokens:
+                drafts = np.array(answer[len(tokens) : len(tokens) + k], np.int64)
+                wrong = len(tokens) % (k + 1)
+                if self.corrupt and wrong < drafts.size:
+                    drafts[wrong] = (drafts[wrong] + 1) % 256
+                return drafts
+        return np.zeros(0, np.int64)
+
+
+def greedy(model, cases, **kwargs):
+    engine = Engine(model, max_batch=2, max_len=64, page_size=8, chunk=16, **kwargs)
+    requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+    engine.run()
+    return [r.tokens for r in requests]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.Transformer(LLAMA, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_speculative_greedy_equals_greedy_on_every_family(family):
+    """Drafts kept, partly kept and rejected, rows asking for k = 3, 1 and 0 (no speculation)
+    in one batch, more requests than rows: every request gets the non-speculative tokens."""
+    policy = zoo.Policy(attention="naive", storage="unrolled")  # the specification's kernel
+    model = zoo.Transformer(FAMILIES[family], policy=policy, key=jax.random.key(1))
+    cases = list(zip(prompts([5, 20, 3, 9]), [9, 7, 1, 8], strict=True))
+    expected = [alone(model, p, n) for p, n in cases]
+    oracle = Oracle(k=3, answers=tuple(p + t for (p, _), t in zip(cases, expected, strict=True)))
+    engine = Engine(
+        model, max_batch=2, max_len=64, page_size=8, chunk=16, speculative=oracle, warm_up=False
+    )
+    requests = [
+        engine.submit(p, max_new_tokens=n, draft_tokens=d)
+        for (p, n), d in zip(cases, [3, 1, 3, 0], strict=True)
+    ]
+    engine.run()
+    assert [r.tokens for r in requests] == expected
+    assert sum(r.accepted for r in requests) > 0  # speculation did emit several tokens a step
+    assert sum(r.drafted - r.accepted for r in requests) > 0  # and some drafts were rejected
+    assert requests[3].drafted == 0 and engine.pool.in_use == 0
+
+
+def test_good_drafts_emit_k_plus_one_tokens_per_step_and_stop_inside_a_run(llama):
+    cases = [(prompts([6])[0], 13)]
+    (expected,) = greedy(llama, cases)
+    answers = (cases[0][0] + expected,)
+    engine = Engine(llama, max_batch=1, max_len=64, page_size=8, chunk=16,
+                    speculative=Oracle(k=4, answers=answers, corrupt=False))  # fmt: skip
+    request = engine.submit(cases[0][0], max_new_tokens=13)
+    engine.run()
+    # One prefill step gives the first token, then 12 tokens in steps of 5, 5 and 2 (the
+    # budget caps the last step's drafts at one).
+    assert request.tokens == expected and engine.steps == 4
+    assert (request.drafted, request.accepted) == (9, 9)
+    stop = expected[7]  # emitted inside the second step's accepted run
+    request = engine.submit(cases[0][0], max_new_tokens=13, stop_tokens=[stop])
+    engine.run()
+    assert request.tokens == expected[: expected.index(stop) + 1]
+
+
+def test_nothing_compiles_as_k_acceptance_or_samplers_vary(llama):
+    cases = list(zip(prompts([4, 30, 11, 17], seed=3), [12, 5, 9, 3], strict=True))
+    expected = greedy(llama, cases)
+    answers = tuple(p + t for (p, _), t in zip(cases, expected, strict=True))
+    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
+    Engine(llama, speculative=Oracle(k=4, answers=answers), **kwargs)  # compiles both programs
+    before = dict(TRACES)
+    for corrupt in (True, False):
+        engine = Engine(llama, speculative=Oracle(k=4, answers=answers, corrupt=corrupt), **kwargs)
+        requests = [
+            engine.submit(p, max_new_tokens=n, draft_tokens=d)
+            for (p, n), d in zip(cases, [4, 2, 0, 1], strict=True)
+        ]
+        engine.submit([1, 2, 3], max_new_tokens=6, sampler=infer.TopP(0.8, temperature=0.7))
+        engine.run()
+        assert [r.tokens for r in requests] == expected
+    assert dict(TRACES) == before
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    lookup = PromptLookup(k=3, max_ngram=2)
+    tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7])
+    # The tail bigram (6, 7) last occurred before (2, 3, 6): its continuation.
+    assert lookup.propose(tokens, 3).tolist() == [2, 3, 6]
+    assert lookup.propose(tokens, 1).tolist() == [2]
+    # Only a unigram matches: the latest earlier 9 was followed by 1.
+    assert lookup.propose(np.array([9, 1, 4, 9]), 3).tolist() == [1, 4, 9]
+    assert lookup.propose(np.array([1, 2, 3]), 3).size == 0  # nothing recurs
+
+
+def test_prompt_lookup_in_the_engine_equals_greedy(llama):
+    """A prompt that repeats itself: the lookup proposes, the target verifies."""
+    rng = np.random.default_rng(7)
+    chunk = rng.integers(0, 256, 10).tolist()
+    cases = [(chunk * 3, 12), (rng.integers(0, 256, 9).tolist(), 8)]
+    expected = greedy(llama, cases)
+    engine = Engine(llama, max_batch=2, max_len=64, page_size=8, chunk=16,
+                    speculative=PromptLookup(k=3))  # fmt: skip
+    requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+    engine.run()
+    assert [r.tokens for r in requests] == expected
+    assert requests[0].drafted > 0
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: PromptLookup(k=0), "PromptLookup k must be an int >= 1"),
+        (lambda: PromptLookup(k=True), "PromptLookup k must be an int >= 1"),
+        (lambda: PromptLookup(max_ngram=2, min_ngram=3), "max_ngram must be an int >= 3"),
+    ],
+)
+def test_bad_proposers_are_refused(make, message, without_runtime_typechecks):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs, submit_kwargs, message",
+    [
+        ({"speculative": "ngram"}, {}, "speculative must be a proposer"),
+        ({"speculative": PromptLookup(k=2)}, {"draft_tokens": 3},
+         r"draft_tokens must be an int in \[0, 2\] .* got 3"),
+        ({"speculative": PromptLookup(k=2)}, {"draft_tokens": -1}, r"in \[0, 2\]"),
+        ({"speculative": PromptLookup(k=2)}, {"draft_tokens": 1.0}, r"in \[0, 2\]"),
+        ({}, {"draft_tokens": 2}, "draft_tokens=2, but the engine does not speculate"),
+    ],
+)  # fmt: skip
+def test_bad_speculation_is_refused(
+    llama, engine_kwargs, submit_kwargs, message, without_runtime_typechecks
+):
+    with pytest.raises(ValueError, match=message):
+        engine = Engine(llama, max_batch=1, max_len=64, chunk=16, warm_up=False, **engine_kwargs)
+        engine.submit([1, 2, 3], max_new_tokens=4, **submit_kwargs)
+
+
+def test_generate_takes_a_proposer(llama):
+    chunk = prompts([8], seed=11)[0]
+    batch = [chunk * 3, prompts([5], seed=12)[0]]
+    plain = infer.generate(llama, batch, max_new_tokens=10, sampler=infer.Greedy(),
+                           key=jax.random.key(0))  # fmt: skip
+    speculating = infer.generate(llama, batch, max_new_tokens=10, sampler=infer.Greedy(),
+                                 key=jax.random.key(0), speculative=PromptLookup(k=3))  # fmt: skip
+    assert speculating == plain
+
+
+def test_smollm2_repeating_its_input_keeps_most_drafts_and_the_greedy_tokens():
+    """The real checkpoint on an input-grounded task: prompt lookup's drafts are mostly kept,
+    far fewer target forwards, and the tokens are the plain engine's."""
+    from tests.reference.runner import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tokenizer = zoo.load_tokenizer(gguf)
+    model = zoo.load_pretrained(gguf, quantized=False)
+    text = "Repeat exactly: the ferry crosses to the island twice a day, at dawn and at dusk."
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    results = []
+    for speculative in (None, PromptLookup(k=4)):
+        engine = Engine(model, max_batch=1, max_len=128, chunk=64, speculative=speculative)
+        request = engine.submit(prompt, max_new_tokens=20)
+        engine.run()
+        results.append((request.tokens, engine.steps, request))
+    (plain, plain_steps, _), (tokens, steps, request) = results
+    assert tokens == plain
+    assert request.accepted > request.drafted / 2 and steps < plain_steps / 2
+
+
+def test_a_draft_model_proposes_in_its_own_cache(llama):
+    """A one-layer draft: the greedy tokens are the target's alone. The target as its own draft
+    (its cache fed the same chunks, catch-ups and rollbacks as the target's) has every draft
+    kept, greedy or sampled (then p = q up to float rounding, so the rule keeps them all but
+    rarely): the draft's pages, lengths and q are right."""
+    small = zoo.Transformer(dataclasses.replace(LLAMA, n_layers=1), key=jax.random.key(3))
+    cases = list(zip(prompts([4, 30, 11, 17], seed=3), [12, 5, 9, 3], strict=True))
+    expected = [alone(llama, p, n) for p, n in cases]
+    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
+    for draft in (small, llama):
+        engine = Engine(llama, speculative=DraftModel(draft, k=3), **kwargs)
+        requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+        engine.run()
+        assert [r.tokens for r in requests] == expected
+    assert all(r.accepted == r.drafted > 0 for r in requests[:3])
+    before = dict(TRACES), dict(DRAFT_TRACES)
+    engine = Engine(llama, speculative=DraftModel(llama, k=3), key=jax.random.key(2), **kwargs)
+    hot = [engine.submit(p, max_new_tokens=12, sampler=infer.Temperature(1.5)) for p, _ in cases]
+    engine.run()
+    assert sum(r.accepted for r in hot) >= 0.9 * sum(r.drafted for r in hot) > 0
+    assert (dict(TRACES), dict(DRAFT_TRACES)) == before  # nothing new for sampling rows
+
+
+def test_a_draft_of_another_vocabulary_is_refused(llama, without_runtime_typechecks):
+    other = zoo.Transformer(dataclasses.replace(LLAMA, vocab_size=300), key=jax.random.key(3))
+    message = r"draft model's vocabulary \(300 tokens\) is not the target's \(256 tokens\)"
+    with pytest.raises(ValueError, match=message):
+        Engine(llama, max_batch=1, max_len=64, speculative=DraftModel(other, k=2))
+    with pytest.raises(ValueError, match="DraftModel k must be an int >= 1"):
+        DraftModel(llama, k=0)
+
+
+def test_a_draft_tokenizer_must_be_the_targets():
+    from tests.reference.runner import smollm2_gguf
+
+    tokenizer = zoo.load_tokenizer(smollm2_gguf())
+    check_tokenizers(tokenizer, tokenizer)
+    named = set(tokenizer.named_tokens.values())
+    fewer = {t: i for t, i in tokenizer.special_tokens.items() if t in named}
+    other = dataclasses.replace(tokenizer, special_tokens=fewer, source="other.gguf")
+    with pytest.raises(ValueError, match=r"draft's tokenizer \(other.gguf, .* not the target's"):
+        check_tokenizers(tokenizer, other)
+
+
+def test_a_truncated_draft_is_the_targets_first_layers(llama, without_runtime_typechecks):
+    target = llama.with_policy(storage="unrolled")
+    draft = truncated_draft(target, 1)
+    assert draft.config.n_layers == 1 and len(draft.stacks[0].blocks) == 1
+    first = target.stacks[0].blocks[0], target.embed, target.final_norm
+    ours = draft.stacks[0].blocks[0], draft.embed, draft.final_norm
+    # The target's own arrays, not copies.
+    assert all(a is b for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(first), strict=True))
+    engine = Engine(target, max_batch=1, max_len=64, speculative=DraftModel(draft, k=2))
+    request = engine.submit([5, 6, 7], max_new_tokens=6)
+    engine.run()
+    assert request.tokens == alone(llama, [5, 6, 7], 6) and request.drafted > 0
+    for bad in (0, 2, True):
+        with pytest.raises(ValueError, match=r"n_layers must be an int in \[1, 1\]"):
+            truncated_draft(target, bad)
