@@ -35,8 +35,8 @@ class Chat:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, system: str | None = None,
                  max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
-                 placement: shard.Placement | None = None, write=sys.stdout.write,
-                 speculative: Proposer | None = None):  # fmt: skip
+                 placement: shard.Placement | None = None, kv_dtype: str | None = None,
+                 write=sys.stdout.write, speculative: Proposer | None = None):  # fmt: skip
         """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
         what `load_pretrained` gives; a run's stacked model is converted once); `speculative`
         a proposer of draft tokens (infer/speculative/)."""
@@ -48,6 +48,7 @@ class Chat:
             max_len=min(max_len, model.config.max_seq_len),
             key=jax.random.key(seed),
             placement=placement,
+            kv_dtype=kv_dtype,
             speculative=speculative,
         )
         self.messages = [{"role": "system", "content": system}] if system else []
@@ -85,6 +86,7 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
         help="tokens the conversation may hold",
     )
     flags.add_sampling(p)
+    flags.add_kv_dtype(p)
     p.add_argument(
         "--prompt-lookup",
         type=flags.POSITIVE_INT.flag_type(),
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
     chat = Chat(
         artifact.model, artifact.tokenizer, system=args.system, max_len=args.max_len,
         max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
-        seed=args.seed, placement=placement,
+        seed=args.seed, placement=placement, kv_dtype=args.kv_dtype,
         speculative=None if args.prompt_lookup is None else PromptLookup(k=args.prompt_lookup),
     )  # fmt: skip
     print(f"(compiled in {time.perf_counter() - start:.1f} s)")

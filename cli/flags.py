@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 import infer
+from layers.paged_cache import KV_DTYPES
 from training.args import (
     FRACTION,
     NON_NEGATIVE,
@@ -56,6 +57,15 @@ def add_chat_template(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-template",
         help="a Jinja chat template file (or the template text) instead of the model's own",
+    )
+
+
+def add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        help="the KV cache's pages: int8 (a scale per token and K/V head) holds about twice the "
+        "rows of bfloat16 in the same memory (default: the model's compute dtype)",
     )
 
 

@@ -49,6 +49,7 @@ def parser(prog: str = "eqx-zoo sample") -> argparse.ArgumentParser:
     )
     flags.add_stopping(p)
     flags.add_sampling(p)
+    flags.add_kv_dtype(p)
     flags.add_placement(p)
     return p
 
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo sample") -> stream.
     start = time.perf_counter()
     print("compiling the engine (prefill and decode programs) ...", file=sys.stderr, flush=True)
     engine = infer.Engine(
-        model, max_batch=1, max_len=max_len, placement=placement, key=jax.random.key(args.seed)
-    )
+        model, max_batch=1, max_len=max_len, placement=placement, key=jax.random.key(args.seed),
+        kv_dtype=args.kv_dtype,
+    )  # fmt: skip
     print(f"(compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
     budget = max_len - len(prompt)
     if budget < 1:

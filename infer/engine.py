@@ -50,7 +50,7 @@ from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
 from layers.lora_bank import adapters_in, with_adapter_rows
-from layers.paged_cache import PagedKVCache, pools_and_rings
+from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
 from zoo.math import kv_cache_bytes_per_token
@@ -310,11 +310,13 @@ class Engine:
     not fill it: choose `window_cache=False` to share prefixes); `max_stop_tokens` per request;
     `stop_tokens` those of a request submitted without its own (give `tokenizer.stop_ids()`,
     the model's end of turn and end of sequence, and every request stops where the model says
-    stop); `warm_up` compiles both programs now (an engine of the same configuration compiled
-    before shares them); `log_steps` prints a `StepRecord` per step (`engine.records` keeps them);
-    `speculative` a proposer (infer/speculative/: `PromptLookup(k=4)`, `DraftModel(small,
-    k=4)`) whose `k` is the most drafts a row verifies per step (each request may ask for
-    fewer, or none: `submit(..., draft_tokens=)`).
+    stop); `kv_dtype` the pools' dtype (None: the compute dtype; "int8": numbers with a scale per
+    token and K/V head, about twice the pages of bfloat16 in the same bytes; the choices are
+    `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
+    same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
+    step (`engine.records` keeps them); `speculative` a proposer (infer/speculative/:
+    `PromptLookup(k=4)`, `DraftModel(small, k=4)`) whose `k` is the most drafts a row verifies
+    per step (each request may ask for fewer, or none: `submit(..., draft_tokens=)`).
 
     Threads: `submit` and `cancel` may be called from any thread while one thread steps the
     engine (they only queue; the stepping thread takes the queue at its next step, and `busy`
@@ -343,6 +345,7 @@ class Engine:
         prefix_sharing: bool | None = None,
         max_stop_tokens: Count = 16,
         stop_tokens: Sequence[int] = (),
+        kv_dtype: str | None = None,
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
         log_steps: bool = False,
@@ -358,6 +361,7 @@ class Engine:
             raise ValueError(f"Engine prefill_rows={prefill_rows} exceeds max_batch={max_batch}")
         model.config.check_length(max_len, "Engine max_len")
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.page_size, self.chunk, self.prefill_rows = page_size, chunk, prefill_rows
         self.row_pages = -(-max_len // page_size)
         default_pages = max_batch * self.row_pages + 1
@@ -387,6 +391,7 @@ class Engine:
             model.init_pages(
                 n_pages,
                 page_size,
+                kv_dtype=self.kv_dtype,
                 rows=max_batch if window_cache else 0,
                 span=max_len,
                 ring_extra=self.max_drafts,
@@ -941,5 +946,7 @@ class Engine:
 
     def contiguous_kv_bytes(self) -> int:
         """What a contiguous cache of `max_batch x max_len` with full-length layers would hold."""
-        per_token = kv_cache_bytes_per_token(self.model.config, self.model.policy)
+        per_token = kv_cache_bytes_per_token(
+            self.model.config, self.model.policy, kv_dtype=self.kv_dtype
+        )
         return self.max_batch * self.max_len * per_token

@@ -39,6 +39,7 @@ def generate(
     chunk_size: int = 16,
     max_len: int | None = None,
     placement: Placement | None = None,
+    kv_dtype: str | None = None,
     speculative: Proposer | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (up to `max_new_tokens`, ending at the first stop token, which
@@ -49,8 +50,9 @@ def generate(
     row's positions start at 0 at its first token. `on_tokens(new_tokens_per_row)` is called
     with each row's first token, then every `chunk_size` tokens, and once at the end for the
     rest. The engine's cache spans `max_len` tokens per row (default: the longest prompt +
-    max_new_tokens, rounded up to a multiple of 256, at most the model's max_seq_len). Bad input
-    is a ValueError before anything runs.
+    max_new_tokens, rounded up to a multiple of 256, at most the model's max_seq_len), its
+    pages in `kv_dtype` (the `Engine`'s: None, the compute dtype, or "int8"). Bad input is a
+    ValueError before anything runs.
 
     Decode runs as the model's policy says: `zoo.load_pretrained` gives one array per layer,
     the fastest decode (`Policy.inference`); a model built for training (stacked layers) works
@@ -88,6 +90,7 @@ def generate(
         prefill_rows=batch,
         max_len=span,
         placement=placement,
+        kv_dtype=kv_dtype,
         key=key,
         warm_up=False,
         stop_tokens=stops.tolist(),

@@ -4,6 +4,11 @@ PagedAttention, Kwon et al. 2023), so memory follows the tokens actually held ra
 `batch x max_len`. The pool layout is layers/kernels/paged/pages.py's: `[kv_heads, pages,
 page_size, head_dim]` per layer (with leading stacked dims when the model's layers are stacked).
 
+`kv_dtype="int8"` stores the pools as int8 numbers with a bfloat16 scale per token and K/V head
+(layers/kernels/paged/int8.py: about half the bytes of bfloat16 pages, a quarter of float32
+ones); new tokens are quantized as they are written and the kernels read the numbers directly.
+A sliding layer's ring (below) stays in the compute dtype: it holds one window per row.
+
 MLA layers (layers/mla.py) keep one pool, `LatentPages`: the latents `[1, pages, page_size,
 latent]` in the same layout with a single K/V head, read as both keys and values. A sliding layer
 whose window is shorter than a row's span keeps a `LayerWindow`, a ring of its window per row
@@ -29,44 +34,78 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from layers.kernels.mask import causal_mask
-from layers.kernels.paged import PagedKernel, XlaPagedKernel, paged_attention, write_pages
+from layers.kernels.paged import (
+    Int8Pages,
+    PagedKernel,
+    Pool,
+    XlaPagedKernel,
+    paged_attention,
+    write_pages,
+)
 from layers.kv_cache import Appended
 from layers.token_groups import Segments, TokenGroups, check_segments
 from layers.window_cache import LayerWindow, WindowSlot
 
 POOL_AXES = ("kv_heads", "pages", "page_size", "head_dim")
+LATENT_AXES = ("latent_heads", "pages", "page_size", "latent")
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+def check_kv_dtype(kv_dtype: DTypeLike | None) -> str | None:
+    """The pools' dtype by name (None: the model's compute dtype), or a ValueError listing the
+    choices."""
+    if kv_dtype is None:
+        return None
+    try:
+        name = jnp.dtype(kv_dtype).name
+    except TypeError:
+        name = None
+    if name not in KV_DTYPES:
+        raise ValueError(
+            f"kv_dtype={kv_dtype!r} is not a KV cache dtype; choose one of {KV_DTYPES} (int8: "
+            "numbers with a scale per token and K/V head) or None (the compute dtype)"
+        )
+    return name
+
+
+def _pool(shape: tuple[int, ...], dtype: DTypeLike, axes: tuple[str, ...]) -> Pool:
+    if jnp.dtype(dtype) == jnp.int8:
+        return Int8Pages.zeros(shape, axes)
+    return jnp.zeros(shape, dtype)
 
 
 class LayerPages(eqx.Module):
-    """One layer's key and value pools (leading `layers` dims when stacked)."""
+    """One layer's key and value pools (leading `layers` dims when stacked), float or int8."""
 
-    k: Float[Array, "*layers kv_heads pages page_size head_dim"]
-    v: Float[Array, "*layers kv_heads pages page_size head_dim"]
+    k: Pool
+    v: Pool
 
     @staticmethod
     def zeros(
         n_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: DTypeLike, *, layers=()
     ) -> "LayerPages":
         shape = (*tuple(layers), kv_heads, n_pages, page_size, head_dim)
-        return LayerPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return LayerPages(k=_pool(shape, dtype, POOL_AXES), v=_pool(shape, dtype, POOL_AXES))
 
     def logical_axes(self) -> dict[str, tuple[str, ...]]:
         return {"k": POOL_AXES, "v": POOL_AXES}
 
 
 class LatentPages(eqx.Module):
-    """One MLA layer's pool of latents `[c, k_pe]` (leading `layers` dims when stacked)."""
+    """One MLA layer's pool of latents `[c, k_pe]` (leading `layers` dims when stacked), float
+    or int8 (one scale per token over the whole latent)."""
 
-    c: Float[Array, "*layers one pages page_size latent"]
+    c: Float[Array, "*layers one pages page_size latent"] | Int8Pages
 
     @staticmethod
     def zeros(
         n_pages: int, page_size: int, width: int, dtype: DTypeLike, *, layers=()
     ) -> "LatentPages":
-        return LatentPages(c=jnp.zeros((*tuple(layers), 1, n_pages, page_size, width), dtype))
+        shape = (*tuple(layers), 1, n_pages, page_size, width)
+        return LatentPages(c=_pool(shape, dtype, LATENT_AXES))
 
     def logical_axes(self) -> dict[str, tuple[str, ...]]:
-        return {"c": ("latent_heads", "pages", "page_size", "latent")}
+        return {"c": LATENT_AXES}
 
 
 def _prefill_kernel(kernel: PagedKernel | None) -> XlaPagedKernel:

@@ -41,8 +41,9 @@ import math
 import equinox as eqx
 import jax
 
+from layers.kernels.paged.int8 import SCALE_DTYPE as INT8_SCALE_DTYPE
 from layers.moe import Capacity, expert_capacity
-from layers.paged_cache import POOL_AXES
+from layers.paged_cache import POOL_AXES, check_kv_dtype
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
 from shard.pipeline import check_pipeline, virtual_stages
@@ -169,25 +170,36 @@ def kv_cache_bytes_per_device(
     context: int,
     *,
     per_head: bool = False,
+    kv_dtype: str | None = None,
 ) -> int:
     """Bytes one device holds of the KV cache of `batch` rows of `context` tokens: the leaves of
-    the model's own cache (`jax.eval_shape` of `Transformer.init_cache`: the page pools of
-    layers/paged_cache.py with their page tables, MLA's latent pages, a sliding layer's ring of
-    its window), each sharded by the activation rules from its logical axes. `per_head=True`
-    counts, for an MLA model, per-head key and value pages of the same heads instead (what
-    caching the latent saves)."""
+    the model's own cache (`jax.eval_shape` of `Transformer.init_cache` in `kv_dtype`: the page
+    pools of layers/paged_cache.py with their page tables, int8 pools' numbers and scales, MLA's
+    latent pages, a sliding layer's ring of its window), each sharded by the activation rules
+    from its logical axes. `per_head=True` counts, for an MLA model, per-head key and value
+    pages of the same heads instead (what caching the latent saves)."""
     if per_head:
-        itemsize = zmath.bytes_per_element(policy.compute_dtype)
         pages = batch * -(-context // PAGE_SIZE)
-        spec = rules.partition_spec(POOL_AXES)
-        widths = (config.head_dim, config.mla_v_head_dim)
-        shapes = [(config.n_heads, pages, PAGE_SIZE, width) for width in widths]
-        total = sum(
-            _shard_bytes("KV cache", shape, POOL_AXES, spec, sizes, itemsize) for shape in shapes
-        )
+        dtype = check_kv_dtype(kv_dtype) or policy.compute_dtype
+        total = 0
+        for width in (config.head_dim, config.mla_v_head_dim):
+            shape = (config.n_heads, pages, PAGE_SIZE, width)
+            if dtype != "int8":
+                itemsize = zmath.bytes_per_element(dtype)
+                total += _shard_bytes(
+                    "KV cache", shape, POOL_AXES, rules.partition_spec(POOL_AXES), sizes, itemsize
+                )
+                continue
+            scale_axes = POOL_AXES[:-1]
+            total += _shard_bytes(
+                "KV cache", shape, POOL_AXES, rules.partition_spec(POOL_AXES), sizes, 1
+            ) + _shard_bytes(
+                "KV cache scales", shape[:-1], scale_axes, rules.partition_spec(scale_axes),
+                sizes, zmath.bytes_per_element(INT8_SCALE_DTYPE),
+            )  # fmt: skip
         return config.n_layers * total
     model = eqx.filter_eval_shape(Transformer, config, policy=policy, key=jax.random.key(0))
-    cache = jax.eval_shape(lambda: model.init_cache(batch, context))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, context, kv_dtype=kv_dtype))
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(cache, is_array_like))
     axes = jax.tree.leaves(logical_axes(cache), is_leaf=lambda x: isinstance(x, LogicalAxes))
     return sum(
@@ -235,10 +247,11 @@ def plan(
     schedule: str = "gpipe",
     virtual: int = 2,
     offload_opt_state: bool = False,
+    kv_dtype: str | None = None,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
-    tokens per row, default `seq`) on a mesh of `mesh_shape`, with `policy`'s dtypes, kernel
-    and MoE dispatch (activations are listed for every remat policy).
+    tokens per row, default `seq`, in `kv_dtype`) on a mesh of `mesh_shape`, with `policy`'s
+    dtypes, kernel and MoE dispatch (activations are listed for every remat policy).
 
     Parameters, Adam state and KV cache are exact (the model's own logical axes under the
     rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
@@ -381,7 +394,9 @@ def plan(
         adam_state=0 if offload_opt_state else 2 * held.total + 4,
         adam_state_on_host=2 * held.total + 4 if offload_opt_state else 0,
         activations=activations,
-        kv_cache=kv_cache_bytes_per_device(config, policy, rules, sizes, batch, context or seq),
+        kv_cache=kv_cache_bytes_per_device(
+            config, policy, rules, sizes, batch, context or seq, kv_dtype=kv_dtype
+        ),
         collectives=tuple(collectives),
         step_compute_s=step_flops / peak,
         stages=stages,
@@ -392,7 +407,7 @@ def plan(
         context_attention=costs,
         context_kernel=chosen and chosen.kernel,
         kv_cache_per_head=kv_cache_bytes_per_device(
-            config, policy, rules, sizes, batch, context or seq, per_head=True
+            config, policy, rules, sizes, batch, context or seq, per_head=True, kv_dtype=kv_dtype
         )
         if config.mla
         else None,

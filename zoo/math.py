@@ -13,6 +13,9 @@ Conventions (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022; PaLM appendix
   cache holds the latent (mla_kv_rank + mla_rope_dim numbers per token and layer), which
   `per_head_kv_cache_bytes_per_token` compares with per-head keys and values of the same heads;
 - a sliding-window layer's KV cache holds its window, not the context (`kv_cache_bytes`);
+- an int8 KV cache (`kv_dtype="int8"`, layers/kernels/paged/int8.py) holds one byte per number
+  plus a bfloat16 scale per token and K/V head (MLA: per token); sliding layers' rings stay in
+  the compute dtype;
 - an MoE layer (Shazeer et al. 2017) holds all its experts' parameters but each token only
   multiplies by the router, its k routed experts and the shared ones: `param_count` counts all,
   `active_param_count` and the FLOPs count what one token uses. Capacity dispatch spends more
@@ -25,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from layers.kernels.paged.int8 import SCALE_DTYPE as INT8_SCALE_DTYPE
 from layers.moe import expert_capacity
 from layers.quantized import Kind, check_cols, group_size
 from zoo.config import Config
@@ -329,20 +333,39 @@ def frozen_base_bytes(
     return quantized_weight_bytes(config, kind, policy, group=group, embeddings=None, experts=False)
 
 
-def kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
-    """Keys and values of every layer for one token, in the compute dtype; for MLA the latent
-    (`mla_kv_rank + mla_rope_dim` numbers per layer), what its cache holds."""
+def _layer_kv_bytes_per_token(config: Config, dtype: str | jnp.dtype) -> int:
+    """One layer's cache for one token: keys and values (MLA: the latent) in `dtype`; int8
+    adds a scale per token and K/V head (MLA: one latent head)."""
     c = config
     width = c.mla_kv_rank + c.mla_rope_dim if c.mla else 2 * c.kv_dim
-    return c.n_layers * width * bytes_per_element(policy.compute_dtype)
+    if jnp.dtype(dtype) != jnp.int8:
+        return width * bytes_per_element(dtype)
+    heads = 1 if c.mla else 2 * c.n_kv_heads
+    return width + heads * bytes_per_element(INT8_SCALE_DTYPE)
 
 
-def kv_cache_bytes(config: Config, context: int, policy: Policy = DEFAULT_POLICY) -> int:
+def kv_cache_bytes_per_token(
+    config: Config, policy: Policy = DEFAULT_POLICY, *, kv_dtype: str | None = None
+) -> int:
+    """Keys and values of every layer for one token, in `kv_dtype` (None: the compute dtype;
+    "int8" with its scales); for MLA the latent (`mla_kv_rank + mla_rope_dim` numbers per
+    layer), what its cache holds."""
+    dtype = kv_dtype or policy.compute_dtype
+    return config.n_layers * _layer_kv_bytes_per_token(config, dtype)
+
+
+def kv_cache_bytes(
+    config: Config, context: int, policy: Policy = DEFAULT_POLICY, *, kv_dtype: str | None = None
+) -> int:
     """One row's KV cache at `context` tokens: a layer whose sliding window is shorter keeps
-    only its window (layers/window_cache.py), every other layer all `context` tokens. What a
+    only its window (layers/window_cache.py, a ring in the compute dtype), every other layer
+    all `context` tokens in its pages (`kv_dtype`, as `kv_cache_bytes_per_token`). What a
     decode step reads per row."""
-    held = sum(context if w is None else min(w, context) for w in config.layer_windows)
-    return held * kv_cache_bytes_per_token(config, policy) // config.n_layers
+    paged = _layer_kv_bytes_per_token(config, kv_dtype or policy.compute_dtype)
+    ring = _layer_kv_bytes_per_token(config, policy.compute_dtype)
+    return sum(
+        context * paged if w is None or w >= context else w * ring for w in config.layer_windows
+    )
 
 
 def per_head_kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_POLICY) -> int:
@@ -357,11 +380,17 @@ def per_head_kv_cache_bytes_per_token(config: Config, policy: Policy = DEFAULT_P
 
 
 def decode_step_bytes(
-    config: Config, batch: int, context: int, policy: Policy = DEFAULT_POLICY
+    config: Config,
+    batch: int,
+    context: int,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    kv_dtype: str | None = None,
 ) -> int:
     """Fewest bytes one decode step must read: all weights once plus each row's KV cache
-    (`kv_cache_bytes`: sliding layers only their window)."""
-    return weight_bytes(config, policy) + batch * kv_cache_bytes(config, context, policy)
+    (`kv_cache_bytes`: sliding layers only their window; pages in `kv_dtype`)."""
+    kv = kv_cache_bytes(config, context, policy, kv_dtype=kv_dtype)
+    return weight_bytes(config, policy) + batch * kv
 
 
 def _mlp_width_per_token(config: Config) -> float:

@@ -30,7 +30,7 @@ from layers.kernels.context import CONTEXT_KERNELS
 from layers.kernels.naive import soft_cap
 from layers.kv_cache import KVCache
 from layers.moe import MoEStats
-from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
+from layers.paged_cache import LatentPages, LayerPages, PagedKVCache, check_kv_dtype
 from layers.quantized import PackedWeight
 from layers.rotary import rotary_frequencies
 from layers.window_cache import LayerWindow
@@ -179,12 +179,14 @@ class Transformer(eqx.Module):
             return None
         return rotary_frequencies(positions, head_dim=c.head_dim, theta=c.local_rope_theta)
 
-    def init_cache(self, batch: int, max_len: int, *, page_size: int = 16, dtype=None):
+    def init_cache(self, batch: int, max_len: int, *, page_size: int = 16, kv_dtype=None):
         """An empty paged KV cache for `batch` rows of up to `max_len` tokens, each row owning
         its own pages (`max_len` rounded up to whole pages), shaped like the layer storage, in
-        the compute dtype unless `dtype` is given. A layer whose sliding window is shorter than
-        `max_len` keeps a ring of its window instead (layers/window_cache.py). Decode one-token
-        steps with the policy's `decode_kernel`."""
+        the compute dtype unless `kv_dtype` is given (one of `layers.paged_cache.KV_DTYPES`;
+        "int8": numbers with a scale per token and K/V head, about half of bfloat16's bytes). A
+        layer whose sliding window is shorter than `max_len` keeps a ring of its window instead
+        (layers/window_cache.py; in the compute dtype). Decode one-token steps with the
+        policy's `decode_kernel`."""
         if batch < 1 or max_len < 1:
             raise ValueError(
                 f"a KV cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}"
@@ -192,7 +194,7 @@ class Transformer(eqx.Module):
         self.config.check_length(max_len, "the KV cache")
         row_pages = -(-max_len // page_size)
         layers = self.init_pages(
-            batch * row_pages, page_size, dtype=dtype, rows=batch, span=max_len
+            batch * row_pages, page_size, kv_dtype=kv_dtype, rows=batch, span=max_len
         )
         table = jnp.arange(batch * row_pages, dtype=jnp.int32).reshape(batch, row_pages)
         return PagedKVCache(
@@ -205,19 +207,20 @@ class Transformer(eqx.Module):
         n_pages: int,
         page_size: int,
         *,
-        dtype=None,
+        kv_dtype=None,
         rows: int = 0,
         span: int = 0,
         ring_extra: int = 0,
     ) -> tuple:
         """Empty page pools for a `PagedKVCache` (`layers`), shaped like the layer storage:
-        per-head key and value pools, or MLA's one latent pool. With `rows` > 0, a layer whose
-        sliding window is shorter than `span` (a row's most tokens) keeps a ring of its window
-        (plus `ring_extra` slots) for each of `rows` rows instead of pages
-        (layers/window_cache.py). A speculating engine's rejected drafts (up to `k` tokens past
-        a row's length, rolled back by the length alone) overwrite the ring slots of the `k`
-        oldest positions: with `ring_extra = k` those are outside every later query's window."""
-        c, dtype = self.config, dtype or self.policy.compute
+        per-head key and value pools, or MLA's one latent pool, in `kv_dtype` (as `init_cache`).
+        With `rows` > 0, a layer whose sliding window is shorter than `span` (a row's most
+        tokens) keeps a ring of its window (plus `ring_extra` slots) for each of `rows` rows
+        instead of pages (layers/window_cache.py), in the compute dtype. A speculating engine's
+        rejected drafts (up to `k` tokens past a row's length, rolled back by the length alone)
+        overwrite the ring slots of the `k` oldest positions: with `ring_extra = k` those are
+        outside every later query's window."""
+        c, dtype = self.config, check_kv_dtype(kv_dtype) or self.policy.compute
         if c.mla:
             width = c.mla_kv_rank + c.mla_rope_dim
             full = functools.partial(LatentPages.zeros, n_pages, page_size, width, dtype)
@@ -225,7 +228,7 @@ class Transformer(eqx.Module):
             full = functools.partial(
                 LayerPages.zeros, n_pages, page_size, c.n_kv_heads, c.head_dim, dtype
             )
-        return self.cache_layers(full, rows=rows, span=span, dtype=dtype, ring_extra=ring_extra)
+        return self.cache_layers(full, rows=rows, span=span, ring_extra=ring_extra)
 
     def cache_layers(self, full, *, rows: int, span: int, dtype=None, ring_extra: int = 0) -> tuple:
         """A cache's per-layer arrays shaped like the layer storage (`Stack.cache_like`): how a

@@ -50,6 +50,8 @@ def test_filters_sample_at_temperature_one_unless_given():
         (["--stop", ""], "--stop: an empty text would stop at once"),
         (["--top-k", "5", "--top-p", "0.9"], "--top-p: not allowed with argument --top-k"),
         (["--attention", "fast"], "--attention: invalid choice: 'fast'"),
+        (["--kv-dtype", "int4"], "--kv-dtype: invalid choice: 'int4' (choose from 'float32', "
+         "'bfloat16', 'float16', 'int8')"),
     ],
 )  # fmt: skip
 def test_bad_flags_name_the_flag(flags, message, capsys):

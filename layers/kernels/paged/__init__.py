@@ -1,6 +1,8 @@
 """Paged attention: the KV cache as a pool of fixed-size pages with a page table per row (vLLM's
 PagedAttention, Kwon et al. 2023), so memory follows the tokens each request actually holds.
 
+- `int8.py`: int8 pools (`Int8Pages`: numbers and a scale per token and K/V head), written
+  quantized by `write_pages` and read by both kernels without dequantizing them in memory.
 - `pages.py`: the pool layout, the visibility rule, `write_pages` (scatter new keys/values in
   place) and `check_page_table` (host-side check of a table's values).
 - `attention.py`: `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
@@ -17,11 +19,14 @@ from layers.kernels.paged.attention import (
     XlaPagedKernel,
     paged_attention,
 )
-from layers.kernels.paged.pages import check_page_table, visible, write_pages
+from layers.kernels.paged.int8 import Int8Pages
+from layers.kernels.paged.pages import Pool, check_page_table, visible, write_pages
 
 __all__ = [
+    "Int8Pages",
     "PagedKernel",
     "PallasDecodeKernel",
+    "Pool",
     "XlaPagedKernel",
     "check_page_table",
     "paged_attention",

@@ -16,7 +16,8 @@ from jaxtyping import Array, Float, Int
 from layers.kernels.flash.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from layers.kernels.paged.blocked import blocked_attention
 from layers.kernels.paged.decode import DecodePlan, default_splits, paged_decode
-from layers.kernels.paged.pages import check_page_table, is_concrete
+from layers.kernels.paged.int8 import Int8Pages
+from layers.kernels.paged.pages import Pool, check_page_table, is_concrete
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -128,10 +129,12 @@ def _pallas_refusal(q, k_pages) -> str | None:
             f"the Pallas decode kernel needs a power-of-two page_size, got {k_pages.shape[2]}; "
             "use XlaPagedKernel()"
         )
-    if q.dtype != k_pages.dtype or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    int8 = isinstance(k_pages, Int8Pages)
+    if (q.dtype != k_pages.dtype and not int8) or jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         return (
-            f"the Pallas decode kernel needs q and the pools in one dtype of "
-            f"{[x.name for x in SUPPORTED_DTYPES]}, got q {q.dtype} and pools {k_pages.dtype}"
+            f"the Pallas decode kernel needs q in one dtype of "
+            f"{[x.name for x in SUPPORTED_DTYPES]} and the pools in the same dtype or int8, got "
+            f"q {q.dtype} and pools {k_pages.dtype}"
         )
     return None
 
@@ -148,8 +151,8 @@ def default_decode_kernel(q, k_pages, layer) -> PagedKernel:
 
 def paged_attention(
     q: Float[Array, "batch seq heads head_dim"],
-    k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
-    v_pages: Float[Array, "*layers kv_heads pages page_size head_dim"] | None,
+    k_pages: Pool,
+    v_pages: Pool | None,
     page_table: Int[Array, "batch row_pages"],
     lengths: Int[Array, " batch"],
     *,
@@ -163,9 +166,11 @@ def paged_attention(
     in `pages.py`), with K/V heads shared by groups of query heads (GQA/MQA). `sliding_window`
     may be traced (one layer's window under `lax.scan`); `softcap` caps the scaled scores at
     softcap * tanh(s / softcap) (Gemma 2). `v_pages=None`: the values are the keys (MLA's
-    latent pool). `layer`: the pools carry a leading stacked-layers axis and this layer's pages
-    are read (XLA path only; never a copy of the layer's whole pool). `kernel=None`: the
-    backend's default (`default_decode_kernel`).
+    latent pool). The pools may be int8 with per-(token, head) scales (`int8.Int8Pages`, both
+    pools alike): attention over their dequantized values, read as int8. `layer`: the pools
+    carry a leading stacked-layers axis and this layer's pages are read (XLA path only; never a
+    copy of the layer's whole pool). `kernel=None`: the backend's default
+    (`default_decode_kernel`).
 
     The key at position j is visible to the query at position `q_positions[b, i]` iff
     j <= that position, j < lengths[b] and (no window or position - j < sliding_window): a decode

@@ -10,7 +10,9 @@ row's keys times the number of groups.
 
 A decode step (one query per group) and a chunk of prompt tokens (several queries per group, whose
 own keys are already in the pages) are the same call; the pools may carry a leading stacked-layers
-axis (`layer` picks one, read through the gather, never sliced out whole).
+axis (`layer` picks one, read through the gather, never sliced out whole). int8 pools (int8.py)
+are read as their numbers; the keys' scales multiply the scores and the values' scales the
+softmax weights, which is attention over the dequantized pool without ever writing it out.
 """
 
 import math
@@ -20,7 +22,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from layers.kernels.naive import soft_cap
-from layers.kernels.paged.pages import visible
+from layers.kernels.paged.int8 import Int8Pages
+from layers.kernels.paged.pages import Pool, visible
 
 
 def _block_bounds(q_positions, lengths, window, block: int) -> tuple[Array, Array]:
@@ -38,8 +41,8 @@ def _block_bounds(q_positions, lengths, window, block: int) -> tuple[Array, Arra
 
 def blocked_attention(
     q: Float[Array, "groups seq heads head_dim"],
-    k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
-    v_pages: Float[Array, "*layers kv_heads pages page_size head_dim"] | None,
+    k_pages: Pool,
+    v_pages: Pool | None,
     page_table: Int[Array, "groups row_pages"],
     lengths: Int[Array, " groups"],
     q_positions: Int[Array, "groups seq"],
@@ -62,18 +65,25 @@ def blocked_attention(
     lengths = jnp.minimum(lengths, page_table.shape[1] * page_size)
     qg = q.reshape(g, s, n_kv, n_heads // n_kv, d).astype(jnp.float32) / math.sqrt(d)
 
-    def read(pool, pages):  # [kv_heads, groups, block, d] in float32
+    def gather(pool, pages):  # [kv_heads, groups, block, ...] in float32
         rows = pool[:, pages] if layer is None else pool[layer, :, pages]
         if layer is not None:  # the layer index apart from the pages puts [groups, ...] first
             rows = jnp.moveaxis(rows, 2, 0)
-        return rows.reshape(n_kv, g, block, d).astype(jnp.float32)
+        return rows.reshape(n_kv, g, block, *rows.shape[4:]).astype(jnp.float32)
+
+    def read(pool, pages):  # the numbers [kv, g, block, d]; int8: the scales [g, kv, 1, 1, block]
+        if not isinstance(pool, Int8Pages):
+            return gather(pool, pages), None
+        scales = jnp.moveaxis(gather(pool.scales, pages), 1, 0)
+        return gather(pool.values, pages), scales[:, :, None, None]
 
     def step(i, carry):
         top, denom, acc = carry  # [g, kv, group, s] twice, [g, kv, group, s, d]
         pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
-        k = read(k_pages, pages)
-        v = k if v_pages is None else read(v_pages, pages)
-        scores = soft_cap(jnp.einsum("gskhd,kgtd->gkhst", qg, k), softcap)
+        k, k_scales = read(k_pages, pages)
+        v, v_scales = (k, k_scales) if v_pages is None else read(v_pages, pages)
+        scores = jnp.einsum("gskhd,kgtd->gkhst", qg, k)
+        scores = soft_cap(scores if k_scales is None else scores * k_scales, softcap)
         key_pos = i * block + jnp.arange(block)
         seen = visible(
             q_positions[:, None, None, :, None], key_pos, lengths[:, None, None, None, None],
@@ -86,7 +96,8 @@ def blocked_attention(
         rescale = jnp.exp(top - shift)
         weights = jnp.exp(scores - shift[..., None])
         denom = rescale * denom + weights.sum(axis=-1)
-        acc = rescale[..., None] * acc + jnp.einsum("gkhst,kgtd->gkhsd", weights, v)
+        scaled = weights if v_scales is None else weights * v_scales
+        acc = rescale[..., None] * acc + jnp.einsum("gkhst,kgtd->gkhsd", scaled, v)
         return new_top, denom, acc
 
     shape = (g, n_kv, n_heads // n_kv, s)

@@ -13,6 +13,10 @@ the GPU, and XLA merges their partial results by their maxima and denominators.
 Triton's matrix product needs every side >= 16, so the group of query heads is padded with zero
 rows to `max(16, next power of two)`: decode is bound by reading the pages, not by these
 products. Exponentials are base 2 (`exp2`), as in the flash kernel.
+
+int8 pools (int8.py) come with their scales, gathered through the same table: a block's int8
+numbers are converted to the query's dtype (exact: |n| <= 127), the keys' scales multiply the
+scores and the values' scales the weights, so the block is never dequantized in memory.
 """
 
 import dataclasses
@@ -26,7 +30,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from layers.kernels.flash.forward import LOG2E, MASKED, dot_nn, dot_nt
-from layers.kernels.paged.pages import visible
+from layers.kernels.paged.int8 import Int8Pages
+from layers.kernels.paged.pages import Pool, visible
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,11 +49,12 @@ class DecodePlan:
 
 
 def _decode_kernel(
-    lengths_ref, q_pos_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-    plan: DecodePlan,
+    lengths_ref, q_pos_ref, window_ref, table_ref, q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
+    o_ref, m_ref, l_ref, *, plan: DecodePlan,
 ):  # fmt: skip
     # q_ref [group_pad, head_dim]; k_ref, v_ref [pages, page_size, head_dim] (this K/V head's
-    # pool); table_ref [row_pages] (this row's table, padded to whole blocks).
+    # pool); k_scale_ref, v_scale_ref [pages, page_size] (int8 pools) or None; table_ref
+    # [row_pages] (this row's table, padded to whole blocks).
     length, q_pos = lengths_ref[...], q_pos_ref[...]
     window = None if window_ref is None else window_ref[...]
     group_pad, head_dim = q_ref.shape
@@ -69,18 +75,23 @@ def _decode_kernel(
     def step(i, carry):
         o, m, denom = carry
         pages = table_ref[pl.ds(pl.multiple_of(i * ppb, ppb), ppb)]
-        k = k_ref[pages].reshape(block, head_dim)
-        v = v_ref[pages].reshape(block, head_dim)
+        k = k_ref[pages].reshape(block, head_dim).astype(q.dtype)
+        v = v_ref[pages].reshape(block, head_dim).astype(q.dtype)
+        s = dot_nt(q, k)
+        if k_scale_ref is not None:
+            s = s * k_scale_ref[pages].reshape(1, block).astype(jnp.float32)
         if plan.softcap is None:
-            s = dot_nt(q, k) * (plan.scale * LOG2E)
+            s = s * (plan.scale * LOG2E)
         else:
-            s = plan.softcap * jnp.tanh(dot_nt(q, k) * (plan.scale / plan.softcap)) * LOG2E
+            s = plan.softcap * jnp.tanh(s * (plan.scale / plan.softcap)) * LOG2E
         key_pos = i * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         s = jnp.where(visible(q_pos, key_pos, length, window), s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         rescale = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         denom = rescale * denom + p.sum(axis=-1)
+        if v_scale_ref is not None:
+            p = p * v_scale_ref[pages].reshape(1, block).astype(jnp.float32)
         o = rescale[:, None] * o + dot_nn(p.astype(v.dtype), v)
         return o, m_new, denom
 
@@ -105,8 +116,8 @@ def _merge(o, m, denom):
 
 def paged_decode(
     q: Float[Array, "batch 1 heads head_dim"],
-    k_pages: Float[Array, "kv_heads pages page_size head_dim"],
-    v_pages: Float[Array, "kv_heads pages page_size head_dim"],
+    k_pages: Pool,
+    v_pages: Pool,
     page_table: Int[Array, "batch row_pages"],
     lengths: Int[Array, " batch"],
     q_positions: Int[Array, "batch 1"],
@@ -128,6 +139,8 @@ def paged_decode(
 
     per_row = pl.BlockSpec((None,), lambda bi, h, s: (bi,))
     pool = pl.BlockSpec((None, n_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
+    int8 = isinstance(k_pages, Int8Pages)
+    scales = pl.BlockSpec((None, n_pages, page_size), lambda bi, h, s: (h, 0, 0)) if int8 else None
     group_block = pl.BlockSpec((None, None, group_pad, d), lambda bi, h, s: (bi, h, 0, 0))
     stats = pl.BlockSpec((None, None, None, group_pad), lambda bi, h, s: (s, bi, h, 0))
     partial = (splits, b, n_kv, group_pad)
@@ -142,6 +155,8 @@ def paged_decode(
             group_block,
             pool,
             pool,
+            scales,
+            scales,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, group_pad, d), lambda bi, h, s: (s, bi, h, 0, 0)),
@@ -156,7 +171,11 @@ def paged_decode(
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         interpret=plan.interpret,
         name="paged_decode",
-    )(lengths, q_positions[:, 0].astype(jnp.int32), window, table, qg, k_pages, v_pages)
+    )(
+        lengths, q_positions[:, 0].astype(jnp.int32), window, table, qg,
+        *((k_pages.values, v_pages.values, k_pages.scales, v_pages.scales) if int8
+          else (k_pages, v_pages, None, None)),
+    )  # fmt: skip
     out = _merge(o, m, denom)[:, :, :group]  # [batch, kv_heads, group, head_dim]
     return out.reshape(b, 1, n_heads, d).astype(q.dtype)
 

@@ -20,6 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from layers.kernels.paged.int8 import Int8Pages, quantize
+
+Pool = Float[Array, "*layers kv_heads pages page_size head_dim"] | Int8Pages
+
 
 def visible(
     q_pos: Int[Array, "..."], key_pos: Int[Array, "..."], length: Int[Array, "..."],
@@ -34,7 +38,7 @@ def visible(
 
 
 def write_pages(
-    pool: Float[Array, "*layers kv_heads pages page_size head_dim"],
+    pool: Pool,
     page_table: Int[Array, "groups row_pages"],
     groups: Int[Array, " tokens"],
     positions: Int[Array, " tokens"],
@@ -42,10 +46,12 @@ def write_pages(
     valid: Bool[Array, " tokens"],
     *,
     layer: Int[Array, ""] | None = None,
-) -> Float[Array, "*layers kv_heads pages page_size head_dim"]:
+) -> Pool:
     """The pool with each valid new token's key (or value, or latent) written at its position in
     its group's pages (`groups[t]` is token t's row of `page_table`): one scatter, cast to the
-    pool's dtype. `layer` indexes a leading stacked-layers axis (None: no such axis).
+    pool's dtype; into an int8 pool (int8.py) each token's head vector is quantized with its own
+    scale, so tokens already written are never touched. `layer` indexes a leading stacked-layers
+    axis (None: no such axis).
 
     Padding (`valid` False) writes nothing, and so does a position outside the group's page
     table (negative, or >= row_pages * page_size): the engine allocates pages before writing,
@@ -61,11 +67,17 @@ def write_pages(
     # Out of bounds (a positive index: JAX wraps negative ones), so mode="drop" skips the write.
     page = jnp.where(in_table, page, n_pages)
     offset = positions % page_size
-    new = new.astype(pool.dtype)
-    if layer is None:  # pool.at[:, page, offset] is [kv_heads, tokens, head_dim]
-        return pool.at[:, page, offset].set(jnp.swapaxes(new, 0, 1), mode="drop")
-    # With the layer index apart from page/offset, NumPy indexing puts [tokens] first.
-    return pool.at[layer, :, page, offset].set(new, mode="drop")
+
+    def scatter(target, update):  # update [tokens, kv_heads, ...]
+        if layer is None:  # target.at[:, page, offset] is [kv_heads, tokens, ...]
+            return target.at[:, page, offset].set(jnp.swapaxes(update, 0, 1), mode="drop")
+        # With the layer index apart from page/offset, NumPy indexing puts [tokens] first.
+        return target.at[layer, :, page, offset].set(update, mode="drop")
+
+    if isinstance(pool, Int8Pages):
+        numbers, scales = quantize(new)
+        return Int8Pages(scatter(pool.values, numbers), scatter(pool.scales, scales), pool.axes)
+    return scatter(pool, new.astype(pool.dtype))
 
 
 def check_page_table(
