@@ -349,8 +349,8 @@ def load_run(
 RECORD = "run.json"
 LOCK = ".lock"
 # What a run's files belong to: replaced by --overwrite, never by a new run without it.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", RECORD, "tokenizer.tiktoken",
-             "tokenizer.source")  # fmt: skip
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.abandoned.jsonl", "loss.png", RECORD,
+             "tokenizer.tiktoken", "tokenizer.source")  # fmt: skip
 
 
 class Lock:

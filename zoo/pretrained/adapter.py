@@ -33,9 +33,9 @@ from zoo.adapter import (
     lora_settings,
     place_adapters,
 )
+from zoo.json_file import field, read_json_object
 from zoo.pretrained.architectures import Architecture, architecture_for
 from zoo.pretrained.hf_fields import check_fields
-from zoo.pretrained.json_file import field, read_json_object
 from zoo.pretrained.safetensors import checkpoint_file, open_file
 from zoo.pretrained.tensor_map import TensorGroup, layer_path, leaf, linear
 from zoo.transformer import Transformer

@@ -4,9 +4,9 @@ from the checkpoint, never guessed."""
 import os
 
 from zoo.config import Config
+from zoo.json_file import read_json_object
 from zoo.pretrained.architectures import Architecture, architecture
 from zoo.pretrained.hf_fields import check_fields
-from zoo.pretrained.json_file import read_json_object
 
 DTYPES = ("float32", "bfloat16", "float16")
 

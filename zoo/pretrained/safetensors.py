@@ -8,7 +8,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so bf16 tensors 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from zoo.pretrained.json_file import field, read_json_object
+from zoo.json_file import field, read_json_object
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
