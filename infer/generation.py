@@ -14,6 +14,7 @@ from infer.engine import Engine
 from infer.sampling import Sampler
 from infer.step import check_prompts, check_tokens
 from shard import Placement
+from zoo import arguments
 from zoo.transformer import Transformer
 
 OnTokens = Callable[[list[list[int]]], None]
@@ -28,13 +29,13 @@ def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int] | np.ndarray],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | np.integer,
     sampler: Sampler,
     key: PRNGKeyArray,
     stop_tokens: Sequence[int] = (),
     on_tokens: OnTokens | None = None,
-    chunk_size: int = 16,
-    max_len: int | None = None,
+    chunk_size: int | np.integer = 16,
+    max_len: int | np.integer | None = None,
     placement: Placement | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (up to `max_new_tokens`, ending at the first stop token, which
@@ -54,12 +55,12 @@ def generate(
     Sharded generation: give the `placement` the model was created or loaded in
     (`shard.Placement(mesh, rules)`); the rows must divide by the mesh's batch axes.
     """
-    config = model.config
+    config = arguments.instance(model, "model", Transformer, "zoo.load_pretrained(path)").config
     rows = check_prompts(prompts, config.vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    max_new_tokens = arguments.count(max_new_tokens, "max_new_tokens")
+    chunk_size = arguments.count(chunk_size, "chunk_size")
+    max_len = arguments.optional_count(max_len, "max_len")
+    arguments.callback(on_tokens, "on_tokens", "new tokens per row -> None")
     stops = np.asarray(list(stop_tokens)).reshape(-1)
     check_tokens(stops if stops.size else stops.astype(np.int64), config.vocab_size, "stop_tokens")
     needed = max(row.size for row in rows) + max_new_tokens
