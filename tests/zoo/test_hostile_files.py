@@ -245,3 +245,50 @@ def test_hf_hub_cache_layout_loads(checkpoint, adapter, tmp_path):
     model = zoo.load_pretrained(tmp_path / "models--zoo--llama" / "snapshots" / "abc123")
     adapted = zoo.load_adapter(model, tmp_path / "models--zoo--adapter" / "snapshots" / "abc123")
     assert has_lora(adapted)
+
+
+# --- GGUF metadata -----------------------------------------------------------------------------
+
+
+def _gguf_with(tmp_path, extra: dict, name: str) -> str:
+    """A qwen2 GGUF of a tiny model (as llama.cpp's converter writes it) with `extra` metadata."""
+    import gguf
+
+    from tests.zoo.test_families import GGUF_MODELS, write_gguf
+
+    hf_class, arch, config = GGUF_MODELS["qwen2"]
+    if not (tmp_path / "plain.gguf").exists():
+        write_gguf(random_model(config, 0), hf_class, arch, tmp_path / "plain.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "plain.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / name), "qwen2")
+    for field in reader.fields.values():
+        if field.name.startswith("qwen2."):
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for key, value in extra.items():
+        kind = gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32
+        writer.add_key_value(key, value, kind)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"qwen2.rope.scaling.type": "yarn"},
+            r"qwen2\.rope\.scaling\.type='yarn' is not supported",
+        ),
+        ({"qwen2.expert_count": 8}, r"qwen2\.expert_count=8 is not supported"),
+        ({"qwen2.attention.value_length": 4}, "value_length=4 differs from the key heads' 8"),
+        ({"qwen2.new_feature": 1}, r"qwen2\.new_feature is not read by the zoo"),
+    ],
+)
+def test_gguf_metadata_the_zoo_would_ignore_is_refused(tmp_path, extra, message):
+    assert zoo.load_pretrained(_gguf_with(tmp_path, {"qwen2.rope.scaling.type": "none"}, "a.gguf"))
+    with pytest.raises(ValueError, match=message):
+        zoo.load_pretrained(_gguf_with(tmp_path, extra, "b.gguf"))
