@@ -30,7 +30,7 @@ $(KERNEL): layers/kernels/quantized/matmul.cc $(KERNEL_BUILD) $(VENV)/.installed
 
 $(REF_VENV)/.installed: Makefile
 	python3.11 -m venv $(REF_VENV)
-	$(REF_VENV)/bin/pip install -q torch==2.13.0 transformers accelerate safetensors numpy gguf tokenizers jinja2 peft
+	$(REF_VENV)/bin/pip install -q torch==2.13.0 transformers accelerate safetensors numpy gguf tokenizers jinja2 peft trl
 	touch $@
 
 setup: $(VENV)/.installed $(KERNEL)

@@ -8,6 +8,8 @@
     python train.py --init-from SmolLM2.gguf --data my.jsonl --lr 3e-5   # fine-tune
     python train.py --init-from SmolLM2.gguf --data examples/data/chat.jsonl --lr 3e-5  # chat SFT
     python train.py --init-from SmolLM2.gguf --dtype bfloat16 --remat full  # bf16 compute
+    python train.py --mesh pipeline=4,data=2 --pipeline-schedule 1f1b       # a pipeline
+    python train.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...  # on each host
     python train.py --help                   # every setting; --config FILE sets them from a file
 
 In Python: `train.run(Args(...)) -> RunResult` (examples/ call it).
@@ -16,13 +18,21 @@ Every run owns its run directory (`--out`): it records what defines the run in `
 a lock while it trains, and writes `metrics.jsonl`, `checkpoints/` and `loss.png`. It prints the
 predicted (zoo.math roofline) next to the measured step time and memory, and logs loss, tokens/s,
 step time, data-wait time and MFU. The step is compiled before the loop, and metrics stay on
-the device until a log step (no host sync per step).
+the device until a log step (no host sync per step); logging, evaluation and checkpoints are the
+loop's periodic hooks (training/loop.py).
+
+Several processes (one per host, `--coordinator/--num-processes/--process-id` or a launcher's
+environment: training/distributed.py) run one run: each loads only its rows of every batch,
+process 0 holds the run directory and writes its record, metrics, plot and log, every process
+writes its shards of each checkpoint.
 """
 
 import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +53,11 @@ from layers.moe import MoEStats
 from shard import Placement
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
-from training import lora_run, offload
+from training import distributed, loop, lora_run, offload, preference_run
 from training import run_dir as runs
-from training.args import ArgError, Args, accumulation, check, given, parse_args
+from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
+from training.distributed import Processes
+from training.loss import CrossEntropy
 from training.model_config import (
     DEFAULT_MODEL,
     aux_weights,
@@ -56,7 +68,8 @@ from training.model_config import (
     with_context_kernel,
 )
 from training.optimizer import adamw, learning_rate
-from training.step import abstract_batch, compile_steps, split_model
+from training.preference import PreferenceObjective
+from training.step import compile_steps, split_model
 from training.telemetry import Telemetry, compiled_memory_bytes, hardware, set_aside_abandoned
 from zoo import Transformer
 from zoo import math as zmath
@@ -64,7 +77,7 @@ from zoo import math as zmath
 # The settings that define a run: a --resume takes them from the run's record and refuses a
 # flag that contradicts one. (--steps may grow; run-time settings such as --remat may change.)
 DEFINING = ("model", "override", "init_from", "data", "text_column", "data_format", "truncate",
-            "streaming", "tokenizer",
+            "streaming", "tokenizer", "preference_loss", "beta", "simpo_gamma",
             "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
             "schedule", "weight_decay", "clip", "param_dtype", "seed", "val_fraction",
             "moe_balance_weight", "moe_z_weight", "router_bias_rate", "lora_rank", "lora_alpha",
@@ -90,7 +103,9 @@ class RunResult:
 
 
 def say(message: str) -> None:
-    tqdm.write(message, file=sys.stdout)
+    """Print a log line (process 0 alone speaks for a run of several)."""
+    if jax.process_index() == 0:
+        tqdm.write(message, file=sys.stdout)
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
@@ -202,17 +217,24 @@ def load_examples_data(args: Args, dataset, data_format: str, cache: Path, run_d
         train = packing.Batches(tokens, segments, args.batch_size, args.seed, answers)
         entropy = unigram_entropy(tokens[answers])
         say(f"data: training: {counts.line()}; packed whole into {len(tokens):,} rows")
-    return encoding, train, val.in_order(args.eval_batches), entropy
+    return encoding, train, val, entropy
 
 
 def load_data(args: Args, run_dir: Path):
-    """Tokenizer, training batches, fixed validation batches, the unigram entropy and the data's
-    format (`--data-format`, or the one `auto` found)."""
+    """Tokenizer, training batches, validation batches (their first `--eval-batches` in order
+    are the held-out set), the unigram entropy and the data's format (`--data-format`, or the
+    one `auto` found). Preference data gives the tokenizer and its pairs
+    (training/preference_run.py), whose reference log-probabilities come later."""
     cache = Path(args.cache_dir).expanduser()
     spec = str(write_stdlib_corpus(cache)) if args.data == "stdlib" else args.data
     dataset, data_format = load_examples(
         spec, data_format=args.data_format, text_column=args.text_column, streaming=args.streaming
     )
+    preference_run.check_settings(args, data_format)
+    if data_format == "preference":  # pairs; their reference is attached with the model
+        train_rows, val_rows, _ = split_rows(args, dataset)
+        tokenizer = chat_tokenizer(args, data_format, (), cache, run_dir)
+        return *preference_run.load(args, tokenizer, train_rows, val_rows, say), data_format
     if data_format != "text":
         return (*load_examples_data(args, dataset, data_format, cache, run_dir), data_format)
     say(f"data: format text (column {args.text_column!r})")
@@ -240,7 +262,7 @@ def load_data(args: Args, run_dir: Path):
             f"data: {tokens.size:,} training tokens in {len(tokens):,} rows, "
             f"{val_tokens.size:,} held out"
         )
-    return encoding, train, val.in_order(args.eval_batches), entropy, data_format
+    return encoding, train, val, entropy, data_format
 
 
 def stop_not_finite(what: str, run_dir: Path) -> None:
@@ -326,7 +348,8 @@ def record_tokenizer(args: Args, encoding, run_dir: Path) -> str:
 
 def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args:
     """`args` with the run's recorded defining settings; a given flag that contradicts one is an
-    error naming the flag and both values."""
+    error naming the flag and both values. A pipeline's micro-batch count, unless given, is
+    chosen again for the recorded batch."""
     recorded = runs.read_record(run_dir)["settings"]
     changes = {}
     for name in DEFINING:
@@ -342,27 +365,32 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
                 f"not {value!r}; drop the flag (or start a new run with another --out)",
             )
         changes[name] = recorded[name]
+    if "microbatches" not in given_names:
+        changes["microbatches"] = None
     args = dataclasses.replace(args, **changes)
     check(args)
     return args
 
 
-def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_s,
-             predicted_line) -> dict | None:  # fmt: skip
+def log_step(telemetry, step, metrics, config, schedule, *, timing, predicted_line) -> dict | None:
     """Print and record one metrics line; the first step's (the starting point, e.g. the
-    pretrained model's loss) has no timing. Returns the timed record."""
+    pretrained model's loss) has no `timing` (step seconds, data-wait seconds). Returns the
+    timed record."""
     loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)
-    moe = {}
+    stats = {name: float(value) for name, value in metrics.stats.items()}
+    moe = {**stats}
     if config.n_experts:
         moe = {
             "aux_loss": float(metrics.aux_loss),
             "expert_load": np.asarray(metrics.moe.expert_load).tolist(),
             "dropped_fraction": np.asarray(metrics.moe.dropped_fraction).tolist(),
         }
-    if first:
+    shown = "".join(f" | {name} {value:.3f}" for name, value in stats.items())
+    if timing is None:
         telemetry.log(step=step, loss=loss, grad_norm=grad_norm, **moe)
-        say(f"step {step}: loss {loss:.4f}")
+        say(f"step {step}: loss {loss:.4f}{shown}")
         return None
+    step_s, wait_s = timing
     if predicted_line:
         say(telemetry.predicted_line(step_s))
     record = telemetry.log(
@@ -379,10 +407,36 @@ def log_step(telemetry, step, metrics, config, schedule, *, first, step_s, wait_
     say(
         f"step {step:5d} | loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
         f"{step_s * 1e3:.0f} ms/step | data wait {wait_s * 1e3:.2f} ms | MFU {record['mfu']:.1%}"
+        f"{shown}"
     )
     if config.n_experts:
         say(f"           | aux loss {moe['aux_loss']:.4f} | {moe_line(metrics.moe)}")
     return record
+
+
+def pipeline_line(args: Args, config, placement: Placement, chosen: bool) -> str:
+    """What a pipeline does per step: stages, schedule, micro-batches (and whether they were
+    chosen here), and zoo.math's bubble and activation memory per stage."""
+    stages, (accum, m) = pipeline_stages(args), accumulation(args)
+    virtual = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
+    bubble = zmath.pipeline_bubble(stages, m, virtual=virtual)
+    tokens = args.batch_size // accum * args.seq_len // (placement.devices // stages)
+    activations = zmath.pipeline_activation_bytes(
+        config, args.seq_len, policy(args), tokens=tokens, stages=stages, microbatches=m,
+        schedule=args.pipeline_schedule, virtual=virtual,
+    )  # fmt: skip
+    how = (
+        f"the most up to 4 x {stages} stages that split each batch of "
+        f"{args.batch_size // accum} evenly over the batch's mesh axes; --microbatches to choose"
+        if chosen
+        else "--microbatches"
+    )
+    return (
+        f"pipeline: {stages} stages, {args.pipeline_schedule} schedule"
+        f"{f' ({virtual} virtual stages per device)' if virtual > 1 else ''}, {m} micro-batches "
+        f"of {args.batch_size // accum // m} sequences ({how}); predicted (zoo.math): bubble "
+        f"{bubble:.1%} of the step, activations {activations / 1e9:.3f} GB per stage"
+    )
 
 
 def main(argv: list[str] | None = None) -> RunResult:
@@ -400,6 +454,7 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             for f in dataclasses.fields(Args)
             if getattr(args, f.name) != getattr(defaults, f.name)
         )
+    processes = distributed.start(args)  # before anything touches a device
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     check_sequence_length(args.seq_len, placement.sequence_shards)
     if args.offload_opt_state:
@@ -410,13 +465,82 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
             f"--init-from {args.init_from!r} is this run's own directory: --init-from starts a "
             "new run from it (give another --out), --resume continues it"
         )
-    with runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite):
+    # Process 0 holds the run directory; every process checks it runs the same run.
+    lock = distributed.agree(
+        processes,
+        args,
+        run_dir,
+        lambda: runs.claim(run_dir, resume=bool(args.resume), overwrite=args.overwrite),
+    )
+    try:
         if args.resume:
             args = resumed_args(args, given_names, run_dir)
-        return _train(args, placement, run_dir)
+        result = _train(args, placement, run_dir, processes, given_names)
+    finally:
+        if lock is not None:
+            lock.close()
+    distributed.stop(processes)
+    return result
 
 
-def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
+def data_feeds(
+    args: Args, placement: Placement, objective, model: Transformer, train_data, val_data,
+    run_dir: Path,
+) -> tuple[list, Callable[[int], Prefetcher]]:  # fmt: skip
+    """(the held-out batches on the devices, `train_batches(position)`). Each process loads only
+    the rows of every batch its devices hold; preference pairs (one process only,
+    training/preference_run.py) first get their reference log-probabilities from `model` and
+    are loaded whole."""
+    if isinstance(objective, PreferenceObjective):
+        place = partial(placement.batch, axes=objective.batch_axes)
+        train_data, val_batches = preference_run.attach_reference(
+            args, model, train_data, val_data, run_dir, place, say
+        )
+        return [place(b) for b in val_batches], lambda at: Prefetcher(train_data.iterate(at), place)
+    rows = placement.process_rows(val_data.batch_size, args.seq_len)
+    val_batches = [
+        placement.batch(b, rows=rows, total=val_data.batch_size)
+        for b in val_data.in_order(args.eval_batches, rows)
+    ]
+    train_rows = placement.process_rows(args.batch_size, args.seq_len)
+    return val_batches, lambda at: Prefetcher(
+        train_data.iterate(at, train_rows),
+        lambda b: placement.batch(b, rows=train_rows, total=args.batch_size),
+    )
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything the loop needs, prepared by `prepare`: the run's settings and directory, its
+    processes, the compiled steps and their state, the data (`train_batches(position)`, the
+    training batches from number `position` on, prefetched onto the devices) and the telemetry;
+    `result` is filled in as the run goes."""
+
+    args: Args
+    run_dir: Path
+    processes: Processes
+    placement: Placement
+    config: Any
+    static: Any
+    params: Any
+    opt_state: Any
+    train_fn: Any
+    eval_fn: Any
+    schedule: Any
+    telemetry: Telemetry
+    train_batches: Callable[[int], Prefetcher]
+    val_batches: list
+    start: int
+    position: int
+    rng: jax.Array
+    result: RunResult
+
+
+def prepare(
+    args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
+) -> Job:
+    """Data, tokenizer, model (fresh, imported or restored), the run's record, the optimizer
+    and the compiled step, each announced on the log."""
     start = 0
     if args.resume:
         start = runs.latest_step(run_dir)
@@ -426,7 +550,10 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
                 f"{args.steps} is not beyond the run's step {start}: --resume continues to "
                 f"--steps, so give more than {start}",
             )
-    encoding, train_data, val_batches, entropy, data_format = load_data(args, run_dir)
+    # Process 0 first: it fills the caches (corpus, trained tokenizer) the others then read.
+    encoding, train_data, val_data, entropy, data_format = distributed.primary_first(
+        processes, lambda: load_data(args, run_dir)
+    )
     # Recorded as found, not `auto`: a resume reads its data in the same format or fails.
     args = dataclasses.replace(args, data_format=data_format)
     say(
@@ -436,7 +563,13 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
     model, name = build_model(args, placement, encoding.n_vocab, key, run_dir)
     model = with_context_kernel(model, args, placement)
     config, run_policy = model.config, model.policy
-    if not args.resume:
+    objective = CrossEntropy(aux_weights(args))
+    if data_format == "preference":
+        objective = PreferenceObjective(preference_run.preference_loss(args), aux_weights(args))
+    val_batches, train_batches = data_feeds(
+        args, placement, objective, model, train_data, val_data, run_dir
+    )
+    if not args.resume and processes.primary:
         spec = record_tokenizer(args, encoding, run_dir)
         settings = {name: getattr(args, name) for name in DEFINING}
         record = {"settings": settings, "config": config.to_dict(), "tokenizer": spec}
@@ -454,10 +587,13 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         if args.lora_rank
         else f"{n_params / 1e6:.2f}M parameters"
     )
+    where = f"; {processes.describe()}" if processes.count > 1 else ""
     say(
         f"model: {name}, {trains}, compute {run_policy.compute_dtype}, "
-        f"kernel {run_policy.kernel_name}, on {placement.describe()}"
+        f"kernel {run_policy.kernel_name}, on {placement.describe()}{where}"
     )
+    if pipeline_stages(args) > 1:
+        say(pipeline_line(args, config, placement, "microbatches" not in given_names))
     schedule = learning_rate(
         args.schedule,
         peak=args.lr,
@@ -479,113 +615,141 @@ def _train(args: Args, placement: Placement, run_dir: Path) -> RunResult:
         params, opt_state = restored.params, restored.opt_state
         position, rng = restored.data_position, restored.rng
         say(f"resumed from {restored.path} at step {start}")
-        if note := set_aside_abandoned(run_dir, start):
+        if processes.primary and (note := set_aside_abandoned(run_dir, start)):
             say(note)
     else:
         opt_state = placement.init_opt_state(optimizer, params)
         if memory is not None:
             opt_state = jax.device_put(opt_state, memory[1])
+    accum = accumulation(args)[0]
     train_fn, eval_fn = compile_steps(
-        static, optimizer, accumulation(args)[0], placement=placement, model=model,
-        aux_weights=aux_weights(args), opt_state_memory=memory,
+        static, optimizer, accum, placement=placement, model=model, opt_state_memory=memory,
+        objective=objective,
     )  # fmt: skip
     del model  # its arrays are `params`, which the step donates
     t0 = time.perf_counter()
-    batch_spec = abstract_batch(args.batch_size, args.seq_len, placement.batch_sharding())
+    batch_spec = objective.abstract_batch(
+        args.batch_size, args.seq_len, placement.batch_sharding(objective.batch_axes)
+    )
     train_fn = train_fn.lower(params, opt_state, batch_spec).compile()
     hw = hardware(args.peak_flops, args.peak_bandwidth, run_policy.compute_dtype)
     lora = None
     if args.lora_rank:
         frozen = lora_run.frozen_bytes(lora_run.LoraSettings.of(vars(args)), config, run_policy)
         lora = (n_trainable, frozen)
+    sequences = args.batch_size * (2 if data_format == "preference" else 1)  # a pair is two
     telemetry = Telemetry(
-        run_dir, config, run_policy, args.batch_size, args.seq_len, hw,
-        accum=accumulation(args)[0], lora=lora,
+        run_dir, config, run_policy, sequences, args.seq_len, hw,
+        accum=accum, lora=lora, write=processes.primary,
     )  # fmt: skip
+    if args.resume:
+        telemetry.forget_after(start)
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(telemetry.memory_line(compiled_memory_bytes(train_fn), placement.devices))
-    val_batches = [placement.batch(b) for b in val_batches]
     result = RunResult(run_dir, None, encoding, start, None, None, None, entropy, None, {})
+    return Job(
+        args, run_dir, processes, placement, config, static, params, opt_state, train_fn,
+        eval_fn, schedule, telemetry, train_batches, val_batches, start, position, rng, result,
+    )  # fmt: skip
+
+
+def hooks(job: Job, clock: loop.StepClock, checkpointer: runs.Checkpointer) -> list[loop.Hook]:
+    """The loop's periodic hooks: log a metrics line (and the first step's, the starting
+    point), evaluate on the held-out batches, write a checkpoint. The time the last two take
+    is left out of the step time."""
+    args, result, telemetry = job.args, job.result, job.telemetry
+
+    def log(state: loop.State) -> None:
+        timing = clock.lap()
+        first_timed = timing is not None and not result.record
+        result.record = log_step(
+            telemetry, state.step, state.metrics, job.config, job.schedule, timing=timing,
+            predicted_line=first_timed,
+        ) or result.record  # fmt: skip
+        if job.config.n_experts:
+            result.moe = state.metrics.moe
+
+    def validate(state: loop.State) -> None:
+        with clock.paused():
+            result.val_loss = evaluate(job.eval_fn, state.params, job.val_batches)
+            telemetry.log(step=state.step, val_loss=result.val_loss)
+            say(
+                f"step {state.step:5d} | validation loss {result.val_loss:.4f} "
+                f"(unigram entropy {result.unigram_entropy:.3f})"
+            )
+
+    def save(state: loop.State) -> None:
+        with clock.paused():
+            if not bool(all_finite(state.params)):
+                stop_not_finite(f"the weights after step {state.step}", job.run_dir)
+            blocked = checkpointer.save(
+                params=state.params, opt_state=state.opt_state, step=state.step,
+                data_position=job.position + state.step - job.start, rng=job.rng,
+            )  # fmt: skip
+            telemetry.log(step=state.step, checkpoint_blocked_s=blocked)
+            say(
+                f"step {state.step:5d} | checkpoint {checkpointer.path(state.step).name}: the "
+                f"loop was blocked {blocked * 1e3:.1f} ms (written in the background)"
+            )
+
+    return [
+        loop.Hook(args.log_every, log, first=True),
+        loop.Hook(args.eval_every, validate),
+        loop.Hook(args.checkpoint_every, save),
+    ]
+
+
+def _train(
+    args: Args, placement: Placement, run_dir: Path, processes: Processes, given_names
+) -> RunResult:
+    job = prepare(args, placement, run_dir, processes, given_names)
+    args, result = job.args, job.result
     if args.init_from and not args.resume:
-        val_loss = evaluate(eval_fn, params, val_batches)
-        telemetry.log(step=0, val_loss=val_loss)
-        say(f"step     0 | validation loss {val_loss:.4f} (the pretrained starting point)")
-        result.initial_val_loss = val_loss
-    batches = Prefetcher(train_data.iterate(position), placement.batch)
+        result.initial_val_loss = evaluate(job.eval_fn, job.params, job.val_batches)
+        job.telemetry.log(step=0, val_loss=result.initial_val_loss)
+        say(
+            f"step     0 | validation loss {result.initial_val_loss:.4f} (the pretrained "
+            "starting point)"
+        )
+    batches = job.train_batches(job.position)
     # Checkpoints are written in the background while the loop goes on (training/state.py).
-    checkpointer = runs.Checkpointer(run_dir, config=config, policy=run_policy, keep=args.keep)
-    bar = tqdm(total=args.steps, initial=start, disable=not args.progress, desc="train")
-    # Step time is measured over the steps between two log lines (the device is waited for
-    # only there), less the time spent evaluating and checkpointing in between.
-    window_start, window_wait, window_steps, excluded, first_log = None, 0.0, 0, 0.0, True
+    checkpointer = runs.Checkpointer(
+        run_dir, config=job.config, policy=job.static.policy, keep=args.keep
+    )
+    bar = tqdm(
+        total=args.steps, initial=job.start, disable=not (args.progress and processes.primary),
+        desc="train",
+    )  # fmt: skip
+    clock = loop.StepClock(lambda: batches.wait_s)
+
+    def check_finite(state: loop.State) -> None:
+        loss, grad_norm = float(state.metrics.loss), float(state.metrics.grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            stop_not_finite(
+                f"loss {loss} / gradient norm {grad_norm} at step {state.step}", run_dir
+            )
+        result.step, result.loss = state.step, loss
+
     try:
-        for step in range(start + 1, args.steps + 1):
-            batch = next(batches)
-            params, opt_state, metrics = train_fn(params, opt_state, batch)
-            bar.update(1)
-            window_steps += 1
-            log = step % args.log_every == 0 or step == args.steps or window_start is None
-            evaluate_now = step % args.eval_every == 0 or step == args.steps
-            save = step % args.checkpoint_every == 0 or step == args.steps
-            if not (log or evaluate_now or save):
-                continue
-            loss, grad_norm = float(metrics.loss), float(metrics.grad_norm)  # waits for the step
-            now = time.perf_counter()
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                stop_not_finite(f"loss {loss} / gradient norm {grad_norm} at step {step}", run_dir)
-            result.step, result.loss = step, loss
-            if log:
-                result.record = log_step(
-                    telemetry, step, metrics, config, schedule, first=window_start is None,
-                    step_s=None if window_start is None
-                    else (now - window_start - excluded) / window_steps,
-                    wait_s=(batches.wait_s - window_wait) / window_steps,
-                    predicted_line=first_log and window_start is not None,
-                ) or result.record  # fmt: skip
-                first_log = first_log and window_start is None
-                if config.n_experts:
-                    result.moe = metrics.moe
-            t_extra = time.perf_counter()
-            if evaluate_now:
-                val_loss = evaluate(eval_fn, params, val_batches)
-                telemetry.log(step=step, val_loss=val_loss)
-                say(
-                    f"step {step:5d} | validation loss {val_loss:.4f} "
-                    f"(unigram entropy {entropy:.3f})"
-                )
-                result.val_loss = val_loss
-            if save:
-                if not bool(all_finite(params)):
-                    stop_not_finite(f"the weights after step {step}", run_dir)
-                blocked = checkpointer.save(
-                    params=params,
-                    opt_state=opt_state,
-                    step=step,
-                    data_position=position + step - start,
-                    rng=rng,
-                )
-                telemetry.log(step=step, checkpoint_blocked_s=blocked)
-                say(
-                    f"step {step:5d} | checkpoint {checkpointer.path(step).name}: the loop was "
-                    f"blocked {blocked * 1e3:.1f} ms (written in the background)"
-                )
-            if log:
-                window_start, window_wait, window_steps = now, batches.wait_s, 0
-                excluded = time.perf_counter() - t_extra
-            else:
-                excluded += time.perf_counter() - t_extra
+        state = loop.run(
+            job.train_fn, job.params, job.opt_state, batches, start=job.start, stop=args.steps,
+            hooks=hooks(job, clock, checkpointer), check=check_finite,
+            on_step=lambda: (bar.update(1), clock.step()),
+        )  # fmt: skip
     finally:
         batches.close()
         bar.close()
         waited = checkpointer.close()  # the last checkpoint is finalized before the run ends
     say(f"the last checkpoint was finalized {waited * 1e3:.1f} ms after the loop ended")
-    plot = telemetry.plot(run_dir / "loss.png", entropy)
-    result.model = eqx.combine(params, static)
-    if result.val_loss is not None:
-        say(
-            f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
-            f"{entropy:.3f} nats; metrics in {telemetry.path}, loss curve in {plot}"
-        )
+    result.model = eqx.combine(state.params, job.static)
+    if processes.primary:
+        plot = job.telemetry.plot(run_dir / "loss.png", result.unigram_entropy)
+        if result.val_loss is not None:
+            say(
+                f"done: validation loss {result.val_loss:.3f} nats vs unigram entropy "
+                f"{result.unigram_entropy:.3f} nats; metrics in {job.telemetry.path}, loss "
+                f"curve in {plot}"
+            )
     return result
 
 

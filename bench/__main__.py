@@ -1,9 +1,10 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
 samplers, the serving engine, LoRA/QLoRA vs full fine-tuning, the pipeline bubble,
-asynchronous vs synchronous checkpoint saves, quantized inference and its kernels) with sizes
-for the device found, each printing predicted (zoo.math roofline) vs measured beside the
-ceilings measured once in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
+asynchronous vs synchronous checkpoint saves, quantized inference and its kernels, GRPO
+rollout vs update) with sizes for the device found, each printing predicted (zoo.math roofline)
+vs measured beside the ceilings measured once in this run, and writes `results.json` and
+`results.md` to RESULTS_DIR.
 
     python -m bench all --out results/
     python -m bench decode                 # one benchmark
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "checkpoint": "bench.checkpoint",
     "quantized": "bench.quantized",
     "quantized-kernels": "bench.quantized_kernels",
+    "posttrain": "bench.posttrain",
 }
 
 

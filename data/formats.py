@@ -5,6 +5,8 @@
     completion  `prompt` and `completion` strings; loss on the completion
     alpaca      `instruction`, optional `input`, `output`; the user message is the instruction,
                 then "\\n\\n" and the input when there is one; loss on the output
+    preference  `chosen` and `rejected` responses (and usually a `prompt`): pairs for DPO and
+                its variants, read by data/preference.py
 
 `detect_format` picks the first of these whose columns the dataset has (`auto`), or checks the
 one asked for. Every non-text row becomes a conversation (`row_messages`): a list of
@@ -15,14 +17,15 @@ A bad row is a ValueError naming its row number (1-based, in the file's order) a
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
-Format = Literal["text", "chat", "completion", "alpaca"]
-FORMATS: tuple[str, ...] = ("auto", "text", "chat", "completion", "alpaca")
+Format = Literal["text", "chat", "completion", "alpaca", "preference"]
+FORMATS: tuple[str, ...] = ("auto", "text", "chat", "completion", "alpaca", "preference")
 
 # The columns each format needs (text: the --text-column); alpaca's `input` may be absent.
 _NEEDS: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "completion": ("prompt", "completion"),
     "alpaca": ("instruction", "output"),
+    "preference": ("chosen", "rejected"),
 }
 
 
@@ -38,7 +41,7 @@ def _formats_line(text_column: str) -> str:
 
 def detect_format(columns: Sequence[str], requested: str, text_column: str = "text") -> Format:
     """The format of a dataset with `columns`: `requested`, checked, or with `auto` the first of
-    text, chat, completion, alpaca whose columns are all there."""
+    text, chat, completion, alpaca, preference whose columns are all there."""
     if requested not in FORMATS:
         raise ValueError(f"--data-format {requested!r} is not one of {list(FORMATS)}")
     candidates = ("text", *_NEEDS) if requested == "auto" else (requested,)

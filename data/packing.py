@@ -139,15 +139,16 @@ def pack_examples_stream(
 
 
 def to_batch(tokens: np.ndarray, segments: np.ndarray, answers: np.ndarray | None = None) -> Batch:
-    """Shift rows `[batch, seq + 1]` into inputs and targets; mask targets across documents and,
-    given `answers` (`[batch, seq + 1]`), targets that are not answer tokens."""
-    mask = segments[:, 1:] == segments[:, :-1]
+    """Shift rows `[..., seq + 1]` (`[batch, seq + 1]`, or `[pairs, 2, seq + 1]` for preference
+    data) into inputs and targets; mask targets across documents and, given `answers` (same
+    shape), targets that are not answer tokens."""
+    mask = segments[..., 1:] == segments[..., :-1]
     if answers is not None:
-        mask = mask & answers[:, 1:]
+        mask = mask & answers[..., 1:]
     return Batch(
-        inputs=tokens[:, :-1],
-        targets=tokens[:, 1:],
-        segment_ids=segments[:, :-1],
+        inputs=tokens[..., :-1],
+        targets=tokens[..., 1:],
+        segment_ids=segments[..., :-1],
         loss_mask=mask.astype(np.float32),
     )
 
@@ -191,24 +192,30 @@ class Batches:
     def per_epoch(self) -> int:
         return len(self.tokens) // self.batch_size
 
-    def batch(self, index: int) -> Batch:
+    def rows(self, index: int) -> np.ndarray:
+        """The rows of batch `index`: epoch `index // per_epoch`'s seeded order, cut."""
         epoch, i = divmod(index, self.per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
-        rows = order[i * self.batch_size : (i + 1) * self.batch_size]
-        return self._batch(rows)
+        return order[i * self.batch_size : (i + 1) * self.batch_size]
+
+    def batch(self, index: int, rows: slice = slice(None)) -> Batch:
+        """Batch `index`; `rows` picks some of its rows (a process's share, the same whatever
+        the number of processes)."""
+        return self._batch(self.rows(index)[rows])
 
     def _batch(self, rows) -> Batch:
         answers = None if self.answers is None else self.answers[rows]
         return to_batch(self.tokens[rows], self.segments[rows], answers)
 
-    def iterate(self, start: int = 0) -> Iterator[Batch]:
-        return (self.batch(i) for i in itertools.count(start))
+    def iterate(self, start: int = 0, rows: slice = slice(None)) -> Iterator[Batch]:
+        return (self.batch(i, rows) for i in itertools.count(start))
 
-    def in_order(self, n_batches: int) -> list[Batch]:
-        """The first `n_batches` batches without shuffling (fixed evaluation batches)."""
+    def in_order(self, n_batches: int, rows: slice = slice(None)) -> list[Batch]:
+        """The first `n_batches` batches without shuffling (fixed evaluation batches), each
+        cut to `rows`."""
         n = min(n_batches, self.per_epoch)
         b = self.batch_size
-        return [self._batch(slice(i * b, (i + 1) * b)) for i in range(n)]
+        return [self._batch(np.arange(i * b, (i + 1) * b)[rows]) for i in range(n)]
 
 
 @dataclasses.dataclass
@@ -224,7 +231,9 @@ class StreamBatches:
     batch_size: int
     examples: bool = False
 
-    def iterate(self, start: int = 0) -> Iterator[Batch]:
+    def iterate(self, start: int = 0, rows: slice = slice(None)) -> Iterator[Batch]:
+        """Batches from number `start` on, each cut to `rows` (the stream is read whole)."""
+
         def epochs() -> Iterator[Sequence[int]]:
             while True:
                 empty = True
@@ -235,10 +244,10 @@ class StreamBatches:
                     raise ValueError("the streamed training corpus is empty")
 
         pack_rows = pack_examples_stream if self.examples else pack_stream
-        rows = pack_rows(epochs(), self.seq_len, self.eot)
+        packed = pack_rows(epochs(), self.seq_len, self.eot)
         batches = (
-            to_batch(*map(np.stack, zip(*chunk, strict=True)))
-            for chunk in itertools.batched(rows, self.batch_size)
+            to_batch(*(np.stack(part)[rows] for part in zip(*chunk, strict=True)))
+            for chunk in itertools.batched(packed, self.batch_size)
             if len(chunk) == self.batch_size
         )
         return itertools.islice(batches, start, None)

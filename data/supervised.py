@@ -110,11 +110,17 @@ def _token_flags(
 
 
 def encode_example(
-    tokenizer: Tokenizer | tiktoken.Encoding, messages: Sequence[Mapping[str, str]]
+    tokenizer: Tokenizer | tiktoken.Encoding,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    last_answer_only: bool = False,
 ) -> Example:
-    """`messages` as token ids with their answer flags (see the module docstring)."""
+    """`messages` as token ids with their answer flags (see the module docstring);
+    `last_answer_only` flags the last assistant turn alone (a preference pair's response: the
+    earlier turns are its prompt)."""
     if has_template(tokenizer):
         text, spans = answer_spans(tokenizer, messages)
+        spans = spans[-1:] if last_answer_only else spans
         ids = tokenizer.encode(text)
         return Example(ids, _token_flags(tokenizer.encoding, ids, text, spans))
     if tuple(m["role"] for m in messages) != PAIR_ROLES:

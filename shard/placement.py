@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PRNGKeyArray, PyTree
 
-from shard.batch import shard_batch
+from shard.batch import process_rows, shard_batch
 from shard.mesh import mesh as make_mesh
 from shard.mesh import parse_mesh
 from shard.params import (
@@ -151,11 +151,27 @@ class Placement:
     def replicated(self) -> NamedSharding | None:
         return replicated(self.mesh) if self.sharded else None
 
-    def batch(self, batch: Any, axes: str = "batch seq") -> Any:
-        """Host arrays (`axes` naming their leading dims) split over the mesh's batch axes."""
+    def batch(
+        self,
+        batch: Any,
+        axes: str = "batch seq",
+        *,
+        rows: slice | None = None,
+        total: int | None = None,
+    ) -> Any:
+        """Host arrays (`axes` naming their leading dims) split over the mesh's batch axes:
+        the whole batch, or, given `rows` (`process_rows`), this process's rows of a batch of
+        `total`."""
         if not self.sharded:
             return jax.device_put(batch)
-        return shard_batch(batch, self.rules, self.mesh, axes)
+        return shard_batch(batch, self.rules, self.mesh, axes, rows=rows, total=total)
+
+    def process_rows(self, batch: int, seq: int) -> slice:
+        """The rows of a `[batch, seq]` batch this process's devices hold: all of them on one
+        process, its share of the batch axes with several."""
+        if not self.sharded or jax.process_count() == 1:
+            return slice(0, batch)
+        return process_rows(self.batch_sharding(), (batch, seq))
 
     def context(self):
         """Active while a step is traced, so `shard.constrain` places the activations."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from shard.mesh import parse_mesh
+from shard.rules import mesh_axes_of, rules_for
 
 
 class ArgError(ValueError):
@@ -122,12 +123,26 @@ class Args:
         default="stdlib",
     )
     text_column: str = _help("column holding the documents' text", default="text")
-    data_format: Literal["auto", "text", "chat", "completion", "alpaca"] = _help(
+    data_format: Literal["auto", "text", "chat", "completion", "alpaca", "preference"] = _help(
         "what --data holds: text (documents, loss on every token), chat (a 'messages' column), "
         "completion ('prompt', 'completion') or alpaca ('instruction', 'input', 'output'), the "
-        "loss on the answers only; auto: found from the columns (text when there is a "
-        "--text-column)",
+        "loss on the answers only; preference ('prompt', 'chosen', 'rejected': pairs for "
+        "--preference-loss); auto: found from the columns (text when there is a --text-column)",
         default="auto",
+    )
+    preference_loss: Literal["dpo", "ipo", "simpo", "orpo"] = _help(
+        "with preference data: DPO (Rafailov et al. 2023), IPO (Azar et al. 2023), SimPO (Meng "
+        "et al. 2024) or ORPO (Hong et al. 2024); SimPO and ORPO need no reference model",
+        default="dpo",
+    )
+    beta: float | None = _help(
+        "the preference loss's strength: DPO's beta, IPO's tau, SimPO's beta, ORPO's lambda "
+        "(default: each paper's, 0.1, 0.1, 2.0 and 0.1)",
+        default=None,
+        bounds=POSITIVE,
+    )
+    simpo_gamma: float = _help(
+        "SimPO's target reward margin gamma", default=1.0, bounds=NON_NEGATIVE
     )
     truncate: bool = _help(
         "cut instruction examples longer than --seq-len (and drop those left with no answer "
@@ -146,8 +161,9 @@ class Args:
     steps: int = _help("optimizer steps in all", default=300, bounds=POSITIVE_INT)
     batch_size: int = _help("sequences per optimizer step", default=16, bounds=POSITIVE_INT)
     grad_accum: int = _help(
-        "micro-batches per step: gradient accumulation, or, with a pipeline axis in --mesh, the "
-        "micro-batches streamed through the stages (at least the pipeline size)",
+        "gradient accumulation: the batch is split into this many parts run one after another "
+        "(with a pipeline axis in --mesh, each part streams through the stages in "
+        "--microbatches micro-batches)",
         default=1,
         bounds=POSITIVE_INT,
     )
@@ -246,6 +262,55 @@ class Args:
     rules: Literal["dp", "fsdp", "tp", "fsdp_tp", "ep"] | None = _help(
         "sharding preset for --mesh (default: the one the mesh's shape suggests)", default=None
     )
+    # --- pipeline parallelism (a `pipeline` axis in --mesh; shard/pipeline.py) ---------------
+    microbatches: int | None = _help(
+        "micro-batches streamed through the pipeline stages per forward (at least the pipeline "
+        "size; each part of --grad-accum is split into them). Default: the most, up to 4 x the "
+        "pipeline size, that split the batch evenly over the batch's mesh axes (printed)",
+        default=None,
+        bounds=POSITIVE_INT,
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = _help(
+        "gpipe (every micro-batch's activations kept until the backward), 1f1b (forwards and "
+        "backwards interleaved: at most 2 x stages micro-batches in flight, each stage's "
+        "forward recomputed in its backward) or interleaved (--virtual-stages layer chunks per "
+        "device: the bubble shrinks by that factor)",
+        default="gpipe",
+    )
+    virtual_stages: int = _help(
+        "with --pipeline-schedule interleaved: layer chunks per device (each stack's layers "
+        "must divide by pipeline size x this)",
+        default=2,
+        bounds=POSITIVE_INT,
+    )
+    # --- several processes (jax.distributed: one process per host) --------------------------
+    coordinator: str | None = _help(
+        "HOST:PORT of process 0, which runs the coordination service (default: "
+        "$JAX_COORDINATOR_ADDRESS, or what jax.distributed detects on SLURM / Open MPI)",
+        default=None,
+    )
+    num_processes: int | None = _help(
+        "processes in the run, one per host (default: detected by jax.distributed, else 1)",
+        default=None,
+        bounds=POSITIVE_INT,
+    )
+    process_id: int | None = _help(
+        "this process's index, 0 .. --num-processes - 1 (default: detected)",
+        default=None,
+        bounds=NON_NEGATIVE_INT,
+    )
+    init_timeout: int = _help(
+        "seconds to wait for every process to join (and, on the others, for the coordinator "
+        "to be reachable) before stopping with an error",
+        default=120,
+        bounds=POSITIVE_INT,
+    )
+    heartbeat_timeout: int = _help(
+        "seconds after which a silent process counts as dead: jax.distributed then stops every "
+        "other process (resume the run from its last checkpoint with --resume)",
+        default=30,
+        bounds=POSITIVE_INT,
+    )
     eval_every: int = _help(
         "evaluate on held-out data every N steps", default=100, bounds=POSITIVE_INT
     )
@@ -288,6 +353,9 @@ class Args:
                     raise ArgError(flag_name(field.name), str(error)) from None
         if self.warmup is None:
             self.warmup = min(DEFAULT_WARMUP, self.steps)
+        pipelined = self.mesh is not None and pipeline_stages(self) > 1
+        if pipelined and self.microbatches is None and self.batch_size % self.grad_accum == 0:
+            self.microbatches = default_microbatches(self)
         check(self)
 
 
@@ -305,14 +373,30 @@ def pipeline_stages(args: Args) -> int:
     return parse_mesh(args.mesh).get("pipeline", 1) if args.mesh else 1
 
 
+def batch_shards(args: Args) -> int:
+    """Into how many pieces `--mesh` and `--rules` split the batch (1 without a mesh)."""
+    if not args.mesh:
+        return 1
+    sizes = parse_mesh(args.mesh)
+    axes = mesh_axes_of(rules_for(sizes, args.rules).mesh_axes("batch"))
+    return math.prod(sizes.get(axis, 1) for axis in axes)
+
+
+def default_microbatches(args: Args) -> int | None:
+    """The most micro-batches, from the pipeline size up to 4 times it, into which each
+    gradient-accumulation part of the batch splits evenly with every micro-batch divisible by
+    the batch's mesh shards (None if none does)."""
+    stages, part = pipeline_stages(args), args.batch_size // args.grad_accum
+    fits = [m for m in range(stages, 4 * stages + 1) if part % (m * batch_shards(args)) == 0]
+    return max(fits, default=None)
+
+
 def accumulation(args: Args) -> tuple[int, int]:
-    """(gradient-accumulation steps, pipeline micro-batches) of one optimizer step. One flag,
-    `--grad-accum N`, splits the batch into N micro-batches either way and the gradient is their
-    sum: without a pipeline they run one after another (`training/step.py`), with one they are
-    streamed through the stages in a single pass (GPipe, `zoo/pipeline.py`)."""
-    if pipeline_stages(args) > 1:
-        return 1, args.grad_accum
-    return args.grad_accum, 1
+    """(gradient-accumulation steps, pipeline micro-batches) of one optimizer step: `--grad-accum
+    G` splits the batch into G parts run one after another (`training/step.py`); with a
+    pipeline each part streams through the stages as `--microbatches M` micro-batches in one
+    pass (`zoo/pipeline.py`), rows i::M (1 without a pipeline)."""
+    return args.grad_accum, args.microbatches or 1
 
 
 def check(args: Args) -> None:
@@ -323,14 +407,8 @@ def check(args: Args) -> None:
             f"--batch-size {args.batch_size} is not divisible by --grad-accum {args.grad_accum}: "
             "every micro-batch has the same number of sequences; give a divisor of --batch-size",
         )
-    stages = pipeline_stages(args)
-    if args.grad_accum < stages:
-        raise ArgError(
-            "--grad-accum",
-            f"{args.grad_accum} micro-batches are fewer than the {stages} pipeline stages of "
-            f"--mesh {args.mesh}: some stage would never work; give --grad-accum {stages} or "
-            f"more (the bubble, (stages - 1) / (micro-batches + stages - 1), shrinks with more)",
-        )
+    check_pipeline_flags(args)
+    check_processes(args)
     if args.warmup > args.steps:
         raise ArgError(
             "--warmup",
@@ -357,6 +435,75 @@ def check(args: Args) -> None:
             missing,
             f"{given} is given, so {missing} is needed too (both, or neither to use the "
             "datasheet or measured values)",
+        )
+
+
+def check_pipeline_flags(args: Args) -> None:
+    """--microbatches, --pipeline-schedule and --virtual-stages against the mesh and batch."""
+    stages = pipeline_stages(args)
+    if stages == 1:
+        for flag, value, default in [
+            ("--microbatches", args.microbatches, None),
+            ("--pipeline-schedule", args.pipeline_schedule, "gpipe"),
+        ]:
+            if value != default:
+                mesh = f"--mesh {args.mesh} has" if args.mesh else "one device has"
+                raise ArgError(
+                    flag,
+                    f"{value} applies to a pipeline, and {mesh} no pipeline axis: add one "
+                    "(e.g. --mesh pipeline=4,data=2) or drop the flag",
+                )
+        return
+    part, shards = args.batch_size // args.grad_accum, batch_shards(args)
+    if args.microbatches is None:  # `Args.__post_init__` found no count that fits
+        raise ArgError(
+            "--batch-size",
+            f"{args.batch_size} (in --grad-accum {args.grad_accum} parts of {part}) splits "
+            f"into no count of micro-batches from the {stages} pipeline stages of --mesh "
+            f"{args.mesh} up to {4 * stages} with each micro-batch divisible by the batch's "
+            f"{shards} mesh shards; give a --batch-size that is a multiple of "
+            f"{args.grad_accum * stages * shards} (or --microbatches)",
+        )
+    m = args.microbatches
+    if m < stages:
+        raise ArgError(
+            "--microbatches",
+            f"{m} micro-batches are fewer than the {stages} pipeline stages of --mesh "
+            f"{args.mesh}: some stage would never work; give --microbatches {stages} or more "
+            "(the bubble, (stages - 1) / (micro-batches + stages - 1), shrinks with more)",
+        )
+    if part % (m * shards):
+        raise ArgError(
+            "--microbatches",
+            f"{m} micro-batches of each --grad-accum part of {part} sequences (--batch-size "
+            f"{args.batch_size} / --grad-accum {args.grad_accum}) must each hold a multiple of "
+            f"the batch's {shards} mesh shards; give a --microbatches that divides "
+            f"{part // shards}",
+        )
+    if args.pipeline_schedule == "interleaved" and args.virtual_stages < 2:
+        raise ArgError(
+            "--virtual-stages",
+            f"{args.virtual_stages}: the interleaved schedule needs at least 2 layer chunks per "
+            "device (1 is --pipeline-schedule gpipe)",
+        )
+
+
+def check_processes(args: Args) -> None:
+    """--coordinator, --num-processes and --process-id that cannot describe a run."""
+    if args.coordinator is not None:
+        host, sep, port = args.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ArgError(
+                "--coordinator",
+                f"{args.coordinator!r} is not HOST:PORT (e.g. 10.0.0.1:1234, the address of "
+                "process 0)",
+            )
+    index, count = args.process_id, args.num_processes
+    if index is not None and count is not None and index >= count:
+        raise ArgError(
+            "--process-id",
+            f"{args.process_id} is not below --num-processes {args.num_processes}: the "
+            f"processes are numbered 0 .. {args.num_processes - 1}",
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from layers.moe import Capacity, Dropless
 from shard import Placement
-from training.args import Args, accumulation
+from training.args import Args, accumulation, pipeline_stages
 from training.loss import AuxWeights
 from training.telemetry import hardware
 from zoo import Config, Policy, Transformer, preset
@@ -51,6 +51,8 @@ def policy(args: Args) -> Policy:
         attention=args.attention or "xla",
         moe_dispatch=dispatch,
         microbatches=accumulation(args)[1],
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
     )
 
 
@@ -59,10 +61,13 @@ def with_context_kernel(model: Transformer, args: Args, placement: Placement) ->
     `--attention` was given: then under the context-parallel kernel (`ring` or `allgather`)
     that zoo.math predicts faster on this hardware (`--peak-flops`/`--peak-bandwidth`, else
     detected; without an interconnect figure the memory bandwidth stands in for the link).
-    The choice does not depend on the batch: both kernels' FLOPs and bytes grow with it."""
+    The choice does not depend on the batch: both kernels' FLOPs and bytes grow with it. A 1F1B
+    pipeline takes `allgather` (zoo/pipeline_loss.py refuses the ring kernel there)."""
     n = placement.sequence_shards
     if n == 1 or args.attention is not None:
         return model
+    if pipeline_stages(args) > 1 and args.pipeline_schedule == "1f1b":
+        return model.with_policy(attention="allgather")  # 1F1B refuses the ring kernel
     hw = hardware(args.peak_flops, args.peak_bandwidth, model.policy.compute_dtype)
     kernel = zmath.cheaper_context_kernel(
         model.config, model.policy, batch=1, seq=args.seq_len, context=n, hardware=hw

@@ -17,12 +17,15 @@ split over a mesh axis and capacity dispatch, each MoE layer moves its `[experts
 capacity, embed]` buffer by all-to-all to the experts and back (GShard), forward and backward,
 each beside the routed experts' matmul time it would have to hide under.
 
-Pipeline parallelism (`--mesh pipeline=S,...`, `--microbatches M`): each device is one stage
-holding n_layers / S layers (its parameters and Adam state already count only those), the
-activations are those one stage holds with all M micro-batches in flight
-(`zoo.math.pipeline_activation_bytes`), each stage hands one micro-batch's activations (forward)
-or their gradient (backward) to its neighbour per tick by collective-permute, and the step idles
-the GPipe bubble, (S - 1) / (M + S - 1) (`zoo.math.pipeline_bubble`).
+Pipeline parallelism (`--mesh pipeline=S,...`, `--microbatches M`, `--pipeline-schedule`):
+each device is one stage holding n_layers / S layers (its parameters and Adam state already
+count only those); the activations are those one stage holds at its peak on the schedule
+(`zoo.math.pipeline_activation_bytes`: GPipe and interleaved keep every micro-batch in flight,
+1F1B at most 2 S - 1 stage inputs); each stage hands one micro-batch's activations (forward) or
+their gradient (backward) to its neighbour per tick by collective-permute; the step idles the
+bubble, (S - 1) / (M V + S - 1) (`zoo.math.pipeline_bubble`, V = the interleaved schedule's
+virtual stages, 1 otherwise); the interleaved schedule regroups each stage's layer weights into
+its chunks once per step (an all-to-all, and its transpose for the gradients).
 """
 
 import argparse
@@ -36,7 +39,7 @@ from layers.moe import Capacity, expert_capacity
 from layers.paged_cache import POOL_AXES
 from shard.axes import LogicalAxes, is_array_like, logical_axes
 from shard.mesh import parse_mesh
-from shard.pipeline import check_pipeline
+from shard.pipeline import SCHEDULES, check_pipeline, virtual_stages
 from shard.rules import (
     MESH_AXES,
     ShardingRules,
@@ -89,6 +92,8 @@ class Plan:
     stages: int = 1
     microbatches: int = 1
     bubble: float = 0.0
+    schedule: str = "gpipe"
+    virtual: int = 1
     context_attention: tuple[zmath.ContextAttentionCost, ...] = ()
     context_kernel: str | None = None
     kv_cache_per_head: int | None = None  # MLA: what per-head keys and values would take
@@ -211,6 +216,8 @@ def plan(
     hardware: zmath.Hardware,
     context: int | None = None,
     microbatches: int = 1,
+    schedule: str = "gpipe",
+    virtual: int = 2,
     offload_opt_state: bool = False,
 ) -> Plan:
     """The plan for training on `batch x seq` tokens per step (and a KV cache of `context`
@@ -221,7 +228,8 @@ def plan(
     rules). Activations are zoo.math's per-token estimate times the tokens a device holds,
     divided by the tensor axis: an optimistic share, since without sequence parallelism the
     norms' and residuals' part (10 d of Korthikanti et al.'s 34 d) is not split. With a
-    pipeline axis, `microbatches` micro-batches stream through its stages (module docstring).
+    pipeline axis, `microbatches` micro-batches stream through its stages on `schedule`
+    ("gpipe", "1f1b", "interleaved" with `virtual` chunks per device; module docstring).
     """
     sizes = full_mesh(mesh_shape)
     if hardware.interconnect is None:
@@ -235,21 +243,21 @@ def plan(
     seq_shards = _axes_size(sizes, _targets(rules.mapping, "seq"))
     tokens = batch * seq // batch_shards // seq_shards
     stages = sizes["pipeline"]
+    virtual = virtual_stages(schedule, virtual)
     if stages > 1:
-        if config.n_experts:
-            raise ValueError(
-                f"a pipeline of {stages} stages over MoE layers is not supported (zoo/pipeline.py)"
-            )
-        for _, _, repeats in segments(config):
-            check_pipeline(layers=repeats, stages=stages, microbatches=microbatches, batch=batch)
+        for _, period, repeats in segments(config):
+            check_pipeline(
+                repeats=repeats, period=len(period), stages=stages, microbatches=microbatches,
+                batch=batch, schedule=schedule, virtual=virtual,
+            )  # fmt: skip
         if (batch // microbatches) % batch_shards:
             raise ValueError(
                 f"micro-batches of {batch // microbatches} sequences do not divide by the "
                 f"batch's mesh axes {sorted(batch_axes)} ({batch_shards} devices)"
             )
-        bubble = zmath.pipeline_bubble(stages, microbatches)
+        bubble = zmath.pipeline_bubble(stages, microbatches, virtual=virtual)
     else:
-        bubble, microbatches = 0.0, 1
+        bubble, microbatches, schedule, virtual = 0.0, 1, "gpipe", 1
     held = param_bytes(config, policy, rules, sizes)
     activations = {
         remat: zmath.pipeline_activation_bytes(
@@ -259,6 +267,8 @@ def plan(
             tokens=tokens,
             stages=stages,
             microbatches=microbatches,
+            schedule=schedule,
+            virtual=virtual,
         )
         / tensor
         for remat in ("none", "dots", "full")
@@ -313,10 +323,19 @@ def plan(
         # (forward) or its gradient back (backward), beside that micro-batch's stage compute.
         activation = tokens * config.d_model * zmath.bytes_per_element(policy.compute_dtype)
         sent = activation / microbatches / tensor
-        stage_fwd_s = layers * layer_fwd_s / microbatches
-        ticks = microbatches + stages - 1
-        add("coll.-permute", "pipeline", "stage outputs, forward", ticks, sent, stage_fwd_s)
-        add("coll.-permute", "pipeline", "their gradients, backward", ticks, sent, 2 * stage_fwd_s)
+        chunk_fwd_s = layers * layer_fwd_s / microbatches / virtual
+        ticks = microbatches * virtual + stages - 1
+        if schedule == "1f1b":  # lockstep ticks, each sending both ways
+            ticks = microbatches + 2 * stages - 2
+        add("coll.-permute", "pipeline", "stage outputs, forward", ticks, sent, chunk_fwd_s)
+        add("coll.-permute", "pipeline", "their gradients, backward", ticks, sent, 2 * chunk_fwd_s)
+        if virtual > 1:
+            # Each device keeps 1 / V of its consecutive layers and trades the rest for its
+            # chunks (and the gradients back), beside the whole step's compute on the stage.
+            regroup = held.layers * (virtual - 1) / virtual
+            step_s = layers * layer_fwd_s * 3
+            add("all-to-all", "pipeline", "layer weights into chunks, fwd", 1, regroup, step_s)
+            add("all-to-all", "pipeline", "their gradients back, bwd", 1, regroup, step_s)
     collectives += _expert_all_to_alls(
         config, policy, rules, sizes, batch=batch, seq=seq, peak=peak, link=link
     )
@@ -352,6 +371,8 @@ def plan(
         stages=stages,
         microbatches=microbatches,
         bubble=bubble,
+        schedule=schedule,
+        virtual=virtual,
         context_attention=costs,
         context_kernel=chosen and chosen.kernel,
         kv_cache_per_head=kv_cache_bytes_per_device(
@@ -430,12 +451,20 @@ def format_plan(p: Plan) -> str:
     if p.kv_cache_per_head is not None:
         lines += [f"    per-head K/V      {_gib(p.kv_cache_per_head)} (MLA caches the latent)"]
     if p.stages > 1:
+        chunks = f", {p.virtual} virtual stages per device" if p.virtual > 1 else ""
+        kept = {
+            "1f1b": f"at most {min(p.microbatches, 2 * p.stages - 1)} stage inputs in flight "
+            "plus one micro-batch's stage activations (each stage's forward is recomputed in "
+            "its backward: one more forward per micro-batch, remat or not)",
+            "interleaved": "each tick's chunk input plus one chunk's activations (each chunk is "
+            "recomputed in its backward: one more forward per micro-batch, remat or not)",
+        }.get(p.schedule, f"{p.microbatches} micro-batches in flight")
         lines += [
             "",
             f"pipeline: {p.stages} stages (one per device along `pipeline`, the bytes above are "
-            f"one stage's), {p.microbatches} micro-batches in flight (activations above), GPipe "
-            f"bubble (S - 1) / (M + S - 1) = {p.bubble:.1%} of the step: step time about "
-            f"compute / {1 - p.bubble:.3f}",
+            f"one stage's), {p.schedule} schedule{chunks}, {p.microbatches} micro-batches; "
+            f"activations above: {kept}; bubble (S - 1) / (M V + S - 1) = {p.bubble:.1%} of "
+            f"the step: step time about compute / {1 - p.bubble:.3f}",
         ]
     lines += [
         "",
@@ -474,8 +503,15 @@ def main(argv: list[str] | None = None) -> None:
         "--microbatches",
         type=int,
         default=None,
-        help="micro-batches per step with a pipeline axis (train.py's --grad-accum); default "
-        "the most, up to 4 x the pipeline size, that split --batch evenly over the batch axes",
+        help="micro-batches per step with a pipeline axis (train.py's --microbatches); default "
+        "the most, from the pipeline size up to 4 x it, that split --batch evenly over the "
+        "batch axes",
+    )
+    parser.add_argument(
+        "--pipeline-schedule", choices=SCHEDULES, default="gpipe", help="with a pipeline axis"
+    )
+    parser.add_argument(
+        "--virtual-stages", type=int, default=2, help="layer chunks per device (interleaved)"
     )
     parser.add_argument("--rules", choices=presets(), help="default: from the mesh's shape")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
@@ -504,7 +540,7 @@ def _print_plan(args: argparse.Namespace) -> None:
     stages = sizes.get("pipeline", 1)
     rows = math.prod(sizes.get(axis, 1) for axis in ("data", "fsdp", "expert"))
     microbatches = args.microbatches or max(
-        [m for m in range(1, 4 * stages + 1) if args.batch % (m * rows) == 0], default=1
+        [m for m in range(stages, 4 * stages + 1) if args.batch % (m * rows) == 0], default=1
     )
     print(
         f"{args.model} ({zmath.param_count(config) / 1e9:.2f}B params, "
@@ -521,6 +557,8 @@ def _print_plan(args: argparse.Namespace) -> None:
         seq=args.seq,
         hardware=hardware,
         microbatches=microbatches,
+        schedule=args.pipeline_schedule,
+        virtual=args.virtual_stages,
         offload_opt_state=args.offload_opt_state,
     )
     print(format_plan(p))

@@ -12,6 +12,10 @@ import json
 import os
 import re
 import shutil
+import socket
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -350,35 +354,81 @@ RECORD = "run.json"
 LOCK = ".lock"
 # What a run's files belong to: replaced by --overwrite, never by a new run without it.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.abandoned.jsonl", "loss.png", RECORD,
-             "tokenizer.tiktoken", "tokenizer.source")  # fmt: skip
+             "tokenizer.tiktoken", "tokenizer.source", "reference.npy",
+             "reference_val.npy")  # fmt: skip
+
+
+# A lock's record is refreshed this often while its run trains, and a record from another host
+# older than LOCK_STALE_S counts as left by a dead run.
+LOCK_REFRESH_S, LOCK_STALE_S = 30.0, 120.0
+
+
+def lock_holder(run_dir: str | Path) -> dict[str, Any] | None:
+    """The record of the lock on `run_dir` (`host`, `pid`, `run_id`, `refreshed`: Unix time),
+    or None when there is none (never locked, released, or written before records existed)."""
+    try:
+        record = json.loads((Path(run_dir) / LOCK).read_text() or "null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 class Lock:
-    """An advisory lock on a run directory (`flock` on `<run>/.lock`, which records the holder's
-    pid): released when closed or when the process ends, however it ends, so a lock is never
-    stale."""
+    """The lock on a run directory, held by one process (process 0 of a multi-process run).
+
+    Two layers: `flock` on `<run>/.lock`, released when the process ends however it ends, so
+    never stale on one host; and in that file a record of its holder (host, pid, a fresh
+    `run_id`), refreshed every LOCK_REFRESH_S seconds, which a process on another host
+    respects while it is younger than LOCK_STALE_S (flock does not reach across hosts on
+    every shared filesystem). Closing releases both."""
 
     def __init__(self, run_dir: Path):
         import fcntl
 
         self.path = run_dir / LOCK
+        self.run_id = uuid.uuid4().hex
         self._file = self.path.open("a+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
+            holder = lock_holder(run_dir) or {}
             self._file.close()
             raise ValueError(
-                f"run directory {str(run_dir)!r} is in use by process {holder} (lock "
-                f"{self.path}); wait for it to finish or use another --out"
+                f"run directory {str(run_dir)!r} is in use by process "
+                f"{holder.get('pid', 'another process')} (lock {self.path}); wait for it to "
+                "finish or use another --out"
             ) from None
+        holder, host = lock_holder(run_dir), socket.gethostname()
+        age = time.time() - holder.get("refreshed", 0) if holder else None
+        if holder and holder.get("host") != host and age < LOCK_STALE_S:
+            self._file.close()
+            raise ValueError(
+                f"run directory {str(run_dir)!r} is in use by process {holder.get('pid')} on "
+                f"host {holder.get('host')!r} (its lock {self.path} was refreshed {age:.0f} s "
+                f"ago; a lock not refreshed for {LOCK_STALE_S:.0f} s is taken over); wait for "
+                "that run to finish or use another --out"
+            )
+        self._record = {"host": host, "pid": os.getpid(), "run_id": self.run_id}
+        self._write()
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh, name="run-lock", daemon=True)
+        self._refresher.start()
+
+    def _write(self) -> None:
         self._file.seek(0)
         self._file.truncate()
-        self._file.write(str(os.getpid()))
+        self._file.write(json.dumps({**self._record, "refreshed": time.time()}))
         self._file.flush()
 
+    def _refresh(self) -> None:
+        while not self._stop.wait(LOCK_REFRESH_S):
+            self._write()
+
     def close(self) -> None:
+        self._stop.set()
+        self._refresher.join()
+        self._file.seek(0)
+        self._file.truncate()  # no record: the directory is free
         self._file.close()  # closing the file releases the flock
 
     def __enter__(self) -> "Lock":

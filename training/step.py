@@ -20,14 +20,14 @@ Gradient accumulation splits the batch into `accum` micro-batches and sums their
 cross-entropy gradient equal to one step on the whole batch. Micro-batch i takes rows
 i, i + accum, ... so that, with the batch split over devices, each micro-batch stays spread over
 all of them. The MoE auxiliary loss is averaged over micro-batches (see training/loss.py).
-On a mesh with a pipeline axis, train.py's `--grad-accum N` instead sets the pipeline's N
-micro-batches (`Policy.microbatches`, the same rows i::N, streamed through the stages in one
-forward and backward, zoo/pipeline.py) and this step runs with `accum=1`
-(`training.args.accumulation`).
+On a mesh with a pipeline axis each of those parts is split again into `Policy.microbatches`
+(train.py's `--microbatches`, the same rows i::M of the part) streamed through the stages in one
+forward and backward (zoo/pipeline_loss.py); the loss terms' `objective` carries the scales,
+since 1F1B computes its gradient while it runs.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import equinox as eqx
 import jax
@@ -39,21 +39,45 @@ from data.packing import Batch
 from layers.moe import MoE, MoEStats
 from shard import Placement
 from shard.axes import is_array_like
-from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, loss_terms
+from training.loss import DEFAULT_AUX_WEIGHTS, AuxWeights, CrossEntropy, LossTerms
 from zoo import Transformer, update_router_bias
 from zoo.adapter import split_trainable
+
+
+class Objective(Protocol):
+    """What a step minimises (`CrossEntropy`, training/preference.py's `PreferenceObjective`):
+    `terms(model, micro_batch, nll_scale=, aux_scale=)` its loss summed over a micro-batch and
+    `objective`, the scaled sum the step differentiates (the scales go in, not on the result:
+    a 1F1B pipeline computes the gradient while it runs), `total(batch)` the count the sum is
+    divided by over the whole batch, `batch_axes` the batch's logical axes."""
+
+    batch_axes: str
+
+    def total(self, batch) -> Float[Array, ""]: ...
+
+    def terms(
+        self,
+        model: Transformer,
+        batch,
+        *,
+        nll_scale: Float[Array, ""] | float = 1.0,
+        aux_scale: Float[Array, ""] | float = 1.0,
+    ) -> LossTerms: ...
 
 
 class StepMetrics(eqx.Module):
     """What one optimizer step reports. `loss` is the mean cross-entropy (comparable with the
     validation loss); `aux_loss` the weighted MoE terms added to it for the gradient; `moe` the
     router statistics per MoE layer (empty arrays for a dense model), averaged over
-    micro-batches: `moe.expert_load` [layers, experts], `moe.dropped_fraction` [layers]."""
+    micro-batches: `moe.expert_load` [layers, experts], `moe.dropped_fraction` [layers];
+    `stats` the objective's extra metrics (a preference loss's accuracy and margin), averaged
+    over its count."""
 
     loss: Float[Array, ""]
     grad_norm: Float[Array, ""]
     aux_loss: Float[Array, ""]
     moe: MoEStats
+    stats: dict[str, Float[Array, ""]] = eqx.field(default_factory=dict)
 
 
 def split_model(model: Transformer) -> tuple[Any, Any]:
@@ -67,9 +91,7 @@ def split_model(model: Transformer) -> tuple[Any, Any]:
 def abstract_batch(batch_size: int, seq_len: int, sharding=None) -> Batch:
     """Shapes, dtypes (and sharding) of a training batch, as packing makes it: what the step is
     compiled for before any data arrives."""
-    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
-    mask = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32, sharding=sharding)
-    return Batch(inputs=ids, targets=ids, segment_ids=ids, loss_mask=mask)
+    return CrossEntropy().abstract_batch(batch_size, seq_len, sharding)
 
 
 def micro_batches(batch: Batch, accum: int) -> Batch:
@@ -90,17 +112,23 @@ def train_step(
     optimizer,
     accum: int,
     aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS,
+    objective: Objective | None = None,
 ) -> tuple[Any, Any, StepMetrics]:
-    """One optimizer step on `batch` ([batch, seq] arrays) in `accum` micro-batches."""
+    """One optimizer step on `batch` ([batch, seq] arrays) in `accum` micro-batches. `objective`
+    (default `CrossEntropy(aux_weights)`) says what is minimised: its loss summed over each
+    micro-batch, divided by its count over the whole batch (`objective.total`)."""
+    objective = objective or CrossEntropy(aux_weights)
     micro = micro_batches(batch, accum)
-    total = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
+    total = jnp.maximum(objective.total(batch), 1.0)
 
-    def objective(p, mb: Batch):
-        terms = loss_terms(eqx.combine(p, static), mb, aux_weights)
-        return terms.nll_sum / total + terms.aux_loss / accum, terms
+    def loss(p, mb: Batch):
+        terms = objective.terms(
+            eqx.combine(p, static), mb, nll_scale=1 / total, aux_scale=1 / accum
+        )
+        return terms.objective, terms
 
     def add_micro(carry, mb: Batch):
-        (_, terms), g = jax.value_and_grad(objective, has_aux=True)(params, mb)
+        (_, terms), g = jax.value_and_grad(loss, has_aux=True)(params, mb)
         return jax.tree.map(jnp.add, carry, g), terms
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -115,6 +143,7 @@ def train_step(
         grad_norm=optax.tree.norm(grads),
         aux_loss=jnp.mean(terms.aux_loss),
         moe=moe,
+        stats={name: jnp.sum(value) / total for name, value in (terms.stats or {}).items()},
     )
     return params, opt_state, metrics
 
@@ -130,9 +159,9 @@ def _router_bias_trains(params) -> bool:
     )
 
 
-def eval_step(params, batch: Batch, *, static):
-    """(sum of token losses, token count) on one batch."""
-    terms = loss_terms(eqx.combine(params, static), batch)
+def eval_step(params, batch: Batch, *, static, objective: Objective | None = None):
+    """(sum of token losses, token count) on one batch (of `objective`'s loss and count)."""
+    terms = (objective or CrossEntropy()).terms(eqx.combine(params, static), batch)
     return terms.nll_sum, terms.tokens
 
 
@@ -167,14 +196,18 @@ def compile_steps(
     model: Transformer | None = None,
     aux_weights: AuxWeights = DEFAULT_AUX_WEIGHTS,
     opt_state_memory: tuple[Any, Any] | None = None,
+    objective: Objective | None = None,
 ) -> tuple[Bound, Bound]:
     """The jitted (train_step(params, opt_state, batch), eval_step(params, batch)), with the
     frozen arrays of `static` bound as arguments (`Bound`). Parameters and optimizer state are
     donated: the step updates them in place instead of holding two copies. With a sharded
     `placement`, `model` (real or abstract) gives the shardings. `opt_state_memory`, the
     optimizer state's (device, host) shardings (training/offload.py), keeps the state in host
-    memory between steps: the step copies it in and back out."""
+    memory between steps: the step copies it in and back out. `objective` (default
+    `CrossEntropy(aux_weights)`) is what both steps compute; its `batch_axes` name the batch's
+    leading dims for the mesh."""
     placement = placement or Placement()
+    objective = objective or CrossEntropy(aux_weights)
     frozen, skeleton = eqx.partition(static, is_array_like)
 
     def train(params, frozen, opt_state, batch):
@@ -188,7 +221,7 @@ def compile_steps(
                 static=eqx.combine(frozen, skeleton),
                 optimizer=optimizer,
                 accum=accum,
-                aux_weights=aux_weights,
+                objective=objective,
             )
         if opt_state_memory is not None:
             opt_state = jax.device_put(opt_state, opt_state_memory[1])
@@ -196,7 +229,9 @@ def compile_steps(
 
     def evaluate(params, frozen, batch):
         with placement.context():
-            return eval_step(params, batch, static=eqx.combine(frozen, skeleton))
+            return eval_step(
+                params, batch, static=eqx.combine(frozen, skeleton), objective=objective
+            )
 
     if not placement.sharded:
         train_jit = jax.jit(train, donate_argnums=(0, 2))
@@ -217,7 +252,7 @@ def compile_steps(
     state_s = placement.opt_state_shardings(optimizer, trainable)
     if opt_state_memory is not None:
         state_s = opt_state_memory[1]
-    batch_s = placement.batch_sharding()
+    batch_s = placement.batch_sharding(objective.batch_axes)
     replicated = placement.replicated()
     train_jit = jax.jit(
         train,

@@ -77,8 +77,11 @@ class Telemetry:
         *,
         accum: int = 1,
         lora: tuple[int, int] | None = None,
+        write: bool = True,
     ):
-        """`lora`: (trainable parameters, frozen base bytes) of a LoRA run."""
+        """`lora`: (trainable parameters, frozen base bytes) of a LoRA run; `write`: append the
+        records to `metrics.jsonl` (only one process of a multi-process run does)."""
+        self.write = write
         self.path = Path(run_dir) / METRICS
         self.config, self.policy = config, policy
         # Activations are live for one micro-batch at a time.
@@ -101,14 +104,27 @@ class Telemetry:
         self.records: list[dict] = []
         self.start = time.time()
 
+    def forget_after(self, step: int) -> None:
+        """Drop the records of steps after `step` from `metrics.jsonl`: a run resumed from the
+        checkpoint of `step` trains those steps again (a stopped run may have logged some past
+        its last checkpoint), and each step is recorded once."""
+        if not (self.write and self.path.is_file()):
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.rename(self.path)
+
     def mfu(self, step_s: float) -> float:
         return self.flops_per_token * self.tokens_per_step / step_s / self.peak
 
     def log(self, **record) -> dict:
         record = {"time": round(time.time() - self.start, 3), **record}
         self.records.append(record)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.write:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
         return record
 
     def predicted_line(self, measured_s: float) -> str:

@@ -436,16 +436,19 @@ def training_memory_bytes(
     return state + tokens * (saved + one_layer) + logits
 
 
-def pipeline_bubble(stages: int, microbatches: int) -> float:
-    """The fraction of a GPipe step each stage idles (Huang et al. 2019): the forward takes
-    M + S - 1 ticks of which a stage works M, and the backward mirrors it, so
-    (S - 1) / (M + S - 1) of the step is bubble (0 for one stage)."""
-    if stages < 1 or microbatches < stages:
+def pipeline_bubble(stages: int, microbatches: int, *, virtual: int = 1) -> float:
+    """The fraction of a pipelined step each stage idles. GPipe (Huang et al. 2019): the forward
+    takes M + S - 1 ticks of which a stage works M, and the backward mirrors it, so
+    (S - 1) / (M + S - 1) (0 for one stage). 1F1B (PipeDream-flush) idles as long: its
+    warm-up and cool-down are GPipe's fill and drain. Interleaved with V chunks per device
+    (Narayanan et al. 2021): M V + S - 1 ticks of a chunk, 1 / V of a stage's work each, so
+    (S - 1) / (M V + S - 1)."""
+    if stages < 1 or microbatches < stages or virtual < 1:
         raise ValueError(
-            f"a pipeline needs stages >= 1 and micro-batches >= stages, got {stages} stages "
-            f"and {microbatches} micro-batches"
+            f"a pipeline needs stages >= 1, micro-batches >= stages and virtual stages >= 1, got "
+            f"{stages} stages, {microbatches} micro-batches and {virtual} virtual stages"
         )
-    return (stages - 1) / (microbatches + stages - 1)
+    return (stages - 1) / (microbatches * virtual + stages - 1)
 
 
 def pipeline_activation_bytes(
@@ -456,24 +459,42 @@ def pipeline_activation_bytes(
     tokens: int,
     stages: int,
     microbatches: int,
+    schedule: str = "gpipe",
+    virtual: int = 1,
 ) -> float | int:
-    """Activation bytes one pipeline stage keeps for its backward, for `tokens` tokens per step
-    (the device's slice of the batch) and its n_layers / stages layers (zoo/pipeline.py).
+    """Activation bytes one pipeline stage keeps at its peak, for `tokens` tokens per step
+    (the device's slice of the batch) and its n_layers / stages layers (shard/pipeline.py).
 
-    GPipe runs every micro-batch's forward before the first backward, so all of them are in
-    flight together, each keeping what `policy.remat` saves in the stage's layers
-    (`activation_bytes_per_token`). The schedule is a scan over M + S - 1 ticks that saves its
-    residuals at every tick, the S - 1 idle ones too: (M + S - 1) / M times the tokens' share.
+    - GPipe runs every micro-batch's forward before the first backward: a scan over M + S - 1
+      ticks that saves, at every tick (the S - 1 idle ones too), what `policy.remat` keeps in
+      the stage's layers for one micro-batch (`activation_bytes_per_token`): (M + S - 1) / M
+      times the tokens' share.
+    - Interleaved: M V + S - 1 ticks of a chunk of 1 / V of the stage's layers, each keeping
+      only its input (d_model values per token; the chunk is run again in the backward, since
+      keeping what it saves would keep its weights per tick too), plus one chunk's activations
+      for one micro-batch, all of them (no per-layer remat inside), while it is.
+    - 1F1B: the stage inputs of the micro-batches in flight (min(M, 2 S - 1), d_model values per
+      token each) plus one micro-batch's stage activations, all of them, while its backward
+      recomputes it.
+    1F1B and interleaved thus cost one more forward per micro-batch than GPipe without remat
+    (as much as GPipe with `remat="full"`).
     One stage (no pipeline) gives `tokens * activation_bytes_per_token`."""
     if config.n_layers % stages:
         raise ValueError(
             f"pipeline size {stages} does not divide the {config.n_layers} layers; give a "
             "divisor of the layer count"
         )
-    pipeline_bubble(stages, microbatches)
-    ticks = microbatches + stages - 1
+    pipeline_bubble(stages, microbatches, virtual=virtual)
     stage_share = activation_bytes_per_token(config, seq_len, policy) / stages
-    return tokens / microbatches * ticks * stage_share
+    micro, inputs = tokens / microbatches, config.d_model * bytes_per_element(policy.compute_dtype)
+    whole = activation_bytes_per_token(config, seq_len, policy.replace(remat="none")) / stages
+    if schedule == "1f1b":
+        return micro * (min(microbatches, 2 * stages - 1) * inputs + whole)
+    if schedule == "interleaved":
+        return micro * ((microbatches * virtual + stages - 1) * inputs + whole / virtual)
+    if schedule != "gpipe":
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: gpipe, 1f1b or interleaved")
+    return micro * (microbatches + stages - 1) * stage_share
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from layers.kernels import AttentionKernel, kernel_named
 from layers.kernels.paged import PagedKernel, PallasDecodeKernel, XlaPagedKernel
 from layers.moe import Capacity, Dispatch, Dropless
+from shard.pipeline import SCHEDULES, Schedule
 
 DType = Literal["float32", "bfloat16", "float16"]
 Remat = Literal["none", "full", "dots"]
@@ -48,9 +49,10 @@ class Policy:
     `decode_kernel`: the paged attention kernel of cached one-token steps (`XlaPagedKernel()`,
     `PallasDecodeKernel()`, or None: the backend's default, the Pallas kernel on a GPU where it
     serves the model and the XLA path elsewhere); `moe_dispatch`: `Dropless()`,
-    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25); `microbatches`: how many
-    micro-batches a pipelined layer stack streams through its stages per forward (used only on
-    a mesh with a `pipeline` axis, zoo/pipeline.py)."""
+    `Capacity(factor)` or "dropless"/"capacity" (factor 1.25). On a mesh with a `pipeline` axis
+    (zoo/pipeline.py; unused elsewhere): `microbatches`, how many micro-batches stream through
+    the stages per forward; `pipeline_schedule`, "gpipe", "1f1b" or "interleaved"
+    (shard/pipeline.py); `virtual_stages`, the interleaved schedule's layer chunks per device."""
 
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
@@ -62,6 +64,8 @@ class Policy:
     decode_kernel: PagedKernel | None = None
     moe_dispatch: Dispatch | str = "dropless"
     microbatches: int = 1
+    pipeline_schedule: Schedule = "gpipe"
+    virtual_stages: int = 2
 
     def __post_init__(self):
         for name, kind in [("compute_dtype", DType), ("param_dtype", DType), ("remat", Remat),
@@ -91,6 +95,15 @@ class Policy:
             )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"Policy.microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(
+                f"Policy.pipeline_schedule={self.pipeline_schedule!r} is unknown; choose one of "
+                f"{SCHEDULES}"
+            )
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(
+                f"Policy.virtual_stages must be an int >= 1, got {self.virtual_stages!r}"
+            )
         for name in ("scan_layers", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")

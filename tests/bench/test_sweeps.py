@@ -1,6 +1,7 @@
 """bench/attention.py and bench/flash_blocks.py keep going past what fails: the score-matrix
 guard for the materialising kernels, one error per row, time budgets."""
 
+import dataclasses
 import math
 import time
 
@@ -60,10 +61,11 @@ def test_nothing_starts_after_the_deadline():
     assert [row["note"] for row in table.rows] == ["not run: stage budget spent"] * 2
 
 
-def test_gpu_sweep_starts_with_the_defaults_then_the_reproducible_backward():
+def test_gpu_sweep_starts_with_the_defaults_then_the_atomic_backward():
     settings = flash_blocks.settings(gpu=True)
     assert settings[0] == DEFAULT_BLOCK_SIZES
-    assert settings[1].backward_dq == "separate"
+    assert settings[0].backward_dq == "separate"
+    assert settings[1] == dataclasses.replace(DEFAULT_BLOCK_SIZES, backward_dq="atomic")
     assert len(set(settings)) == len(settings)
 
 

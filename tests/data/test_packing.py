@@ -83,3 +83,25 @@ def test_validation_split_is_disjoint_and_seeded():
     np.testing.assert_array_equal(val, split_documents(100, 0.1, seed=3)[1])
     with pytest.raises(ValueError, match="too few"):
         split_documents(1, 0.5, seed=0)
+
+
+def test_a_process_loads_its_rows_of_the_same_batches():
+    """Several processes split each batch by rows (`rows`, from `Placement.process_rows`):
+    their shares put together are the one-process batches, loaded or streamed, from any
+    start."""
+    docs = _docs(n=60)
+    tokens, segments = pack(docs, seq_len=7, eot=EOT)
+    halves = [slice(0, 2), slice(2, 4)]
+    loaded = Batches(tokens, segments, 4, seed=1)
+    streamed = StreamBatches(lambda: iter(docs), seq_len=7, eot=EOT, batch_size=4)
+    for batches in (loaded, streamed):
+        whole = list(itertools.islice(batches.iterate(3), 2))
+        parts = [list(itertools.islice(batches.iterate(3, r), 2)) for r in halves]
+        for i, batch in enumerate(whole):
+            for field in batch._fields:
+                joined = np.concatenate([getattr(part[i], field) for part in parts])
+                np.testing.assert_array_equal(joined, getattr(batch, field))
+    evaluation = [loaded.in_order(2, r) for r in halves]
+    for i, batch in enumerate(loaded.in_order(2)):
+        joined = np.concatenate([part[i].inputs for part in evaluation])
+        np.testing.assert_array_equal(joined, batch.inputs)

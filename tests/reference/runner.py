@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("hf_reference.py")
 SETUP = (
     "python3.11 -m venv .venv-ref && .venv-ref/bin/pip install torch==2.13.0 transformers "
-    "accelerate safetensors numpy gguf tokenizers jinja2 peft   (or run `make test`, which does it)"
+    "accelerate safetensors numpy gguf tokenizers jinja2 peft trl   (or run `make test`, which "
+    "does it)"
 )
 
 

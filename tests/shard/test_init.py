@@ -65,7 +65,7 @@ def test_no_device_ever_holds_a_whole_parameter(initialiser):
 
 def test_sharded_init_equals_unsharded_init(initialiser):
     # `init_sharded` is this initialiser (compiled without the test's options) combined with
-    # the static fields; tests/shard/test_multihost.py runs it across processes.
+    # the static fields; tests/training/test_multiprocess.py runs it across processes.
     abstract, _, compiled = initialiser
     static = eqx.partition(abstract, shard.axes.is_array_like)[1]
     sharded = eqx.combine(compiled(KEY), static)

@@ -106,6 +106,15 @@ def test_settings_that_must_agree(capsys):
     assert "argument --peak-bandwidth: --peak-flops is given, so --peak-bandwidth is needed" in line
     line = fails(["--peak-bandwidth", "1e12"], capsys)
     assert "argument --peak-flops: --peak-bandwidth is given" in line
+    # Processes: an id beyond the count, a coordinator that is not HOST:PORT (both before any
+    # attempt to connect).
+    for argv, message in [
+        (["--num-processes", "2", "--process-id", "2"], "--process-id: 2 is not below "
+         "--num-processes 2: the processes are numbered 0 .. 1"),
+        (["--coordinator", "host0"], "--coordinator: 'host0' is not HOST:PORT"),
+        (["--coordinator", "host0:99999"], "--coordinator: 'host0:99999' is not HOST:PORT"),
+    ]:  # fmt: skip
+        assert f"argument {message}" in fails(argv, capsys)
     # The default warm-up fits a short run; an explicit one is kept.
     assert parse_args(["--steps", "10"]).warmup == 10
     assert parse_args([]).warmup == 30

@@ -128,6 +128,37 @@ def test_pipeline_plan_splits_the_layers_and_predicts_the_bubble():
         assert piped.activations[remat] == pytest.approx(one.activations[remat] / 4 * 7 / 4)
     assert {c.name for c in piped.collectives if c.axis == "pipeline"} == {"coll.-permute"}
 
+    # Interleaved, 2 chunks per device: 4 x 2 + 3 ticks of half a stage each.
+    inter = plan(
+        config.replace(n_layers=8), NAIVE, rules, {"data": 2, "pipeline": 4}, batch=8, seq=16,
+        hardware=h100, microbatches=4, schedule="interleaved", virtual=2,
+    )  # fmt: skip
+    one8 = plan(config.replace(n_layers=8), NAIVE, rules, {"data": 2}, batch=8, seq=16,
+                hardware=h100)  # fmt: skip
+    assert inter.bubble == pytest.approx(3 / 11) and inter.virtual == 2
+    tokens, inputs = 8 * 16 // 2, config.d_model * 4  # a device's tokens; float32 inputs
+    for remat in ("none", "dots", "full"):
+        # 11 ticks' chunk inputs, and one chunk's activations (an eighth of the layers), all
+        # of them whatever the remat policy (the chunk is run again in its backward).
+        chunk = one8.activations["none"] / tokens / 8
+        assert inter.activations[remat] == pytest.approx(tokens / 4 * (11 * inputs + chunk))
+    regroups = [c for c in inter.collectives if c.name == "all-to-all"]
+    assert len(regroups) == 2  # the layer weights into chunks, and their gradients back
+    # Half of a stage's 2 float32 layers moves (the other half is already in place).
+    layer_bytes = zoo.math.layer_params(config) * 4
+    assert regroups[0].bytes_per_device == pytest.approx(2 * layer_bytes / 2)
+    # 1F1B: at most 2 S - 1 = 7 stage inputs (4 here: M) plus one micro-batch's stage
+    # activations; the bubble is GPipe's.
+    f1b = plan(
+        config, NAIVE, rules, {"data": 2, "pipeline": 4}, batch=8, seq=16, hardware=h100,
+        microbatches=4, schedule="1f1b",
+    )  # fmt: skip
+    assert f1b.bubble == pytest.approx(3 / 7)
+    for remat in ("none", "dots", "full"):
+        stage = one.activations["none"] / tokens / 4
+        assert f1b.activations[remat] == pytest.approx(tokens / 4 * (4 * inputs + stage))
+    assert "at most 4 stage inputs in flight" in format_plan(f1b)
+
     bad = {"data": 2, "pipeline": 4}
     with pytest.raises(ValueError, match="2 micro-batches are fewer than the 4 pipeline stages"):
         plan(config, NAIVE, rules, bad, batch=8, seq=16, hardware=h100, microbatches=2)

@@ -2,7 +2,9 @@
 Every data-loss case checks the run's files byte for byte afterwards."""
 
 import errno
+import json
 import os
+import time
 
 import jax.numpy as jnp
 import pytest
@@ -96,6 +98,27 @@ def test_a_held_lock_stops_a_second_process_and_is_released_after(run, tiny_argv
     # Released: the resume goes ahead now (and its own lock is released when it ends).
     assert train.main([*tiny_argv(run, "--steps", "7"), "--resume", str(run)]).step == 7
     runs.Lock(run).close()
+
+
+def test_a_run_claimed_from_another_host_is_refused_until_its_lock_goes_stale(run, tiny_argv):
+    """The record a lock writes (host, pid, refreshed) stops a run on another host, where
+    flock may not reach on a shared filesystem; a record not refreshed for LOCK_STALE_S is
+    what a dead run leaves, and is taken over."""
+    before = snapshot(run)
+    record = {"host": "other-host", "pid": 4242, "run_id": "theirs", "refreshed": time.time()}
+    (run / runs.LOCK).write_text(json.dumps(record))
+    with pytest.raises(
+        ValueError,
+        match=r"in use by process 4242 on host 'other-host' \(its "
+        r"lock .* was refreshed 0 s ago; a lock not refreshed for 120 s",
+    ):
+        train.main([*tiny_argv(run, "--steps", "7"), "--resume", str(run)])
+    assert snapshot(run) == before and runs.lock_holder(run)["host"] == "other-host"
+    (run / runs.LOCK).write_text(json.dumps({**record, "refreshed": time.time() - 600}))
+    with runs.Lock(run) as lock:
+        holder = runs.lock_holder(run)
+        assert holder["run_id"] == lock.run_id and holder["pid"] == os.getpid()
+    assert runs.lock_holder(run) is None  # released
 
 
 def test_a_full_disk_is_reported_and_leaves_no_checkpoint(tmp_path, monkeypatch):
