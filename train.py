@@ -70,7 +70,7 @@ from training.model_config import (
 from training.optimizer import adamw, learning_rate
 from training.preference import PreferenceObjective
 from training.step import compile_steps, split_model
-from training.telemetry import Telemetry, compiled_memory_bytes, hardware
+from training.telemetry import Telemetry, compiled_memory_bytes, hardware, set_aside_abandoned
 from zoo import Transformer
 from zoo import math as zmath
 
@@ -650,6 +650,8 @@ def prepare(
         params, opt_state = restored.params, restored.opt_state
         position, rng = restored.data_position, restored.rng
         say(f"resumed from {restored.path} at step {start}")
+        if processes.primary and (note := set_aside_abandoned(run_dir, start)):
+            say(note)
     else:
         opt_state = placement.init_opt_state(optimizer, params)
         if memory is not None:

@@ -232,6 +232,13 @@ def _open(
         if not files:
             raise ValueError(f"--data {spec!r} holds no {sorted(_BUILDERS)} files")
         suffixes = {p.suffix for p in files}
+        unknown = [p for p in files if p.suffix not in _BUILDERS]
+        if unknown:  # only a single file given by name can be one
+            what = "has no suffix" if not unknown[0].suffix else f"ends in {unknown[0].suffix!r}"
+            raise ValueError(
+                f"--data {spec!r} {what}, so its format is unknown; name it for its format: "
+                f"{', '.join(sorted(_BUILDERS))} (text, json/jsonl, parquet or csv)"
+            )
         builders = {_BUILDERS.get(s) for s in suffixes}
         if None in builders or len(builders) != 1:
             raise ValueError(

@@ -15,6 +15,7 @@ from infer.sampling import Sampler
 from infer.speculative.proposer import Proposer
 from infer.step import check_prompts, check_tokens
 from shard import Placement
+from zoo import arguments
 from zoo.tokenizer import Tokenizer
 from zoo.transformer import Transformer
 
@@ -30,14 +31,14 @@ def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int] | np.ndarray],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | np.integer,
     sampler: Sampler,
     key: PRNGKeyArray,
     stop_tokens: Sequence[int] | None = None,
     tokenizer: Tokenizer | None = None,
     on_tokens: OnTokens | None = None,
-    chunk_size: int = 16,
-    max_len: int | None = None,
+    chunk_size: int | np.integer = 16,
+    max_len: int | np.integer | None = None,
     placement: Placement | None = None,
     kv_dtype: str | None = None,
     speculative: Proposer | None = None,
@@ -63,12 +64,12 @@ def generate(
     `speculative` a proposer of draft tokens (`infer.speculative.PromptLookup(k=4)`): the same
     tokens (greedy) or the same distribution (sampling), fewer target forwards.
     """
-    config = model.config
+    config = arguments.instance(model, "model", Transformer, "zoo.load_pretrained(path)").config
     rows = check_prompts(prompts, config.vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    max_new_tokens = arguments.count(max_new_tokens, "max_new_tokens")
+    chunk_size = arguments.count(chunk_size, "chunk_size")
+    max_len = arguments.optional_count(max_len, "max_len")
+    arguments.callback(on_tokens, "on_tokens", "new tokens per row -> None")
     if stop_tokens is None:
         stop_tokens = () if tokenizer is None else tokenizer.stop_ids()
     stops = np.asarray(list(stop_tokens)).reshape(-1)

@@ -7,6 +7,7 @@ import string
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -71,10 +72,18 @@ class LoRA(AroundProjection):
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ):
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        # Checked here, where every adapter is made (add_lora, load_adapter, train.py): a rank of
+        # 4.9 would become 4 and an alpha of NaN would turn every output into NaN.
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 1:
+            raise ValueError(f"LoRA rank must be an integer >= 1, got {rank!r}")
+        for name, value in (("alpha", alpha), ("dropout", dropout)):
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+                raise TypeError(f"LoRA {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"LoRA {name} must be finite, got {value!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
+        rank = int(rank)
         self.base, self.rank, self.alpha, self.dropout = base, rank, float(alpha), float(dropout)
         std = 1.0 / math.sqrt(math.prod(base.in_shape))
         a = std * jax.random.normal(key, (*base.in_shape, rank), jnp.float32)

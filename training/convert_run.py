@@ -12,7 +12,6 @@ the run as it was. One process; the arrays pass through the host, as the old for
 
 import argparse
 import hashlib
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -28,19 +27,38 @@ from training.optimizer import adamw
 from training.state import LEGACY_STATE, Writer
 from zoo import Config, Policy
 from zoo.adapter import split_trainable
+from zoo.json_file import field, read_json_object
 
 LEGACY_META = "meta.json"
 
 
+def _legacy_meta(path: Path) -> dict:
+    """A legacy checkpoint's meta.json, with the fields conversion needs (else an error naming
+    the file and the field)."""
+    file = path / LEGACY_META
+    if not file.is_file():
+        raise ValueError(f"{path} has {LEGACY_STATE} but no {LEGACY_META}; it cannot be converted")
+    meta = read_json_object(file, "the checkpoint's config, param_dtype and sha256")
+    for name, kind in (("config", dict), ("param_dtype", str), ("sha256", str), ("step", int)):
+        field(meta, name, kind, str(file))
+    return meta
+
+
 def _read_legacy(path: Path, template):
-    meta = json.loads((path / LEGACY_META).read_text())
+    meta = _legacy_meta(path)
     digest = hashlib.sha256((path / LEGACY_STATE).read_bytes()).hexdigest()
     if digest != meta.pop("sha256", None):
         raise ValueError(
             f"{path / LEGACY_STATE} does not match the SHA-256 in its {LEGACY_META}: it is "
             "damaged; delete that checkpoint (the run keeps the others) and convert again"
         )
-    return eqx.tree_deserialise_leaves(path / LEGACY_STATE, template), meta
+    try:
+        return eqx.tree_deserialise_leaves(path / LEGACY_STATE, template), meta
+    except Exception as error:
+        raise ValueError(
+            f"{path / LEGACY_STATE} matches its SHA-256 but does not hold this run's state "
+            f"({type(error).__name__}: {error}); it was not written by train.py for this run"
+        ) from error
 
 
 def convert(run_dir: str | Path) -> list[Path]:
@@ -50,7 +68,7 @@ def convert(run_dir: str | Path) -> list[Path]:
     if not old:
         raise ValueError(f"{str(run_dir)!r} holds no Equinox-format checkpoint to convert")
     settings = runs.read_record(run_dir)["settings"]
-    meta = json.loads((old[-1] / LEGACY_META).read_text())
+    meta = _legacy_meta(old[-1])
     config = Config.from_dict(meta["config"], source=f"{old[-1] / LEGACY_META}")
     policy = Policy(param_dtype=meta["param_dtype"], compute_dtype=meta["param_dtype"])
     if settings.get("lora_rank"):
@@ -66,11 +84,15 @@ def convert(run_dir: str | Path) -> list[Path]:
 
     staging = run_dir / "checkpoints.orbax"
     shutil.rmtree(staging, ignore_errors=True)
-    with Writer(staging, keep=0, asynchronous=False) as writer:
-        for path in old:
-            (params, opt_state, key_data), meta = _read_legacy(path, template)
-            trees = {"params": params, "opt_state": opt_state, "rng": {"key_data": key_data}}
-            writer.save(meta["step"], jax.tree.map(np.asarray, trees), meta)
+    try:
+        with Writer(staging, keep=0, asynchronous=False) as writer:
+            for path in old:
+                (params, opt_state, key_data), meta = _read_legacy(path, template)
+                trees = {"params": params, "opt_state": opt_state, "rng": {"key_data": key_data}}
+                writer.save(meta["step"], jax.tree.map(np.asarray, trees), meta)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # the run stays exactly as it was
+        raise
     kept = run_dir / "checkpoints.eqx-old"
     (run_dir / "checkpoints").rename(kept)
     staging.rename(run_dir / "checkpoints")

@@ -286,8 +286,9 @@ def chat_tokenizer_from_spec(spec: str) -> Any:
 RECORD = "run.json"
 LOCK = ".lock"
 # What a run's files belong to: replaced by --overwrite, never by a new run without it.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", RECORD, "tokenizer.tiktoken",
-             "tokenizer.source", "reference.npy", "reference_val.npy")  # fmt: skip
+RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.abandoned.jsonl", "loss.png", RECORD,
+             "tokenizer.tiktoken", "tokenizer.source", "reference.npy",
+             "reference_val.npy")  # fmt: skip
 
 
 # A lock's record is refreshed this often while its run trains, and a record from another host

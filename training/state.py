@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,10 @@ LEGACY_STATE = "state.eqx"  # the Equinox-format checkpoints written before orba
 
 class CorruptState(ValueError):
     """A state directory that cannot be read back as it was written."""
+
+
+class UncheckedState(UserWarning):
+    """A finalized step read without its SHA-256 record."""
 
 
 class MismatchedState(ValueError):
@@ -203,6 +208,15 @@ def check_complete(directory: str | Path) -> None:
         )
     record = directory / SHA256
     if not record.exists():
+        # Refusing would strand a run whose crash came between orbax's finalization and the
+        # record; reading on without a word would hide a deleted record. So: said, loudly.
+        warnings.warn(
+            f"{directory} has no {SHA256}: its files cannot be checked against their SHA-256 and "
+            "are read unchecked (a crash just after the step was written leaves it so; so does "
+            "a deleted record). Resume from an earlier step if this one may be damaged.",
+            UncheckedState,
+            stacklevel=2,
+        )
         return
     try:
         expected = json.loads(record.read_text())

@@ -29,6 +29,40 @@ def compiled_memory_bytes(compiled) -> int:
     return used + m.temp_size_in_bytes
 
 
+METRICS, ABANDONED = "metrics.jsonl", "metrics.abandoned.jsonl"
+
+
+def set_aside_abandoned(run_dir: Path, step: int) -> str | None:
+    """Keep metrics.jsonl one timeline when a run resumes from `step` while it holds records of
+    later steps (a resume from an earlier checkpoint, or after a crash past the last one): those
+    records move to metrics.abandoned.jsonl, after a line saying from which resume, and
+    metrics.jsonl is rewritten (atomically) without them. Returns what was done, for the console;
+    None when nothing was abandoned. Lines that are not JSON records stay where they are."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return None
+    kept, abandoned = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        later = isinstance(record, dict) and isinstance(record.get("step"), int)
+        (abandoned if later and record["step"] > step else kept).append(line)
+    if not abandoned:
+        return None
+    with (path.parent / ABANDONED).open("a") as f:
+        f.write(json.dumps({"resumed_at_step": step, "abandoned_records": len(abandoned)}) + "\n")
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in abandoned)
+    tmp = path.with_name(f".{METRICS}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+    return (
+        f"metrics: {len(abandoned)} record(s) of steps after {step} belong to the timeline this "
+        f"resume abandons; moved to {ABANDONED}, so {METRICS} holds one timeline"
+    )
+
+
 class Telemetry:
     """Writes `metrics.jsonl` in the run directory and turns step timings into MFU."""
 
@@ -48,7 +82,7 @@ class Telemetry:
         """`lora`: (trainable parameters, frozen base bytes) of a LoRA run; `write`: append the
         records to `metrics.jsonl` (only one process of a multi-process run does)."""
         self.write = write
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS
         self.config, self.policy = config, policy
         # Activations are live for one micro-batch at a time.
         micro = batch // accum

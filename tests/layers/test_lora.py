@@ -111,7 +111,7 @@ def test_logical_axes_add_the_rank_axis():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank": 0}, "rank must be >= 1"),
+        ({"rank": 0}, "rank must be an integer >= 1"),
         ({"rank": 2, "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
     ],
 )

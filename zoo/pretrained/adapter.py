@@ -13,6 +13,7 @@ own, so adapters on it cannot be saved.
 """
 
 import json
+import math
 import os
 import re
 
@@ -32,8 +33,10 @@ from zoo.adapter import (
     lora_settings,
     place_adapters,
 )
+from zoo.json_file import field, read_json_object
 from zoo.pretrained.architectures import Architecture, architecture_for
-from zoo.pretrained.safetensors import open_file
+from zoo.pretrained.hf_fields import check_fields
+from zoo.pretrained.safetensors import checkpoint_file, open_file
 from zoo.pretrained.tensor_map import TensorGroup, layer_path, leaf, linear
 from zoo.transformer import Transformer
 
@@ -157,39 +160,111 @@ def save_adapter(
         json.dump(config, f, indent=2)
 
 
+# adapter_config.json (PEFT 0.21's LoraConfig): what the loader reads, what it implements at one
+# value only (falsy, or the value given), and what leaves the adapter's function alone
+# (bookkeeping, and initialisers of an adapter not yet trained). Anything else is refused.
+READS = ("peft_type", "r", "lora_alpha", "lora_dropout")
+ONLY = {
+    "bias": "none",
+    "use_rslora": False,
+    "use_dora": False,
+    "rank_pattern": False,
+    "alpha_pattern": False,
+    "modules_to_save": False,
+    # PEFT adapts only these layers; the zoo puts an adapter in every layer with the projection.
+    "layers_to_transform": False,
+    "layers_pattern": False,
+    "layer_replication": False,
+    "trainable_token_indices": False,
+    "alora_invocation_tokens": False,
+    "use_qalora": False,
+    "lora_bias": False,
+    "target_parameters": False,
+    "use_bdlora": False,
+    "arrow_config": False,
+    "kasa_config": False,
+    "velora_config": False,
+    "monteclora_config": False,
+}
+HARMLESS = (
+    "task_type",
+    "auto_mapping",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    # Which modules hold adapters is read off the tensors, every one of which must fit.
+    "target_modules",
+    "exclude_modules",
+    # A and B are stored as nn.Linear weights either way (PEFT flips GPT-2's Conv1D itself).
+    "fan_in_fan_out",
+    "init_lora_weights",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "lora_ga_config",
+    "megatron_config",
+    "megatron_core",
+    "qalora_group_size",
+    "runtime_config",
+    "ensure_weight_tying",
+)
+
+
+def _number(config: dict, name: str, path: str, *, integer: bool = False) -> int | float:
+    """A finite number field (an int where `integer`); an error naming it otherwise."""
+    value = field(config, name, int if integer else (int, float), path)
+    if not math.isfinite(value):
+        raise ValueError(f"{path}: {name}={value!r}; it must be a finite number")
+    return value
+
+
 def read_adapter_config(directory: str) -> dict:
-    """adapter_config.json of a PEFT LoRA adapter, checked for the settings we can run."""
+    """adapter_config.json of a PEFT LoRA adapter, checked for the settings we can run: every
+    field is in READS, HARMLESS, or ONLY at its one value; r an integer >= 1, lora_alpha a
+    finite number, lora_dropout in [0, 1)."""
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
         raise ValueError(
             f"{directory!r} has no {CONFIG}: a PEFT adapter directory holds {CONFIG} and {WEIGHTS}"
         )
-    with open(path) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
+    config = read_json_object(
+        path, "a PEFT LoRA config, like {'peft_type': 'LORA', 'r': 8, 'lora_alpha': 16, ...}"
+    )
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type={config.get('peft_type')!r}; only 'LORA' is supported")
-    for field in ("r", "lora_alpha"):
-        if field not in config:
-            raise ValueError(f"{path} lacks the field {field!r}")
-    unsupported = {
-        "bias": config.get("bias", "none") != "none",
-        "use_rslora": bool(config.get("use_rslora")),
-        "use_dora": bool(config.get("use_dora")),
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
-        "modules_to_save": bool(config.get("modules_to_save")),
-    }
-    for field, bad in unsupported.items():
-        if bad:
+    for name, value in ONLY.items():
+        if name in config and (config[name] != value if value else bool(config[name])):
             raise ValueError(
-                f"{path}: {field}={config[field]!r} is not supported; the zoo loads plain LoRA "
-                "(bias 'none', one rank and alpha for every module, no rsLoRA/DoRA, no "
-                "modules_to_save)"
+                f"{path}: {name}={config[name]!r} is not supported; the zoo loads plain LoRA "
+                "(bias 'none', one rank and alpha for every module, in every layer that has it, "
+                "no rsLoRA/DoRA, no modules_to_save); merge it with PEFT and load the merged model"
             )
+    check_fields(config, "PEFT LoRA", reads=(*READS, *ONLY), harmless=HARMLESS, file=CONFIG)
+    rank = _number(config, "r", path, integer=True)
+    if rank < 1:
+        raise ValueError(f"{path}: r={rank}; the rank must be an integer >= 1")
+    _number(config, "lora_alpha", path)
+    dropout = _number(config, "lora_dropout", path) if "lora_dropout" in config else 0.0
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{path}: lora_dropout={dropout!r}; it must be in [0, 1)")
     return config
+
+
+def _finite(array: np.ndarray, name: str) -> np.ndarray:
+    """An adapter tensor, refused unless it is floating point with finite values (an int32 or
+    NaN adapter would load and turn the model's every output into garbage)."""
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(
+            f"{WEIGHTS}: tensor {name} has dtype {array.dtype}; LoRA weights are floating point "
+            "(float32, bfloat16, float16)"
+        )
+    if not np.isfinite(array).all():
+        raise ValueError(
+            f"{WEIGHTS}: tensor {name} holds NaN or infinite values; the adapter is damaged "
+            "(or trained into a divergence): retrain it or take an earlier checkpoint"
+        )
+    return array
 
 
 def load_adapter(
@@ -211,12 +286,12 @@ def load_adapter(
             "the base model again"
         )
     config = read_adapter_config(directory)
-    if not os.path.isfile(os.path.join(directory, WEIGHTS)):
+    if not os.path.lexists(os.path.join(directory, WEIGHTS)):
         raise ValueError(
             f"{directory!r} has no {WEIGHTS} (adapters saved as .bin need converting to "
             "safetensors)"
         )
-    source = open_file(os.path.join(directory, WEIGHTS))
+    source = open_file(checkpoint_file(directory, WEIGHTS, "the adapter's weights"))
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     arch = architecture_for(model.config)
     modules = peft_modules(arch, model)
@@ -263,7 +338,7 @@ def load_adapter(
                     f"tensor {name} has shape {shape}, but this model with r={rank} needs "
                     f"{expected}"
                 )
-            (array,) = group.to_zoo(source.get_tensor(name))
+            (array,) = group.to_zoo(_finite(source.get_tensor(name), name))
             target, index = layer_path(model, i, f"blocks.{path}.lora_{matrix.lower()}")
             like = leaf(model, target)
             if index is None:

@@ -6,6 +6,7 @@ model goes back to the ecosystem."""
 
 import json
 import os
+import re
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -13,7 +14,7 @@ from safetensors.numpy import save_file
 from zoo.adapter import has_lora
 from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
-from zoo.pretrained.safetensors import INDEX
+from zoo.pretrained.safetensors import INDEX, SINGLE, read_weight_map
 from zoo.pretrained.tensor_map import hf_names, layer_path, leaf
 from zoo.quantize import dequantize as zoo_dequantize
 from zoo.quantize import quantized_formats
@@ -37,6 +38,24 @@ HF_FILES = ("config.json", "generation_config.json", INDEX, "tokenizer.json",
             "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")  # fmt: skip
 
 
+# transformers' own shard names (`model-00001-of-00004.safetensors`).
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _model_files(directory: str) -> set[str]:
+    """The files of `directory` an HF model consists of: `HF_FILES`, model.safetensors, shards
+    named the way transformers names them, and the shards its index names (plain names of that
+    directory only). Nothing else there is the model's: an adapter_model.safetensors beside it
+    belongs to someone else."""
+    names = set(os.listdir(directory))
+    ours = {n for n in names if n in HF_FILES or n == SINGLE or _SHARD.fullmatch(n)}
+    try:
+        indexed = set(read_weight_map(os.path.join(directory, INDEX)).values())
+    except (OSError, ValueError):  # no index, or one that names nothing readable
+        indexed = set()
+    return ours | {n for n in indexed & names if n.endswith(".safetensors")}
+
+
 def _clear(directory: str, overwrite: bool) -> None:
     """Refuse a non-empty directory unless `overwrite`; then remove its HF model files."""
     if not os.path.isdir(directory) or not os.listdir(directory):
@@ -46,9 +65,8 @@ def _clear(directory: str, overwrite: bool) -> None:
             f"save_pretrained: {directory!r} is not empty; choose an empty or new directory, or "
             "pass overwrite=True to replace the model files in it"
         )
-    for name in os.listdir(directory):
-        if name in HF_FILES or name.endswith(".safetensors"):
-            os.remove(os.path.join(directory, name))
+    for name in _model_files(directory):
+        os.remove(os.path.join(directory, name))
 
 
 def save_pretrained(

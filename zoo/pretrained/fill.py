@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
@@ -87,7 +88,14 @@ def _read_layer(source: TensorSource, group: TensorGroup, layer: int | None) -> 
             raise ValueError(
                 f"tensor {name} has shape {actual}, but this config.json needs {expected}"
             )
-        arrays.append(source.read(name))
+        array = source.read(name)
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            # Cast silently, an int32 tensor would load as whole numbers where weights belong.
+            raise ValueError(
+                f"tensor {name} has dtype {array.dtype}; model weights are floating point "
+                "(float32, bfloat16, float16): the checkpoint is damaged or not this model's"
+            )
+        arrays.append(array)
     return group.to_zoo(*arrays)
 
 

@@ -138,7 +138,8 @@ def gemma3_config_from_hf(hf: dict) -> Config:
             f"{arch} rope_parameters must be keyed by layer type {sorted(_LAYER_TYPES)}, got "
             f"{sorted(params)}"
         )
-    full = dict(params.get("full_attention") or hf.get("rope_scaling") or {})
+    # A legacy rope_scaling wins over rope_parameters, as in transformers.
+    full = dict(hf.get("rope_scaling") or params.get("full_attention") or {})
     local = dict(params.get("sliding_attention") or {})
     if scaling_from_hf(local, arch, ("linear",)) is not None:
         raise ValueError(f"{arch}: rope scaling on the sliding layers is not implemented")

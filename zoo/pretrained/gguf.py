@@ -212,6 +212,61 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+# The `{arch}.*` metadata the shared reading below maps (Phi-3 adds its window), and keys read at
+# one value only. Any other `{arch}.` key may change the model's math (a rope scaling, experts),
+# so the file is refused rather than loaded as something else.
+READS = frozenset(
+    {
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.layer_norm_rms_epsilon",
+        "block_count",
+        "context_length",
+        "embedding_length",
+        "feed_forward_length",
+        "rope.dimension_count",
+        "rope.freq_base",
+        "vocab_size",
+        "attention.sliding_window",  # Phi-3's (read by _phi3_fields; refused for the others)
+    }
+)
+ONLY = {"rope.scaling.type": "none", "expert_count": 0, "expert_used_count": 0}
+
+
+def _check_keys(reader: gguf.GGUFReader, arch: str) -> None:
+    """Refuse `{arch}.*` metadata the shared reading would ignore (see READS and ONLY)."""
+    prefix = f"{arch}."
+    keys = {name.removeprefix(prefix) for name in reader.fields if name.startswith(prefix)}
+    for key in sorted(keys & set(ONLY)):
+        if metadata(reader, prefix + key) != ONLY[key]:
+            raise ValueError(
+                f"GGUF {prefix}{key}={metadata(reader, prefix + key)!r} is not supported for "
+                f"{arch} (only {ONLY[key]!r}); load the HF safetensors checkpoint instead"
+            )
+    reads = READS if arch == "phi3" else READS - {"attention.sliding_window"}
+    # value_length: the value heads' size, read only where it equals the key heads'.
+    if "attention.value_length" in keys:
+        heads = metadata(reader, prefix + "embedding_length") // metadata(
+            reader, prefix + "attention.head_count"
+        )
+        key_length = metadata(reader, prefix + "attention.key_length", heads)
+        value_length = metadata(reader, prefix + "attention.value_length")
+        if value_length != key_length:
+            raise ValueError(
+                f"GGUF {prefix}attention.value_length={value_length} differs from the key heads' "
+                f"{key_length}, which the zoo does not implement"
+            )
+        keys.discard("attention.value_length")
+    unknown = sorted(keys - reads - set(ONLY))
+    if unknown:
+        raise ValueError(
+            f"GGUF metadata {', '.join(prefix + k for k in unknown)} is not read by the zoo for "
+            f"{arch}; it may change the model's math, so the file is refused rather than loaded "
+            "wrong"
+        )
+
+
 def hf_config(reader: gguf.GGUFReader) -> dict:
     """The HF config.json equivalent of the GGUF metadata (`{arch}.*` keys)."""
     arch = metadata(reader, "general.architecture")
@@ -230,6 +285,7 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
             )
     if ARCHITECTURES[arch].config is not None:
         return ARCHITECTURES[arch].config(reader, arch)
+    _check_keys(reader, arch)
 
     def key(name: str, default=None):
         return metadata(reader, f"{arch}.{name}", default)

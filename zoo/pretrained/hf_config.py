@@ -1,10 +1,10 @@
 """config.json of an HF model directory -> (architecture, zoo Config). The config is always read
 from the checkpoint, never guessed."""
 
-import json
 import os
 
 from zoo.config import Config
+from zoo.json_file import read_json_object
 from zoo.pretrained.architectures import Architecture, architecture
 from zoo.pretrained.hf_fields import check_fields
 
@@ -19,11 +19,9 @@ def read_hf_config(directory: str) -> dict:
             f"{directory!r} has no config.json: an HF model directory needs config.json next to "
             "model.safetensors (or model.safetensors.index.json)"
         )
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return read_json_object(
+        path, "the model's class and sizes, like {'architectures': ['LlamaForCausalLM'], ...}"
+    )
 
 
 def declared_dtype(hf: dict) -> str:
@@ -38,7 +36,7 @@ def declared_dtype(hf: dict) -> str:
 def config_from_hf(hf: dict) -> tuple[Architecture, Config]:
     """The architecture named in `hf["architectures"]` and its Config."""
     names = hf.get("architectures") or []
-    if len(names) != 1:
+    if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
         raise ValueError(
             f"config.json must name exactly one class in 'architectures', got {names}; "
             "e.g. ['LlamaForCausalLM']"

@@ -45,23 +45,29 @@ HARMLESS = frozenset(
 
 
 def check_fields(
-    hf: dict, arch: str, *, reads: Iterable[str], only: Mapping[str, Any] | None = None
+    hf: dict,
+    arch: str,
+    *,
+    reads: Iterable[str],
+    only: Mapping[str, Any] | None = None,
+    harmless: Iterable[str] = HARMLESS,
+    file: str = "config.json",
 ) -> None:
-    """Refuse what `arch`'s reader would otherwise ignore.
+    """Refuse what `arch`'s reader of `file` would otherwise ignore.
 
     `reads`: the fields the reader maps (and checks) itself. `only`: fields it implements at one
     value alone (e.g. `{"use_sliding_window": False}`); another value is an error naming it.
-    Any other field outside `HARMLESS` is an error listing every such field."""
+    Any other field outside `harmless` is an error listing every such field."""
     only = dict(only or {})
     for name, value in only.items():
         if name in hf and hf[name] != value:
             raise ValueError(
-                f"{arch} config.json sets {name}={hf[name]!r}, which the zoo does not implement "
+                f"{arch} {file} sets {name}={hf[name]!r}, which the zoo does not implement "
                 f"(only {name}={value!r}); remove it only if the checkpoint was trained without it"
             )
-    unknown = sorted(set(hf) - HARMLESS - set(reads) - set(only))
+    unknown = sorted(set(hf) - set(harmless) - set(reads) - set(only))
     if unknown:
         raise ValueError(
-            f"{arch} config.json has fields the zoo does not implement: {unknown}; they may "
+            f"{arch} {file} has fields the zoo does not implement: {unknown}; they may "
             "change the model's math, so the checkpoint is refused rather than loaded wrong"
         )

@@ -20,8 +20,16 @@ _YARN_KEYS = {
 
 
 def hf_rope_parameters(hf: dict) -> dict:
-    """The rope parameters of `hf`, whichever layout it uses."""
-    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    """The rope parameters of `hf`, whichever layout it uses: `rope_scaling` wins over
+    `rope_parameters` where both are set, as in transformers (`rope_scaling or rope_parameters`),
+    so a config whose rope_parameters say "default" next to a scaling is not read unscaled."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(
+            f"config.json rope parameters must be an object like {{'rope_type': 'llama3', "
+            f"'factor': 8.0, ...}}, not {params!r}"
+        )
+    return dict(params)
 
 
 def scaling_from_hf(params: dict, arch: str, kinds: tuple[str, ...]) -> RopeScaling | None:
