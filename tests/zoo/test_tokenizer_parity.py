@@ -8,6 +8,7 @@ import pytest
 
 import zoo
 from tests.reference.tokenizer_families import DIRS, GGUFS, TEXTS, tokenizer_reference  # noqa: F401
+from zoo.tokenizer import content
 
 pytestmark = pytest.mark.xdist_group("tokenizers")
 
@@ -37,3 +38,16 @@ def test_the_shapes_differ_where_the_families_do(tokenizer_reference):  # noqa: 
         assert len(byte_pieces) >= 4, name  # 🙂 is four byte pieces
     assert tokenizer_reference["qwen2"]["class"] == "Qwen2Tokenizer"
     assert tokenizer_reference["gguf-phi3"]["ids"] != tokenizer_reference["gguf-llama"]["ids"]
+
+
+@pytest.mark.parametrize("name", [*DIRS, *GGUFS])
+def test_markers_spelled_by_sentinels_split_as_the_tokenizer_does(tokenizer_reference, name):  # noqa: F811
+    """special_in_content="text" encodes a chat with each template marker spelled by a sentinel
+    added token of a copy of the tokenizer: with every special token of these texts a marker,
+    that must give transformers' ids exactly (each family's prefix-space rule after a special
+    token, byte fallback, normalizers)."""
+    expected = tokenizer_reference[name]
+    tokenizer = zoo.load_tokenizer(expected["path"])
+    assert any(content.special_spans(tokenizer, text) for text in TEXTS), name
+    for text, want in zip(TEXTS, expected["ids"], strict=True):
+        assert content.encode_marked(tokenizer, text, text) == want, f"{name} on {text!r}"

@@ -5,6 +5,9 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from zoo.tokenizer import content
+from zoo.tokenizer.content import SpecialInContent
+
 _NO_TEMPLATE = (
     "{source} has no chat template (none in its GGUF metadata, tokenizer_config.json or "
     "chat_template.jinja); pass one: zoo.load_tokenizer(path, chat_template='file.jinja') "
@@ -160,12 +163,35 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = False,
+        special_in_content: SpecialInContent = "keep",
         **variables: Any,
     ) -> list[int]:
-        """The ids of `render_chat(messages, ...)`: HF's `apply_chat_template` (tokenize=True)."""
-        return self.encode(
-            self.render_chat(messages, add_generation_prompt=add_generation_prompt, **variables)
-        )
+        """The ids of `render_chat(messages, ...)`: HF's `apply_chat_template` (tokenize=True).
+
+        `special_in_content`: what a special token's string inside a message becomes
+        (zoo/tokenizer/content.py). "keep" (the default, as transformers): the token, so a
+        message can open turns of its own; "refuse": a ValueError naming the message and the
+        token; "text": plain text, the template's own markers staying special tokens (the ids
+        of "keep" wherever no message holds such a string). Text from untrusted users (a
+        server, a chat) wants "text" or "refuse"."""
+        mode = content.check_mode(special_in_content)
+
+        def render(messages) -> str:
+            return self.render_chat(
+                messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+
+        if mode == "text":
+            return content.encode_as_text(self, messages, render)
+        text = render(messages)  # checks the messages first
+        if mode == "refuse":
+            content.refuse(self, messages)
+        return self.encode(text)
+
+    @functools.cached_property
+    def _sentinel_backend(self) -> tuple[Any, dict[int, int]]:
+        """`special_in_content="text"`'s copy of the backend (zoo/tokenizer/content.py)."""
+        return content.sentinel_backend(self)
 
     @functools.cached_property
     def end_of_turn_ids(self) -> tuple[int, ...]:
