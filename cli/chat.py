@@ -27,6 +27,8 @@ from cli import commands, flags, stream
 from infer.speculative import PromptLookup, Proposer
 from training.artifacts import load_artifact, plain
 from zoo import Tokenizer, Transformer
+from zoo.tokenizer import content
+from zoo.tokenizer.content import SpecialInContent
 
 
 class Chat:
@@ -36,10 +38,13 @@ class Chat:
                  max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
                  placement: shard.Placement | None = None, kv_dtype: str | None = None,
-                 write=sys.stdout.write, speculative: Proposer | None = None):  # fmt: skip
+                 write=sys.stdout.write, speculative: Proposer | None = None,
+                 special_in_content: SpecialInContent = "text"):  # fmt: skip
         """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
         what `load_pretrained` gives; a run's stacked model is converted once); `speculative`
-        a proposer of draft tokens (infer/speculative/)."""
+        a proposer of draft tokens (infer/speculative/); `special_in_content` what a special
+        token's text typed in a message becomes (`Tokenizer.apply_chat_template`; here "text"
+        by default: what is typed is text)."""
         tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
         self.tokenizer = tokenizer
         self.engine = infer.Engine(
@@ -54,10 +59,14 @@ class Chat:
         self.messages = [{"role": "system", "content": system}] if system else []
         self.max_new_tokens, self.sampler, self.write = max_new_tokens, sampler, write
         self.stop_texts = tuple(stop_texts)
+        self.special_in_content = content.check_mode(special_in_content)
 
     def reply(self, text: str) -> stream.Reply:
-        self.messages.append({"role": "user", "content": text})
-        prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        messages = [*self.messages, {"role": "user", "content": text}]
+        prompt = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, special_in_content=self.special_in_content
+        )  # a refused message is not kept
+        self.messages = messages
         budget = min(self.max_new_tokens, self.engine.max_len - len(prompt))
         if budget < 1:
             raise ValueError(
@@ -78,6 +87,13 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
     flags.add_chat_template(p)
     p.add_argument("--system", help="a system prompt")
     p.add_argument("--message", action="append", help="a user turn (repeatable); default: stdin")
+    p.add_argument(
+        "--special-in-content",
+        choices=content.MODES,
+        default="text",
+        help="a special token's text (<|im_end|>) in a message: plain text, refused, or kept as "
+        "the token (transformers' behaviour: the message can open turns of its own)",
+    )
     flags.add_stopping(p)
     p.add_argument(
         "--max-len",
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
         seed=args.seed, placement=placement, kv_dtype=args.kv_dtype,
         speculative=None if args.prompt_lookup is None else PromptLookup(k=args.prompt_lookup),
+        special_in_content=args.special_in_content,
     )  # fmt: skip
     print(f"(compiled in {time.perf_counter() - start:.1f} s)")
     replies = []

@@ -18,6 +18,7 @@ import uvicorn
 import zoo
 from infer.engine import Engine
 from infer.serve.app import make_app
+from zoo.tokenizer import content
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=64, help="prompt tokens per request per step")
     p.add_argument("--chat-template", help="a Jinja chat template, if the checkpoint has none")
+    p.add_argument(
+        "--special-in-content",
+        choices=content.MODES,
+        default="text",
+        help="a special token's text inside a chat message: encoded as plain text (default), "
+        "refused (400), or kept as the token (transformers' behaviour: a client can open turns)",
+    )
     p.add_argument(
         "--adapter",
         action="append",
@@ -65,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {error}")
     name = args.name or os.path.splitext(os.path.basename(os.path.normpath(args.checkpoint)))[0]
     app = make_app(
-        engine, tokenizer, name=name, adapters=list(adapters), max_waiting=args.max_waiting
-    )
+        engine, tokenizer, name=name, adapters=list(adapters), max_waiting=args.max_waiting,
+        special_in_content=args.special_in_content,
+    )  # fmt: skip
     print(f"serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

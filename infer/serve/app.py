@@ -27,7 +27,8 @@ from infer.serve.generation import BadRequest, Disconnected, GenerationFailed, G
 from infer.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
 from infer.serve.worker import EngineFailed, EngineThread, QueueFull
 from layers.lora_bank import adapters_in
-from zoo.tokenizer import Tokenizer
+from zoo.tokenizer import Tokenizer, content
+from zoo.tokenizer.content import SpecialInContent
 
 RETRY_AFTER_S = 1
 
@@ -84,12 +85,17 @@ def make_app(
     max_waiting: int = 64,
     max_n: int | None = None,
     max_body_bytes: int = 4 << 20,
+    special_in_content: SpecialInContent = "text",
 ) -> FastAPI:
     """The server's app over `engine` (which it starts on its own thread for the app's
     lifespan) and the checkpoint's `tokenizer`; the model is served as `name` (and as "base"),
     and its banked LoRA adapters (`zoo.bank_adapters`), in order, as `adapters`. At most
     `max_waiting` engine requests wait beyond the engine's rows; `n` up to `max_n` (default:
-    the engine's rows)."""
+    the engine's rows). `special_in_content`: what a special token's string inside a chat
+    message becomes (`Tokenizer.apply_chat_template`); the server's default is "text" (the
+    client's text stays text: a message cannot open turns of its own), where the library's is
+    transformers' "keep"; "refuse" answers 400 naming the token."""
+    content.check_mode(special_in_content)
     # On SIGTERM uvicorn stops taking connections and waits for those in flight; sse-starlette
     # would cut open streams at once: let them finish instead (the drain).
     AppStatus.disable_automatic_graceful_drain()
@@ -220,8 +226,10 @@ def make_app(
         adapter_of(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as error:  # no template, or one that refuses these messages
+            prompt = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, special_in_content=special_in_content
+            )
+        except ValueError as error:  # no template, one that refuses these messages, a refusal
             raise APIError(400, f"cannot render the chat: {error}", param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await respond(http, body, prompt, max_tokens, chat=True)
