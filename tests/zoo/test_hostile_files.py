@@ -142,6 +142,35 @@ def test_gemma3_rope_scaling_beside_nested_parameters_is_refused():
         config_from_hf(hf | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
 
 
+FAMILIES = {
+    "LlamaForCausalLM": "smollm2-135m",
+    "MistralForCausalLM": "mistral-7b",
+    "MixtralForCausalLM": "mixtral-8x7b",
+    "Qwen2ForCausalLM": "qwen2.5-0.5b",
+    "Qwen3ForCausalLM": "qwen3-0.6b",
+    "Qwen3MoeForCausalLM": "qwen3-30b-a3b",
+    "Phi3ForCausalLM": "phi3-mini-4k",
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_refusals_name_the_family_being_loaded(name):
+    """The Llama-like families read their config through Llama's: a refusal names the class
+    in config.json, not Llama (a Phi-3 rope that is not LongRoPE is not called LongRoPE)."""
+    from zoo.pretrained.architectures import architecture
+    from zoo.pretrained.hf_config import config_from_hf, config_to_hf
+
+    hf = config_to_hf(architecture(name), zoo.preset(FAMILIES[name]), "float32")
+    for change, refused in [
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name} {refused}") as refusal:
+            config_from_hf(hf | change)
+        assert "Llama" not in str(refusal.value).replace(name, "") or name == "LlamaForCausalLM"
+        assert "LongRoPE" not in str(refusal.value)
+
+
 # --- meaning: tensors --------------------------------------------------------------------------
 
 

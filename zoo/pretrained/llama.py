@@ -30,16 +30,18 @@ ONLY = {"pretraining_tp": 1}
 HOLDS = frozenset({"rope_theta", "rope_scaling", "bias"})
 
 
-def config_from_hf(hf: dict) -> Config:
+def config_from_hf(hf: dict, arch: str = "LlamaForCausalLM") -> Config:
+    """The Config of a Llama's config.json; the Llama-like families read theirs through this
+    one, passing their own class name `arch` for the messages."""
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"Llama hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
+        raise ValueError(f"{arch} hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
     attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
     if attention_bias != mlp_bias:
         raise ValueError(
-            f"Llama attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported: "
+            f"{arch} attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported: "
             "the zoo's Config.bias puts biases on both or neither"
         )
-    theta, scaling = rope_from_hf(hf, "Llama", ("llama3",))
+    theta, scaling = rope_from_hf(hf, arch, ("llama3",))
     return Config(
         **sizes_from_hf(hf),
         norm="rmsnorm",

@@ -12,7 +12,8 @@ HOLDS = llama.HOLDS - {"bias"} | {"sliding_window"}
 
 
 def config_from_hf(hf: dict) -> Config:
-    return llama.config_from_hf(hf).replace(sliding_window=hf.get("sliding_window"))
+    window = hf.get("sliding_window")
+    return llama.config_from_hf(hf, "MistralForCausalLM").replace(sliding_window=window)
 
 
 def config_to_hf(config: Config) -> dict:

@@ -40,9 +40,7 @@ HOLDS = llama.HOLDS - {"bias"} | {
 
 
 def config_from_hf(hf: dict) -> Config:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"Mixtral hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
-    return llama.config_from_hf(hf).replace(
+    return llama.config_from_hf(hf, "MixtralForCausalLM").replace(
         n_experts=hf["num_local_experts"],
         n_experts_per_token=hf["num_experts_per_tok"],
         router_scoring="softmax",

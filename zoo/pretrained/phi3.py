@@ -27,22 +27,26 @@ READS = (
 # Later Phi-3 config.json files say attention_bias=false; the model has no biases.
 ONLY = llama.ONLY | {"partial_rotary_factor": 1.0, "attention_bias": False}
 HOLDS = llama.HOLDS - {"bias"} | {"sliding_window"}
+_LONGROPE = ("longrope", "su", "yarn")
 
 
 def config_from_hf(hf: dict) -> Config:
     rope = hf_rope_parameters(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
+        # transformers' Phi-3 once spelled LongRoPE "su", then "yarn", now "longrope".
+        what = " (LongRoPE, the 128k-context variants)" if kind in _LONGROPE else ""
         raise ValueError(
-            f"Phi3ForCausalLM rope_type={kind!r} (LongRoPE, the 128k-context variants) is not "
-            "implemented; only the default rotary embedding (e.g. Phi-3-mini-4k) loads"
+            f"Phi3ForCausalLM rope_type={kind!r}{what} is not supported; the zoo has 'default' "
+            "only for Phi-3 (e.g. Phi-3-mini-4k)"
         )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(
             f"Phi3ForCausalLM partial_rotary_factor={rope['partial_rotary_factor']} is not "
             "implemented; the zoo rotates every dim of each head (factor 1.0)"
         )
-    return llama.config_from_hf(hf).replace(sliding_window=hf.get("sliding_window"))
+    window = hf.get("sliding_window")
+    return llama.config_from_hf(hf, "Phi3ForCausalLM").replace(sliding_window=window)
 
 
 def config_to_hf(config: Config) -> dict:

@@ -60,7 +60,8 @@ def window_to_hf(config: Config) -> dict:
 
 
 def config_from_hf(hf: dict) -> Config:
-    return llama.config_from_hf(hf).replace(qkv_bias=True, sliding_window=window(hf, "Qwen2"))
+    arch = "Qwen2ForCausalLM"
+    return llama.config_from_hf(hf, arch).replace(qkv_bias=True, sliding_window=window(hf, arch))
 
 
 def config_to_hf(config: Config) -> dict:

@@ -14,8 +14,10 @@ ONLY = qwen2.ONLY | {"attention_bias": False}
 HOLDS = llama.HOLDS - {"bias"} | {"qk_norm", "sliding_window"}
 
 
-def config_from_hf(hf: dict) -> Config:
-    return llama.config_from_hf(hf).replace(qk_norm=True, sliding_window=qwen2.window(hf, "Qwen3"))
+def config_from_hf(hf: dict, arch: str = "Qwen3ForCausalLM") -> Config:
+    """`arch`: the class name in messages (Qwen3-MoE reads its config through this one)."""
+    window = qwen2.window(hf, arch)
+    return llama.config_from_hf(hf, arch).replace(qk_norm=True, sliding_window=window)
 
 
 def config_to_hf(config: Config) -> dict:

@@ -66,7 +66,7 @@ def config_from_hf(hf: dict) -> Config:
             "(a dense Qwen3 is a Qwen3ForCausalLM)"
         )
     first_dense, moe_every = _dense_layers(hf)
-    return qwen3.config_from_hf(hf).replace(
+    return qwen3.config_from_hf(hf, "Qwen3MoeForCausalLM").replace(
         n_experts=n_experts,
         first_dense_layers=first_dense,
         moe_every=moe_every,
