@@ -23,6 +23,7 @@ import numpy as np
 from shard import Placement
 from training import run_dir as runs
 from training import run_model
+from training.checkpoint_metadata import META_READS, check_run_meta
 from training.optimizer import adamw
 from training.state import LEGACY_STATE, Writer
 from zoo import Config, Policy
@@ -39,9 +40,11 @@ def _legacy_meta(path: Path) -> dict:
     if not file.is_file():
         raise ValueError(f"{path} has {LEGACY_STATE} but no {LEGACY_META}; it cannot be converted")
     meta = read_json_object(file, "the checkpoint's config, param_dtype and sha256")
-    for name, kind in (("config", dict), ("param_dtype", str), ("sha256", str), ("step", int)):
-        field(meta, name, kind, str(file))
-    return meta
+    field(meta, "sha256", str, str(file))
+    # What an orbax checkpoint's meta holds (checkpoint_metadata.META_READS), and only that.
+    return check_run_meta({k: meta[k] for k in META_READS if k in meta}, str(file)) | {
+        "sha256": meta["sha256"]
+    }
 
 
 def _read_legacy(path: Path, template):

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from shard import Placement
+from training.checkpoint_metadata import META_FILE, check_run_meta
 from training.state import (
     LEGACY_STATE,
     CorruptState,
@@ -149,8 +150,9 @@ def _meta(path: Path, run_dir: str | Path) -> dict[str, Any]:
             f"`python -m training.convert_run {run_dir}`, then use it again"
         )
     try:
-        return read_meta(path)
-    except CorruptState as error:
+        meta = read_meta(path)
+        return check_run_meta(meta, str(path / META_FILE))
+    except (CorruptState, ValueError) as error:
         raise ValueError(
             f"{str(run_dir)!r}: checkpoint {path} is corrupt ({error}); delete it to use the "
             "one before, or start a new run"
@@ -161,7 +163,7 @@ def checkpoint_config(run_dir: str | Path) -> tuple[Config, str]:
     """(model config, parameter dtype) of the run's latest checkpoint."""
     path = latest(run_dir)
     meta = _meta(path, run_dir)
-    return Config.from_dict(meta["config"], source=f"{path}/meta.json"), meta["param_dtype"]
+    return Config.from_dict(meta["config"], source=str(path / META_FILE)), meta["param_dtype"]
 
 
 def abstract_model(config: Config, policy: Policy) -> Transformer:

@@ -34,6 +34,8 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
+from training.checkpoint_metadata import META_FILE, check_step_metadata, read_checksums
+
 STEP_PREFIX, STEP_DIGITS = "step", 8
 META, SHA256 = "meta", "sha256.json"
 LEGACY_STATE = "state.eqx"  # the Equinox-format checkpoints written before orbax
@@ -106,6 +108,11 @@ class Writer:
     def __init__(self, root: str | Path, *, keep: int, asynchronous: bool = True):
         ocp = _ocp()
         self.root = Path(root).absolute()  # orbax refuses relative paths
+        # orbax's manager reads the metadata of every step under the root (at the first save):
+        # a malformed one is named now, before anything is written or deleted.
+        for step in sorted(self.root.glob(f"{STEP_PREFIX}_*/{STEP_METADATA}")):
+            if step.parent.name[len(STEP_PREFIX) + 1 :].isdigit():  # not a temporary directory
+                check_step_metadata(step)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None,
             step_name_format=ocp.step.standard_name_format(
@@ -206,6 +213,10 @@ def check_complete(directory: str | Path) -> None:
         raise CorruptState(
             f"{directory}: not a finalized orbax checkpoint (no _CHECKPOINT_METADATA or {META}/)"
         )
+    try:
+        check_step_metadata(directory / STEP_METADATA)
+    except ValueError as error:
+        raise CorruptState(str(error)) from error
     record = directory / SHA256
     if not record.exists():
         # Refusing would strand a run whose crash came between orbax's finalization and the
@@ -218,16 +229,11 @@ def check_complete(directory: str | Path) -> None:
             stacklevel=2,
         )
         return
+    files = [str(p.relative_to(directory)) for p in checkpoint_files(directory)]
     try:
-        expected = json.loads(record.read_text())
-    except (OSError, ValueError) as error:
-        raise CorruptState(f"{directory}: unreadable {SHA256}: {error}") from error
-    missing = [name for name in expected if not (directory / name).is_file()]
-    if missing:
-        raise CorruptState(
-            f"{directory}: {len(missing)} of its {len(expected)} files are missing "
-            f"(e.g. {missing[0]})"
-        )
+        expected = read_checksums(record, files)
+    except ValueError as error:
+        raise CorruptState(str(error)) from error
     for name, digest in expected.items():
         if _sha256(directory / name) != digest:
             raise CorruptState(f"{directory}: {name} does not match its SHA-256")
@@ -239,9 +245,14 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     ocp = _ocp()
     try:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-            return reader.restore(Path(directory).absolute() / META)
+            meta = reader.restore(Path(directory).absolute() / META)
     except Exception as error:
         raise CorruptState(f"{directory}: unreadable {META}: {error}") from error
+    if not isinstance(meta, dict):
+        raise CorruptState(
+            f"{Path(directory) / META_FILE} holds a JSON {type(meta).__name__}, not an object"
+        )
+    return meta
 
 
 def restore_state(directory: str | Path, templates: Mapping[str, PyTree]) -> dict[str, PyTree]:

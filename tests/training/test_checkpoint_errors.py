@@ -2,6 +2,8 @@
 file of it stays as it was: another model's checkpoint, another optimizer's state, an
 incomplete or damaged orbax directory, a mesh that cannot hold the state."""
 
+import hashlib
+import json
 import logging
 import shutil
 
@@ -96,3 +98,73 @@ def test_reading_a_step_prints_no_orbax_metadata_warning(tmp_path, caplog):
         absl_logging.warning("Metadata file does not exist: %s", tmp_path / "x" / "y")
     warned = [r.getMessage() for r in caplog.records if "Metadata file" in r.getMessage()]
     assert warned == [f"Metadata file does not exist: {tmp_path / 'x' / 'y'}"]
+
+
+def _rewrite(step, name, text):
+    """Replace file `name` of `step` and record its new SHA-256: what a file author can do."""
+    (step / name).write_text(text)
+    record = json.loads((step / "sha256.json").read_text())
+    record[name] = hashlib.sha256((step / name).read_bytes()).hexdigest()
+    (step / "sha256.json").write_text(json.dumps(record))
+
+
+def _meta(change):
+    return lambda step: _rewrite(step, "meta/metadata", json.dumps(change(read_meta(step))))
+
+
+def _record(change):
+    def edit(step):
+        record = json.loads((step / "sha256.json").read_text())
+        (step / "sha256.json").write_text(json.dumps(change(record)))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_meta(lambda m: [m]), r"meta/metadata holds a JSON list, not an object"),
+        (_meta(lambda m: m | {"step": "3"}), r"meta/metadata: 'step' is '3' \(a str\)"),
+        (_meta(lambda m: m | {"step": True}), r"meta/metadata: 'step' is True \(a bool\)"),
+        (_meta(lambda m: m | {"data_position": -1}), r"'data_position' is -1, a count"),
+        (_meta(lambda m: {k: v for k, v in m.items() if k != "data_position"}),
+         r"meta/metadata lacks the field 'data_position'"),
+        (_meta(lambda m: m | {"param_dtype": "int8"}), r"'param_dtype' is 'int8'; the Policy"),
+        (_meta(lambda m: m | {"config": [1]}), r"'config' is \[1\] \(a list\)"),
+        (_meta(lambda m: m | {"resume_from": "x"}),
+         r"meta/metadata holds fields the zoo does not write: \['resume_from'\]"),
+        (_record(lambda r: []), r"sha256.json holds \[\], not an object"),
+        (_record(lambda r: {}), r"sha256.json holds \{\}, not an object"),
+        (_record(lambda r: r | {"../../x": "0" * 64}), r"names '\.\./\.\./x', which is not a path"),
+        (_record(lambda r: r | {"meta/metadata": 5}), r"SHA-256 of 'meta/metadata' is 5, not 64"),
+        (_record(lambda r: {k: v for k, v in r.items() if k != "meta/metadata"}),
+         r"1 files are not in .*sha256.json \(e.g. meta/metadata\): added after"),
+        (lambda step: _rewrite(step, "_CHECKPOINT_METADATA", "{"),
+         r"_CHECKPOINT_METADATA is not readable JSON"),
+        (lambda step: _rewrite(step, "_CHECKPOINT_METADATA", '{"item_handlers": 5}'),
+         r"_CHECKPOINT_METADATA is not orbax step metadata"),
+    ],
+)  # fmt: skip
+def test_checkpoint_metadata_reads_only_what_it_declares(saved, tmp_path, edit, message):
+    """Each metadata file of a step (training/checkpoint_metadata.py): malformed or unexpected
+    content is an error naming the file, and the step stays as it is."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    edit(run_dir.latest(run))
+    before = snapshot(run)
+    for read in (run_dir.checkpoint_config, restore):
+        with pytest.raises(ValueError, match=message):
+            read(run)
+    assert snapshot(run) == before
+
+
+def test_a_writer_refuses_a_root_with_malformed_step_metadata(saved, tmp_path):
+    """orbax's manager reads every step's metadata at the first save after a resume: named when
+    the writer opens, nothing written or deleted."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    _rewrite(run_dir.latest(run), "_CHECKPOINT_METADATA", "[]")
+    before = snapshot(run)
+    with pytest.raises(ValueError, match=r"step_00000001/_CHECKPOINT_METADATA is not orbax step"):
+        Writer(run / "checkpoints", keep=1, asynchronous=False)
+    assert snapshot(run) == before
