@@ -70,6 +70,12 @@ def generate(
     chunk_size = arguments.count(chunk_size, "chunk_size")
     max_len = arguments.optional_count(max_len, "max_len")
     arguments.callback(on_tokens, "on_tokens", "new tokens per row -> None")
+    if tokenizer is not None:
+        arguments.instance(tokenizer, "tokenizer", Tokenizer, "zoo.load_tokenizer(path)")
+    if placement is not None:
+        arguments.instance(placement, "placement", Placement, "shard.Placement(mesh, rules)")
+    if stop_tokens is not None and not isinstance(stop_tokens, Sequence | np.ndarray):
+        raise ValueError(f"stop_tokens must be a list of token ids, got {stop_tokens!r}")
     if stop_tokens is None:
         stop_tokens = () if tokenizer is None else tokenizer.stop_ids()
     stops = np.asarray(list(stop_tokens)).reshape(-1)

@@ -39,6 +39,12 @@ def test_numpy_integer_counts_are_counts(llama):
         ({"chunk_size": 2.5}, "chunk_size must be an int >= 1, got 2.5"),
         ({"max_len": "32"}, "max_len must be an int >= 1, got '32'"),
         ({"on_tokens": 3}, r"on_tokens must be callable \(new tokens per row -> None\)"),
+        ({"sampler": "greedy"}, r"sampler must be an infer sampler \(Greedy\(\), "),
+        ({"key": 3}, r"key must be a jax.random.key\(...\), got 3"),
+        ({"stop_tokens": 5}, "stop_tokens must be a list of token ids, got 5"),
+        ({"stop_tokens": "ab"}, "stop_tokens must hold integer token ids"),
+        ({"tokenizer": "x"}, r"tokenizer must be a Tokenizer \(zoo.load_tokenizer\(path\)\)"),
+        ({"placement": "dp"}, r"placement must be a Placement \(shard.Placement\(mesh, rules\)"),
     ],
 )
 def test_wrong_types_are_named(llama, kwargs, message, without_runtime_typechecks):
@@ -49,3 +55,8 @@ def test_wrong_types_are_named(llama, kwargs, message, without_runtime_typecheck
 def test_a_model_that_is_not_a_transformer(without_runtime_typechecks):
     with pytest.raises(ValueError, match=r"model must be a Transformer .*not a str"):
         run("smollm2-135m")
+
+
+def test_an_engine_of_something_else(without_runtime_typechecks):
+    with pytest.raises(ValueError, match=r"Engine needs a zoo\.Transformer, got str"):
+        infer.Engine("smollm2-135m", max_batch=1, max_len=32)

@@ -105,7 +105,7 @@ def test_malformed_index(checkpoint, text, message):
 )
 def test_malformed_adapter_config(adapter, text, message):
     (adapter / "adapter_config.json").write_text(text)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=rf"adapter_config\.json:? {message}"):
         zoo.load_adapter(random_model(CONFIG, 0), adapter)
 
 
