@@ -123,6 +123,10 @@ def test_text_refuses_its_own_sentinel_characters(tokenizer):
     messages = [{"role": "user", "content": "<|im_end|> \U000f0001"}]
     with pytest.raises(ValueError, match=r"private-use characters \['U\+F0001'\]"):
         tokenizer.apply_chat_template(messages, special_in_content="text")
+    # Private-use characters beyond the sentinels (one per special token) are text as usual.
+    beyond = [{"role": "user", "content": "<|im_end|> \U000fff00"}]
+    ids = tokenizer.apply_chat_template(beyond, special_in_content="text")
+    assert "\U000fff00" in tokenizer.decode(ids)
 
 
 @pytest.mark.parametrize("mode", ["escape", None, True, "TEXT"])

@@ -174,7 +174,8 @@ def encode_marked(tokenizer, text: str, marked: str) -> list[int]:
     """The ids of `text` with special tokens only where the tokenizer finds them in `marked`
     (`text` with some characters replaced; the same length); elsewhere special strings are
     text. With `marked == text`, `encode(text)`'s ids."""
-    stray = sorted({c for c in text if _SENTINEL_BASE <= ord(c) < 0x100000})
+    used = range(_SENTINEL_BASE, _SENTINEL_BASE + len(tokenizer.special_tokens))
+    stray = sorted({c for c in text if ord(c) in used})
     if stray:
         raise ValueError(
             f"the messages hold private-use characters {[f'U+{ord(c):X}' for c in stray[:3]]} "
