@@ -279,8 +279,9 @@ def test_hf_hub_cache_layout_loads(checkpoint, adapter, tmp_path):
 # --- GGUF metadata -----------------------------------------------------------------------------
 
 
-def _gguf_with(tmp_path, extra: dict, name: str) -> str:
-    """A qwen2 GGUF of a tiny model (as llama.cpp's converter writes it) with `extra` metadata."""
+def _gguf_with(tmp_path, extra: dict, name: str, tensors: dict | None = None) -> str:
+    """A qwen2 GGUF of a tiny model (as llama.cpp's converter writes it) with `extra` metadata
+    and `tensors`."""
     import gguf
 
     from tests.zoo.test_families import GGUF_MODELS, write_gguf
@@ -298,6 +299,8 @@ def _gguf_with(tmp_path, extra: dict, name: str) -> str:
         writer.add_key_value(key, value, kind)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data))
+    for tensor_name, value in (tensors or {}).items():
+        writer.add_tensor(tensor_name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -321,3 +324,12 @@ def test_gguf_metadata_the_zoo_would_ignore_is_refused(tmp_path, extra, message)
     assert zoo.load_pretrained(_gguf_with(tmp_path, {"qwen2.rope.scaling.type": "none"}, "a.gguf"))
     with pytest.raises(ValueError, match=message):
         zoo.load_pretrained(_gguf_with(tmp_path, extra, "b.gguf"))
+
+
+@pytest.mark.parametrize(("tensor", "kind"), [("rope_freqs", "frequency factors"),
+                                              ("rope_factors_long", "LongRoPE")])  # fmt: skip
+def test_gguf_rope_scaling_tensors_are_refused_naming_the_architecture(tmp_path, tensor, kind):
+    path = _gguf_with(tmp_path, {}, "scaled.gguf", {f"{tensor}.weight": np.ones(4, np.float32)})
+    refusal = rf"this qwen2 GGUF stores rope scaling as a {tensor} tensor \({kind}\)"
+    with pytest.raises(ValueError, match=refusal):
+        zoo.load_pretrained(path)

@@ -276,12 +276,13 @@ def hf_config(reader: gguf.GGUFReader) -> dict:
             f"{', '.join(ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    for scaling in ("rope_freqs.weight", "rope_factors_long.weight"):
+    kinds = {"rope_freqs.weight": "frequency factors", "rope_factors_long.weight": "LongRoPE"}
+    for scaling, kind in kinds.items():
         if scaling in names:
             raise ValueError(
-                f"this GGUF stores rope scaling as a {scaling.removesuffix('.weight')} tensor "
-                "(Llama-3 scaling or Phi-3 LongRoPE), which the zoo does not read yet; load the "
-                "HF safetensors checkpoint instead"
+                f"this {arch} GGUF stores rope scaling as a {scaling.removesuffix('.weight')} "
+                f"tensor ({kind}), which the zoo does not read yet; load the HF safetensors "
+                "checkpoint instead"
             )
     if ARCHITECTURES[arch].config is not None:
         return ARCHITECTURES[arch].config(reader, arch)
