@@ -16,8 +16,9 @@ from data.datasets import load_text
 from tests.training.conftest import stopped_copy
 from tests.training.test_resume import _write_equinox_format
 from training import convert_run, run_dir
+from training.checkpoint_metadata import META_READS
 from training.optimizer import adamw
-from training.state import SHA256, UncheckedState
+from training.state import SHA256, UncheckedState, read_meta
 from training.step import split_model
 
 CONFIG = zoo.preset("tiny-llama", n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
@@ -99,6 +100,18 @@ def test_convert_run_of_a_garbage_state_leaves_no_staging_directory(legacy_run):
         convert_run.convert(legacy_run)
     assert not (legacy_run / "checkpoints.orbax").exists()
     assert snapshot(legacy_run) == before
+
+
+def test_convert_run_keeps_only_the_meta_fields_a_checkpoint_declares(legacy_run):
+    """A legacy meta.json's other fields (an old writer's bookkeeping) are not carried into the
+    orbax meta, whose reader refuses fields it does not declare; a bad declared one is named."""
+    _rewrite_meta(legacy_run, lambda m: m | {"step": -1})
+    with pytest.raises(ValueError, match=r"meta\.json: 'step' is -1, a count"):
+        convert_run.convert(legacy_run)
+    _rewrite_meta(legacy_run, lambda m: m | {"step": 3, "tokens_seen": 96})
+    (step,) = convert_run.convert(legacy_run)
+    assert set(read_meta(step)) == set(META_READS)
+    assert run_dir.latest_step(legacy_run) == 3
 
 
 @pytest.mark.parametrize(("name", "message"), [("corpus", "has no suffix"), ("c.data", "'.data'")])
