@@ -43,11 +43,19 @@ def test_the_shapes_differ_where_the_families_do(tokenizer_reference):  # noqa: 
 @pytest.mark.parametrize("name", [*DIRS, *GGUFS])
 def test_markers_spelled_by_sentinels_split_as_the_tokenizer_does(tokenizer_reference, name):  # noqa: F811
     """special_in_content="text" encodes a chat with each template marker spelled by a sentinel
-    added token of a copy of the tokenizer: with every special token of these texts a marker,
-    that must give transformers' ids exactly (each family's prefix-space rule after a special
-    token, byte fallback, normalizers)."""
+    added token of a copy of the tokenizer: with every special token of a text a marker, that
+    must give the tokenizer's own ids exactly (each family's prefix-space rule after a special
+    token, byte fallback, normalizers): transformers' ids on TEXTS, and `encode`'s (equal to
+    transformers' above) on texts around the family's own special tokens."""
     expected = tokenizer_reference[name]
     tokenizer = zoo.load_tokenizer(expected["path"])
-    assert any(content.special_spans(tokenizer, text) for text in TEXTS), name
     for text, want in zip(TEXTS, expected["ids"], strict=True):
         assert content.encode_marked(tokenizer, text, text) == want, f"{name} on {text!r}"
+    specials = sorted(tokenizer.special_tokens)
+    around = [
+        "".join(f"{t}Hi there{t}\n  x" for t in specials),
+        f" lead{specials[0]} after  {specials[-1]}end",
+    ]
+    for text in around:
+        assert len(content.special_spans(tokenizer, text)) >= 2, f"{name} on {text!r}"
+        assert content.encode_marked(tokenizer, text, text) == tokenizer.encode(text), name

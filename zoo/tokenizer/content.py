@@ -69,9 +69,21 @@ def _replace_strings(value: Any, replace) -> Any:
     return value
 
 
+def raw_special_strings(tokenizer) -> tuple[str, ...] | None:
+    """The special tokens' strings when each is matched on the raw text (none normalized
+    first), so that a text holding none of them as a substring holds no special token; else
+    None. The tokenizer keeps it (`Tokenizer._raw_special_strings`)."""
+    added = tokenizer.backend.get_added_tokens_decoder()
+    ids = tokenizer.special_tokens.values()
+    return None if any(added[i].normalized for i in ids) else tuple(tokenizer.special_tokens)
+
+
 def special_spans(tokenizer, text: str) -> list[tuple[int, int, int]]:
     """(start, stop, id) of each special token the tokenizer finds in `text` (as `encode`
     finds them: the tokenizers library's own matching)."""
+    raw = tokenizer._raw_special_strings
+    if raw is not None and not any(token in text for token in raw):
+        return []  # the common case, found without encoding the text
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     special = set(tokenizer.special_tokens.values())
     found = zip(encoding.ids, encoding.offsets, strict=True)

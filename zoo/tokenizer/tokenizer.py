@@ -189,6 +189,11 @@ class Tokenizer:
         return self.encode(text)
 
     @functools.cached_property
+    def _raw_special_strings(self) -> tuple[str, ...] | None:
+        """`special_in_content`'s quick test for special strings (zoo/tokenizer/content.py)."""
+        return content.raw_special_strings(self)
+
+    @functools.cached_property
     def _sentinel_backend(self) -> tuple[Any, dict[int, int]]:
         """`special_in_content="text"`'s copy of the backend (zoo/tokenizer/content.py)."""
         return content.sentinel_backend(self)
