@@ -51,6 +51,7 @@ from data.supervised import PAIR_ROLES
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
+from shard.compile_cache import use_compile_cache
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
 from training import distributed, loop, lora_run, offload, preference_run, run_model
@@ -791,6 +792,7 @@ def _train(
 
 if __name__ == "__main__":
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
+    use_compile_cache()  # a resumed or repeated run reads its programs back instead of compiling
     try:
         main()
     except (ValueError, FloatingPointError, OSError) as error:

@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None):
     name, rest = argv[0], argv[1:]
     if name not in BY_NAME:
         sys.exit(f"eqx-zoo: error: unknown command {name!r}; commands: {', '.join(BY_NAME)}")
+    from shard.compile_cache import use_compile_cache
     from shard.xla_flags import set_default_xla_flags
 
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
+    use_compile_cache()  # a second start reads its programs back instead of compiling them
     try:
         return BY_NAME[name].run(rest)
     except (ValueError, FloatingPointError, OSError) as error:
