@@ -55,7 +55,16 @@ from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
 from training import distributed, loop, lora_run, offload, preference_run, run_model
 from training import run_dir as runs
-from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
+from training.args import (
+    ArgError,
+    Args,
+    accumulation,
+    check,
+    check_batch_shards,
+    given,
+    parse_args,
+    pipeline_stages,
+)
 from training.distributed import Processes
 from training.loss import CrossEntropy
 from training.model_config import (
@@ -493,6 +502,7 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
         )
     processes = distributed.start(args)  # before anything touches a device
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
+    check_batch_shards(args)
     check_sequence_length(args.seq_len, placement.sequence_shards)
     if args.offload_opt_state:
         offload.check_supported(placement.mesh.devices.flat if placement.sharded else jax.devices())

@@ -463,7 +463,6 @@ def check(args: Args) -> None:
             "every micro-batch has the same number of sequences; give a divisor of --batch-size",
         )
     check_pipeline_flags(args)
-    check_batch_shards(args)
     check_processes(args)
     if args.warmup > args.steps:
         raise ArgError(
@@ -546,7 +545,8 @@ def check_pipeline_flags(args: Args) -> None:
 
 def check_batch_shards(args: Args) -> None:
     """Each micro-batch (the batch, or each --grad-accum part of it) splits evenly over the
-    devices `--mesh` gives the batch: checked here, before a model is built, not by XLA after."""
+    devices `--mesh` gives the batch: checked once the mesh is known to fit the devices, before
+    any data or model (XLA's sharding error came after them)."""
     shards, part = batch_shards(args), args.batch_size // args.grad_accum
     if pipeline_stages(args) > 1 or part % shards == 0:  # a pipeline's: check_pipeline_flags
         return

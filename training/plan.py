@@ -57,7 +57,7 @@ from shard.rules import (
     shard_count,
 )
 from shard.sequence import check_sequence_length
-from training.args import ArgError, Args, add_arguments
+from training.args import ArgError, Args, add_arguments, check_batch_shards
 from zoo import math as zmath
 from zoo.config import Config
 from zoo.policy import Policy
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.plan") -
     args = p.parse_args(argv)
     given = vars(parser(prog, defaults=False).parse_known_args(argv)[0])
     try:
-        Args(**{name: getattr(args, name) for name in TRAIN_FLAGS})  # train.py's own checks
+        check_batch_shards(Args(**{name: getattr(args, name) for name in TRAIN_FLAGS}))
         return _print_plan(args, given_accum="grad_accum" in given)
     except ValueError as error:
         p.error(str(error))

@@ -4,10 +4,21 @@ together, and the error is argparse's: exit status 2, the flag named."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
-from training.args import ArgError, Args, _flag_type, bounds_of, check, parse_args, parser
+import train
+from training.args import (
+    ArgError,
+    Args,
+    _flag_type,
+    bounds_of,
+    check,
+    check_batch_shards,
+    parse_args,
+    parser,
+)
 
 
 def fails(argv: list[str], capsys) -> str:
@@ -201,13 +212,22 @@ def test_lora_settings_without_a_lora_rank_are_refused(capsys):
          "is a multiple of 24"),
         (["--mesh", "data=2,tensor=4", "--batch-size", "3"], "argument --batch-size: 3 does not "
          "split evenly over the 2 devices"),
-        (["--mesh", "data8"], "argument --mesh: bad mesh entry 'data8'"),
     ],
 )  # fmt: skip
-def test_a_mesh_that_does_not_divide_the_batch_fails_at_its_flag(argv, message, capsys):
-    """Before any data, tokenizer or model (it used to be XLA's sharding error after them)."""
-    assert message in fails(argv, capsys)
-    assert parse_args(["--mesh", "data=2,tensor=4", "--batch-size", "4"]).mesh == "data=2,tensor=4"
+def test_a_mesh_that_does_not_divide_the_batch_is_named(argv, message, tmp_path, tiny_argv):
+    """Before any data, tokenizer or model: it used to be XLA's sharding error after them."""
+    with pytest.raises(ArgError) as error:
+        check_batch_shards(parse_args(argv))
+    assert message in str(error.value)
+    with pytest.raises(ArgError, match=re.escape(message)):
+        train.main(tiny_argv(tmp_path / "run", *argv, "--data", "/does/not/exist"))
+    assert not (tmp_path / "run").exists()
+    check_batch_shards(parse_args(["--mesh", "data=2,tensor=4", "--batch-size", "4"]))
+
+
+def test_a_bad_mesh_is_a_flag_error(capsys):
+    assert "argument --mesh: bad mesh entry 'data8'" in fails(["--mesh", "data8"], capsys)
+    assert "argument --mesh: unknown mesh axis 'model'" in fails(["--mesh", "model=8"], capsys)
 
 
 def test_a_checkpoint_to_start_from_must_be_one(tmp_path, capsys):
