@@ -46,7 +46,6 @@ def parser(prog: str = "eqx-zoo serve") -> argparse.ArgumentParser:
         "--adapter",
         type=adapter,
         action="append",
-        default=[],
         metavar="NAME=PATH",
         help="a PEFT LoRA adapter of --model served as model NAME (repeatable); to serve a "
         "model with an adapter folded in, `eqx-zoo merge` it first",
@@ -90,8 +89,9 @@ def build(argv: list[str] | None = None, prog: str = "eqx-zoo serve"):
 
     p = parser(prog)
     args = p.parse_args(argv)
-    adapters = dict(args.adapter)
-    if len(adapters) != len(args.adapter):
+    given = args.adapter or []
+    adapters = dict(given)
+    if len(adapters) != len(given):
         p.error("argument --adapter: each NAME may be given once")
     placement = Placement.from_flags(args.mesh, args.rules)
     artifact = load_artifact(
