@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None):
     from shard.xla_flags import set_default_xla_flags
 
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
+    from layers.kernels.quantized.cpu import KernelNotBuilt  # says how to build it
+
     try:
         return BY_NAME[name].run(rest)
-    except (ValueError, FloatingPointError, OSError) as error:
+    except (ValueError, FloatingPointError, OSError, KernelNotBuilt) as error:
         sys.exit(f"eqx-zoo {name}: error: {error}")
