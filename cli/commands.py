@@ -107,7 +107,7 @@ COMMANDS = (
         "score any model on tasks: perplexity and bits per byte, multiple choice, generations "
         "by exact match or a checker (training.evaluate), or lm-eval's",
         "SmolLM2-135M on examples/data/brevity_heldout.jsonl (42 generate rows, 40 new tokens "
-        "each: load, compile, generate) took 74 CPU-seconds, about a minute on a 2-core CPU "
+        "each: load, compile, generate) took 74 CPU seconds, about a minute on a 2-core CPU "
         "alone (10 min measured while shared)",
         "cli.evaluate:main",
         "cli.evaluate:parser",

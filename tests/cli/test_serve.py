@@ -12,8 +12,8 @@ from tests.infer.serve import tiny
 from tests.infer.serve.test_cli import write_checkpoint
 from tests.infer.test_adapter_bank import adapted
 
-# The test server's engine configuration (tests/infer/serve/tiny.py).
-ENGINE = ["--max-batch", "4", "--max-len", "256", "--page-size", "8", "--chunk", "16"]
+# A small engine: two rows of 64 tokens.
+ENGINE = ["--max-batch", "2", "--max-len", "64", "--page-size", "8", "--chunk", "16"]
 
 
 @pytest.fixture(scope="module")
