@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None):
 
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
     use_compile_cache()  # a second start reads its programs back instead of compiling them
+    from layers.kernels.quantized.cpu import KernelNotBuilt  # says how to build it
+
     try:
         return BY_NAME[name].run(rest)
-    except (ValueError, FloatingPointError, OSError) as error:
+    except (ValueError, FloatingPointError, OSError, KernelNotBuilt) as error:
         sys.exit(f"eqx-zoo {name}: error: {error}")
