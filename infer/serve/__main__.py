@@ -18,6 +18,7 @@ import uvicorn
 import zoo
 from infer.engine import Engine
 from infer.serve.app import make_app
+from shard.compile_cache import use_compile_cache
 from zoo.tokenizer import content
 
 
@@ -81,4 +82,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    use_compile_cache()  # a restarted server reads its step programs back instead of compiling
     main()

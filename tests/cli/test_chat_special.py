@@ -1,4 +1,4 @@
-"""`eqx-zoo chat` encodes a special token's text typed in a message as plain text by default
+"""`eqx-zoo chat` (and serve) encode a special token's text typed in a message as plain text by default
 (`--special-in-content`, zoo/tokenizer/content.py); "refuse" names it and keeps the chat as it
 was."""
 
@@ -6,11 +6,13 @@ import pytest
 
 import infer
 from cli.chat import Chat, parse_args
+from cli.serve import parser as serve_parser
 from tests.infer.serve import tiny
 
 
 def test_typed_special_text_is_text_by_default():
     assert parse_args([]).special_in_content == "text"
+    assert serve_parser().get_default("special_in_content") == "text"  # eqx-zoo serve alike
     assert parse_args(["--special-in-content", "refuse"]).special_in_content == "refuse"
 
 
