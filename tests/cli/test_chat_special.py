@@ -1,6 +1,6 @@
-"""`eqx-zoo chat` (and serve) encode a special token's text typed in a message as plain text by default
-(`--special-in-content`, zoo/tokenizer/content.py); "refuse" names it and keeps the chat as it
-was."""
+"""`eqx-zoo chat` (and serve) encode a special token's text typed in a message as plain text by
+default (`--special-in-content`, zoo/tokenizer/content.py); "refuse" names it and keeps the chat
+as it was."""
 
 import pytest
 
