@@ -20,6 +20,10 @@ def test_a_reported_failure_is_one_line(monkeypatch, error):
         raise error
 
     monkeypatch.setattr(cli.sample, "main", fails)
+    # The dispatcher's process set-up is for a fresh process: XLA flags refuse a process whose
+    # JAX backend an earlier test of this worker started, and the compile cache would stay on.
+    monkeypatch.setattr("shard.xla_flags.set_default_xla_flags", lambda: "")
+    monkeypatch.setattr("shard.compile_cache.use_compile_cache", lambda: None)
     with pytest.raises(SystemExit) as exit_:
         main(["sample", "--model", "x", "--prompt", "1"])
     assert exit_.value.code == f"eqx-zoo sample: error: {error}"
