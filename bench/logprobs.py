@@ -10,17 +10,20 @@ log-softmax reads them and writes them, the top-k and the chosen token's gather 
 again: about 4 x rows x vocab x 4 bytes), all over the ceiling bandwidth measured in this run. A
 step where no row asks should cost nothing more (one predicate). Each configuration times
 whole batches (8 prompts of 16 tokens, 48 new tokens each; prefill included, ms per step =
-run time / steps), the configurations interleaved, median of the repeats.
+run time / steps), the configurations interleaved, median of the repeats. Below them, the
+step's log-probability computation alone (`infer.engine._logprobs` on `[8, vocab]` logits),
+asked and not: a step's time on a shared machine varies by more than it.
 """
 
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 import zoo
-from bench.harness import Ceilings, Table
-from infer.engine import MAX_LOGPROBS, Engine
+from bench.harness import Ceilings, Table, median_seconds
+from infer.engine import MAX_LOGPROBS, Engine, _logprobs
 from zoo import math as zmath
 
 BATCH, PROMPT, NEW_TOKENS, MAX_LEN, REPEATS = 8, 16, 48, 256, 5
@@ -72,5 +75,19 @@ def run(ceilings: Ceilings) -> Table:
             "predicted ms/step": 1e3 * predicted,
             "measured ms/step": measured,
             "vs none": measured / baseline,
+        })  # fmt: skip
+    logits = jax.random.normal(jax.random.key(1), (BATCH, config.vocab_size)) * 3.0
+    tokens = jnp.zeros(BATCH, jnp.int32)
+    alone = jax.jit(_logprobs)
+    cases = {"computation alone, none": (False, 0), "computation alone, asked": (True, extra_bytes)}
+    seconds = {}
+    for name, (wanted, work) in cases.items():
+        flags = jnp.full(BATCH, wanted)
+        seconds[name] = median_seconds(lambda f=flags: alone(logits, tokens, f), repeats=30)
+        table.add({
+            "rows asking": name,
+            "predicted ms/step": 1e3 * work / bandwidth,
+            "measured ms/step": 1e3 * seconds[name],
+            "vs none": seconds[name] / seconds["computation alone, none"],
         })  # fmt: skip
     return table
