@@ -159,7 +159,11 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("name, kind", [("tiny-llama", "int4"), ("tiny-moe", "int8")])
 def test_engine_and_generate_run_quantized_models_unchanged(name, kind):
+    # Float activations: a random tiny model's logits are near ties, which the int8 rounding of a
+    # row's activations (per token, the same on both paths only for bit-equal inputs) can flip;
+    # the default is held to greedy equality on SmolLM2 (tests/zoo/test_smollm2.py).
     q = zoo.quantize(tiny(name, n_layers=2), kind).with_policy(storage="unrolled")
+    q = with_activations(q, "float")
     cases = [([5, 17, 3, 99, 4], 6), ([7] * 12, 4), ([1, 2], 8)]
     engine = infer.Engine(q, max_batch=2, max_len=32)
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
