@@ -198,17 +198,18 @@ ZOO_AVX512 inline __m512 load_groups(const void* p, Type t, int64_t count) {
   return _mm512_setzero_ps();
 }
 
+inline const uint8_t* element_at(const void* p, Type t, int64_t i) {
+  const int64_t size = (t == Type::kF32) ? 4 : (t == Type::kF16) ? 2 : 1;
+  return static_cast<const uint8_t*>(p) + i * size;
+}
+
 // The 16 (or `count`) scales and minimums of groups g0 .. g0 + 15 of row n (g0 % 16 == 0).
 ZOO_AVX512 inline void group_constants(const Weight& w, int64_t n, int64_t g0, int64_t count,
                                        __m512& s, __m512& m) {
   const int64_t at = n * w.groups() + g0;
-  const int64_t scale_size = (w.scale_type == Type::kF32) ? 4 : (w.scale_type == Type::kF16) ? 2 : 1;
-  s = load_groups(static_cast<const uint8_t*>(w.scales) + at * scale_size, w.scale_type, count);
+  s = load_groups(element_at(w.scales, w.scale_type, at), w.scale_type, count);
   m = _mm512_setzero_ps();
-  if (w.mins) {
-    const int64_t min_size = (w.min_type == Type::kF32) ? 4 : (w.min_type == Type::kF16) ? 2 : 1;
-    m = load_groups(static_cast<const uint8_t*>(w.mins) + at * min_size, w.min_type, count);
-  }
+  if (w.mins) m = load_groups(element_at(w.mins, w.min_type, at), w.min_type, count);
   if (w.super_scales) {  // groups per super-block (8 or 16) divides 16: lane j's is j / ratio
     const int64_t ratio = 256 / w.group, first = n * (w.k / 256) + g0 / ratio;
     const int64_t supers = (count + ratio - 1) / ratio;
@@ -336,26 +337,16 @@ bool has_avx512() {
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return yes;
 }
+
 // --- AVX-512 VNNI path: integer products of codes (int8 activations) ------------------------
 
 #define ZOO_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")))
 
-
+// `count` (<= 4) scales of type t as the low lanes of a vector.
 ZOO_VNNI inline __m128 load4(const void* p, Type t, int64_t count) {
-  const __mmask8 mask = static_cast<__mmask8>((1u << count) - 1);
-  switch (t) {
-    case Type::kF32: return _mm_maskz_loadu_ps(mask, p);
-    case Type::kF16: return _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, p));
-    case Type::kU8: return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, p)));
-    case Type::kI8: return _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
-  }
-  return _mm_setzero_ps();
+  return _mm512_castps512_ps128(load_groups(p, t, count));
 }
 
-inline const uint8_t* element_at(const void* p, Type t, int64_t i) {
-  const int64_t size = (t == Type::kF32) ? 4 : (t == Type::kF16) ? 2 : 1;
-  return static_cast<const uint8_t*>(p) + i * size;
-}
 
 // Whether the VNNI path takes this weight: integer levels, and (but Q6_K's 16) a group of 32 or
 // 64, a multiple of 128, or one group per row, so that 4 chunks' scales load as one vector.
