@@ -20,8 +20,9 @@ Predicted = (weight bytes + KV cache bytes) / bandwidth measured in this run.
 Perplexity: exp(mean NLL) over `PPL_TOKENS` tokens of a Python standard library file (always
 there, never trained on in this form), in windows of `PPL_WINDOW` tokens (each window's first
 token is predicted from nothing, so it is left out), each fed in chunks of `KERNEL_TOKENS`
-through a KV cache so that the quantized products run as at decode (the CPU kernel). Greedy: `GREEDY_TOKENS` new tokens for each
-bench prompt at batch 1, the same as the float32 model's or not.
+through a KV cache so that the quantized products run as at decode (the CPU kernel).
+Greedy: `GREEDY_TOKENS` new tokens for each bench prompt at batch 1, the same as the float32
+model's or not.
 """
 
 import json
