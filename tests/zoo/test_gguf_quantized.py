@@ -18,7 +18,7 @@ import pytest
 
 import zoo
 from layers import QuantizedEmbedding, QuantizedLinear
-from layers.quantized import with_activations
+from layers.quantized import PackedWeight
 from zoo.quantize import quantized_formats
 
 CONFIG = zoo.preset(
@@ -120,10 +120,12 @@ def test_packed_model_computes_what_the_dequantized_file_does(mixed):
     # the same way on both paths)...
     for a, b in zip(jax.tree.leaves(zoo.dequantize(packed)), jax.tree.leaves(floats), strict=True):
         np.testing.assert_array_equal(a, b)
-    # ...and the forward (kernels, taking x as it is) differs from the float one by summation
-    # order alone (the default int8 activations: tests/layers/test_quantized.py's bounds).
+    # ...and the forward (kernels taking x as it is: a GGUF's float activations) differs from
+    # the float one by summation order alone.
+    packed_weights = jax.tree.leaves(packed, is_leaf=lambda n: isinstance(n, PackedWeight))
+    assert {w.activations for w in packed_weights if isinstance(w, PackedWeight)} == {"float"}
     forward = eqx.filter_jit(lambda m, t: m(t))
-    ours, want = forward(with_activations(packed, "float"), TOKENS), forward(floats, TOKENS)
+    ours, want = forward(packed, TOKENS), forward(floats, TOKENS)
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(ours / scale, want / scale, rtol=1e-5, atol=1e-5)
 
