@@ -23,6 +23,9 @@ one step behind, streaming, prefix reuse, preemption.
   tokens are rolled back by the row's length: their pages stay with the row and are written over.
   The host proposes from the tokens it has read, so a speculating engine reads each step's
   tokens before it dispatches the next.
+- Log-probabilities (`submit(..., logprobs=N)`, N up to `MAX_LOGPROBS`): the step also reports
+  each emitted token's log-probability and the N most likely tokens at its position, from the
+  model's raw distribution (`TokenLogprob`); computed only in steps where some row asks.
 - Pages are allocated as tokens arrive. When the pool runs dry, the youngest running request is
   preempted: its pages go back, it returns to the head of the queue and is recomputed (its prompt
   and the tokens it already has, prefilled again) when pages free up; its tokens are kept.
@@ -61,6 +64,9 @@ OnTokens = Callable[[list[int]], None]
 # (after its previous token was streamed): an int32 bitmask [allowed_words(vocab)].
 AllowedTokens = Callable[[], np.ndarray]
 Count = int | np.integer  # numpy's integers count too
+# The most alternatives per token a request may ask for (`submit(logprobs=)`, OpenAI's limit on
+# top_logprobs): the step always has room for this many, so no request's setting compiles anything.
+MAX_LOGPROBS = 20
 
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
@@ -81,14 +87,15 @@ class RowParams(eqx.Module):
     """Each row's request settings on the device, uploaded when a request joins: its sampler,
     its stop tokens (`-1` pads), its budget of new tokens and its seed (a row's i-th new token
     is drawn with `fold_in(fold_in(key, seed), i)`: the same request and seed give the same
-    tokens whatever else is in the batch) and its LoRA adapter (-1: none; a model with
-    `LoRABank`s, `zoo.bank_adapters`)."""
+    tokens whatever else is in the batch), its LoRA adapter (-1: none; a model with
+    `LoRABank`s, `zoo.bank_adapters`) and whether it wants log-probabilities."""
 
     sampling: SamplingParams
     stops: Int[Array, "rows stops"]
     budget: Int[Array, " rows"]
     seed: Int[Array, " rows"]
     adapter: Int[Array, " rows"]
+    logprobs: Bool[Array, " rows"]
 
 
 class StepPlan(eqx.Module):
@@ -114,6 +121,48 @@ class StepPlan(eqx.Module):
     k: Int[ArrayLike, " rows"]
     allowed: Int[ArrayLike, "rows words"]
     q: Float[ArrayLike, "rows drafts vocab"] | None = None
+
+
+class Logprobs(eqx.Module):
+    """A step's log-probabilities, laid out as its report's tokens: each row's emitted tokens'
+    `[rows, group]`, and the most likely tokens at their positions with theirs `[rows, group,
+    top]` (`top = min(MAX_LOGPROBS, vocab)`, most likely first). All zeros in a step where no
+    row asked (nothing is computed then)."""
+
+    chosen: Float[Array, "rows group"]
+    top_tokens: Int[Array, "rows group top"]
+    top: Float[Array, "rows group top"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model and the most likely tokens at its
+    position with theirs, most likely first (as many as the request asked for)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def _logprobs(
+    logits: Float[Array, "n vocab"], tokens: Int[Array, " n"], wanted: Bool[Array, " n"]
+) -> tuple[Float[Array, " n"], Int[Array, "n top"], Float[Array, "n top"]]:
+    """The log-softmax of the raw `logits` at each position: the emitted `tokens`' values and
+    the most likely tokens'. Skipped (zeros) unless some position is `wanted`: a step where no
+    row asks pays one predicate, not a softmax and a top-k over the vocabulary."""
+    n, vocab = logits.shape
+    top = min(MAX_LOGPROBS, vocab)
+
+    def compute():
+        scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        best, best_tokens = jax.lax.top_k(scores, top)
+        chosen = jnp.take_along_axis(scores, tokens[:, None], axis=1)[:, 0]
+        return chosen, best_tokens.astype(jnp.int32), best
+
+    def skip():
+        return jnp.zeros(n), jnp.zeros((n, top), jnp.int32), jnp.zeros((n, top))
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip)
 
 
 def allowed_words(vocab_size: int) -> int:
@@ -144,9 +193,9 @@ def _cut_at_stops(tokens, n, stops, count, budget):
 def _step_program(model, state, params, plan, key, *, page_size, placement):
     """One engine step: decode rows (each its last token and its drafts, a group of
     `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
-    its own keys and allowed tokens), stop checks and the rows' state. Returns the state and
+    its own keys and allowed tokens), stop checks and the rows' state. Returns the state,
     `[rows, k_max + 3]` int32: each row's new tokens `[k_max + 1]`, how many it emitted,
-    whether it is done."""
+    whether it is done, and their `Logprobs` (computed when a row that emits asks for them)."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
     TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
@@ -197,6 +246,12 @@ def _step_program(model, state, params, plan, key, *, page_size, placement):
         chunk_logits = jnp.where(allowed[plan.row], out.logits[rows * group :], -jnp.inf)
         chunk_sampling = jax.tree.map(lambda x: x[plan.row], params.sampling)
         first = sample(chunk_logits, chunk_sampling, keys[rows:])
+    # Log-probabilities of every position's emitted token: the decode groups' (a verified
+    # group's accepted drafts and its extra token), then the prompt chunks' first tokens.
+    wanted = jnp.concatenate(
+        [jnp.repeat(live & params.logprobs, group), plan.final & params.logprobs[plan.row]]
+    )
+    scores = _logprobs(out.logits, jnp.concatenate([new.reshape(-1), first]), wanted)
     n, stopped = _cut_at_stops(new, n, params.stops, state.count, params.budget)
     count = state.count + n
     done = state.done | (live & stopped)
@@ -212,7 +267,23 @@ def _step_program(model, state, params, plan, key, *, page_size, placement):
     done = done.at[row].set(ended, mode="drop")
     n = n.at[row].set(1, mode="drop")
     report = jnp.concatenate([new, n[:, None], done[:, None].astype(jnp.int32)], axis=1)
-    return RowState(out.cache.layers, last, count, done), report
+
+    def by_row(x):  # laid out as `new`: a prompt's first token at its row's slot 0
+        grouped = x[: rows * group].reshape(rows, group, *x.shape[1:])
+        return grouped.at[row, 0].set(x[rows * group :], mode="drop")
+
+    logprobs = Logprobs(*(by_row(x) for x in scores))
+    return RowState(out.cache.layers, last, count, done), report, logprobs
+
+
+def _token_logprobs(scores: Logprobs, row: int, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """A row's emitted `tokens`' entries from a step's `Logprobs` read to the host."""
+    entries = []
+    for i, token in enumerate(tokens):
+        ids, values = scores.top_tokens[row, i, :top].tolist(), scores.top[row, i, :top].tolist()
+        best = zip(ids, values, strict=True)
+        entries.append(TokenLogprob(token, float(scores.chosen[row, i]), tuple(best)))
+    return entries
 
 
 @dataclasses.dataclass(eq=False)
@@ -223,7 +294,8 @@ class Request:
     submit to first token, first to last (as the host sees them); `preemptions` counts how often
     the pool ran dry and it was recomputed. `seed` fixes its draws, `allowed` constrains them.
     Speculation: up to `draft_tokens` drafts per step, `drafted` of them verified and
-    `accepted` kept (`accepted / drafted`: the acceptance rate)."""
+    `accepted` kept (`accepted / drafted`: the acceptance rate). `logprobs` (None: not asked)
+    alternatives per token: `token_logprobs` then holds one `TokenLogprob` per token."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -233,7 +305,9 @@ class Request:
     seed: int = 0
     allowed: AllowedTokens | None = None
     adapter: int = -1
+    logprobs: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     done: bool = False
     error: Exception | None = None
     cancelled: bool = False
@@ -283,6 +357,7 @@ class StepRecord:
 class _Launched:
     step: int
     report: Array
+    logprobs: Logprobs
     owners: list[Request | None]
     record: StepRecord
     started: float
@@ -443,6 +518,7 @@ class Engine:
             "budget": np.ones(max_batch, np.int32),
             "seed": np.zeros(max_batch, np.int32),
             "adapter": np.full(max_batch, -1, np.int32),
+            "logprobs": np.zeros(max_batch, bool),
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
@@ -480,6 +556,7 @@ class Engine:
         seed: int | None = None,
         allowed: AllowedTokens | None = None,
         adapter: int = -1,
+        logprobs: Count | None = None,
     ) -> Request:
         """Queue a prompt (a list of token ids), ending at one of `stop_tokens` (default: the
         engine's `stop_tokens`; `()`: none) or after `max_new_tokens`. Bad input is a ValueError
@@ -492,7 +569,17 @@ class Engine:
         `seed` fixes the request's draws (default: its submission number); `allowed` constrains
         its tokens (see `AllowedTokens`; a failing one ends only its request, as `error`);
         `adapter` picks one of the model's banked LoRA adapters (`zoo.bank_adapters`; -1: the
-        base model)."""
+        base model).
+
+        `logprobs=N` (0 to `MAX_LOGPROBS`; None: none) fills `request.token_logprobs`: for every
+        token it generates (drafts a verification accepted included) its log-probability and
+        the N most likely tokens at its position with theirs, before `on_tokens` sees it. They
+        are the model's own distribution, the log-softmax of its raw logits over the whole
+        vocabulary: before temperature, top-k/top-p/min-p and the `allowed` mask (vLLM's
+        default, "raw" logprobs). So they say what the model thinks of the text, the same for a
+        text whatever settings drew it (comparable across requests, usable for scoring), and a
+        greedy token is its position's most likely one; a sampled or constrained token may
+        not be among the top N."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -536,6 +623,14 @@ class Engine:
                 f"adapter must be -1 (the base model) or the index of one of the model's "
                 f"{n_adapters} banked adapters, got {adapter!r}"
             )
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int | np.integer)
+            or not 0 <= logprobs <= MAX_LOGPROBS
+        ):  # fmt: skip
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (how many most likely "
+                f"tokens to report per token), got {logprobs!r}"
+            )
         stops = self.stop_tokens if stop_tokens is None else self._checked_stops(stop_tokens)
         drafts = self._check_draft_tokens(draft_tokens)
         if allowed is not None and draft_tokens:  # a draft's mask would need the tokens before it
@@ -552,6 +647,7 @@ class Engine:
             on_tokens=on_tokens,
             allowed=allowed,
             adapter=int(adapter),
+            logprobs=None if logprobs is None else int(logprobs),
             submitted=time.perf_counter(),
         )
         request.sampler.params()  # a bad sampler fails here, not mid-batch
@@ -638,7 +734,7 @@ class Engine:
             plan = self._plan([], [], chunks, {})
             if self.drafter is not None:
                 plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
-            self.state, report = self._program(
+            self.state, report, _ = self._program(
                 self.model, self.state, self._row_params(), plan, self.key
             )
         report.block_until_ready()
@@ -711,6 +807,7 @@ class Engine:
         host["budget"][row] = request.max_new_tokens
         host["seed"][row] = request.seed
         host["adapter"][row] = request.adapter
+        host["logprobs"][row] = request.logprobs is not None
         self._params = None  # uploaded again before the next step
 
     def _row_params(self) -> RowParams:
@@ -722,8 +819,9 @@ class Engine:
                 min_p=host["min_p"],
             )  # fmt: skip
             self._params = RowParams(
-                sampling, host["stops"], host["budget"], host["seed"], host["adapter"]
-            )
+                sampling, host["stops"], host["budget"], host["seed"], host["adapter"],
+                host["logprobs"],
+            )  # fmt: skip
         return self._params
 
     def _cover(self, request: Request, n_tokens: int) -> bool:
@@ -849,7 +947,7 @@ class Engine:
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
             plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
-        self.state, report = self._program(
+        self.state, report, logprobs = self._program(
             self.model, self.state, self._row_params(), plan, self.key
         )
         owners = list(self.rows)
@@ -867,7 +965,7 @@ class Engine:
         )
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
-        return _Launched(record.step, report, owners, record, time.perf_counter())
+        return _Launched(record.step, report, logprobs, owners, record, time.perf_counter())
 
     def _consume(self, launched: _Launched) -> None:
         """Read a dispatched step's tokens (waiting for it) and act on them: record, stream,
@@ -880,6 +978,8 @@ class Engine:
         self.records.append(record)
         if self.log_steps:
             print(record, flush=True)
+        asked = any(r is not None and r.logprobs is not None for r in launched.owners)
+        scores = jax.device_get(launched.logprobs) if asked else None  # read only when asked
         for row, request in enumerate(launched.owners):
             if request is None or request.done or not emitted[row]:
                 continue
@@ -888,7 +988,10 @@ class Engine:
             request.accepted += extra
             if self.drafter is not None:
                 self.drafter.kept(row, request.cached)
-            self._emit(request, tokens[row, : emitted[row]].tolist(), bool(done[row]))
+            new = tokens[row, : emitted[row]].tolist()
+            if request.logprobs is not None:
+                request.token_logprobs.extend(_token_logprobs(scores, row, new, request.logprobs))
+            self._emit(request, new, bool(done[row]))
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""
