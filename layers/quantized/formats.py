@@ -24,6 +24,13 @@ per 16 weights, byte b holding weights b, b + 4, b + 8, b + 12 in bit pairs 0, 2
 for the symmetric int4 and Q4_0, the code itself for asymmetric int4 and Q4_1, which add a
 per-group minimum).
 
+`activations` ("int8", the default, or "float") is what the CPU kernel does with x at decode:
+"int8" rounds it per 32 inputs to int8 codes and a step first (llama.cpp's Q8_0 activations,
+`layers.kernels.quantized.quantize_activations`) so that codes multiply codes in integers (the
+4-bit formats' products are otherwise bound by turning weights into floats); "float" keeps x as
+it is. `with_activations(tree, mode)` sets it on every packed weight of a model. Prefill and
+training (the dequantize + XLA path) and the GPU kernel always take x as it is.
+
 Scales and minimums keep the precision their format stores: llama.cpp's float16, float32 for the
 zoo's own int8 and nf4 scales (a bfloat16 scale would add its own 2^-8 relative error to every
 weight it scales). The k-quants keep their two-level scales as llama.cpp does (small integer
@@ -31,7 +38,8 @@ sub-scales of a float16 scale per 256 weights): their products are exact in floa
 """
 
 import abc
-from typing import ClassVar
+import dataclasses
+from typing import ClassVar, Literal, get_args
 
 import equinox as eqx
 import jax
@@ -39,6 +47,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, Integer
 
+Activations = Literal["int8", "float"]
+ACTIVATIONS: tuple[str, ...] = get_args(Activations)
 CHUNK = 32  # weights per packed chunk: every format needs cols % CHUNK == 0
 SUPER = 256  # weights per k-quant super-block
 
@@ -125,6 +135,14 @@ class PackedWeight(eqx.Module):
     group: eqx.AbstractVar[int]
     axes: eqx.AbstractVar[tuple[str, ...]]
     name: eqx.AbstractVar[str]
+    activations: eqx.AbstractVar[str]
+
+    def __check_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"activations {self.activations!r} is not one of {ACTIVATIONS} (how the CPU "
+                "kernel takes x: rounded to int8 per 32 inputs, or as it is)"
+            )
 
     @abc.abstractmethod
     def dequantize(self, dtype: DTypeLike = jnp.float32) -> Float[Array, "... rows cols"]:
@@ -185,6 +203,7 @@ class Int8Weight(PackedWeight):
     group: int = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
     name: str = eqx.field(static=True, default="int8")
+    activations: Activations = eqx.field(static=True, default="int8")
     kernel_format: ClassVar[str] = "i8"
 
     @property
@@ -214,9 +233,10 @@ class Int4Weight(PackedWeight):
     group: int = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
     name: str = eqx.field(static=True, default="int4")
+    activations: Activations = eqx.field(static=True, default="int8")
     kernel_format: ClassVar[str] = "u4"
 
-    def __check_init__(self):
+    def __check_init__(self):  # PackedWeight's check runs too (equinox runs every class's)
         if len(self.levels) != 16:
             raise ValueError(f"a 4-bit format needs 16 levels, got {len(self.levels)}")
 
@@ -266,6 +286,7 @@ class Q4KWeight(PackedWeight):
     axes: tuple[str, ...] = eqx.field(static=True)
     group: int = eqx.field(static=True, default=32)
     name: str = eqx.field(static=True, default="q4_k")
+    activations: Activations = eqx.field(static=True, default="int8")
     kernel_format: ClassVar[str] = "q4k"
 
     @property
@@ -293,6 +314,7 @@ class Q6KWeight(PackedWeight):
     axes: tuple[str, ...] = eqx.field(static=True)
     group: int = eqx.field(static=True, default=16)
     name: str = eqx.field(static=True, default="q6_k")
+    activations: Activations = eqx.field(static=True, default="int8")
     kernel_format: ClassVar[str] = "q6k"
 
     @property
@@ -313,3 +335,17 @@ class Q6KWeight(PackedWeight):
 
 
 FORMATS: tuple[type[PackedWeight], ...] = (Int8Weight, Int4Weight, Q4KWeight, Q6KWeight)
+
+
+def with_activations(tree, activations: Activations):
+    """`tree` (a model, a layer) with every packed weight's `activations` set (see the module
+    docstring); nothing else changes, no array is copied."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r} is not one of {ACTIVATIONS}")
+
+    def one(leaf):
+        if isinstance(leaf, PackedWeight):
+            return dataclasses.replace(leaf, activations=activations)
+        return leaf
+
+    return jax.tree.map(one, tree, is_leaf=lambda leaf: isinstance(leaf, PackedWeight))

@@ -10,12 +10,19 @@ Bounds (float32, eps the machine epsilon, u = eps / 2 the unit roundoff):
   by <= 1/2 + 16 u (two roundings of a quotient <= 16), and fl(code s + min16) adds
   u (|w| + s): |dequantized - w| <= s / 2 + eps (|w| + |min16| + 16 s).
 - nf4: as QLoRA's: |dequantized - w| <= absmax (NF4_MAX_HALF_GAP + 2 eps).
+- int8 activations (the CPU kernel's default): x̂ = quantize_activations(x) is the kernel's
+  input, computed in JAX with the same float32 operations as the C++ (so x̂ is the same bits);
+  the kernel is then held to the bound below against dequantize + matmul on x̂. x̂ errs from x
+  by <= d / 2 + u |x̂| per input (d = the chunk's max |x| / 127: round to nearest, then one
+  rounded product).
 - a kernel against dequantize + matmul: both sum the same K products of x with the weights'
   parts (code · scale, and the group's minimum and offset · scale, which the kernel adds
   through per-group sums of x); each path's rounding is at most gamma_(K+4) sum_k |x_k| A_k
   (Higham's gamma_n ~ n u, A_k = |code_k scale| + |min + offset scale|, every partial sum
   bounded by it), so they differ by at most (K + 8) eps sum_k |x_k| A_k.
 """
+
+import dataclasses
 
 import equinox as eqx
 import gguf
@@ -29,6 +36,7 @@ from layers.kernels.quantized import (
     KERNEL_TOKENS,
     cpu_matmul,
     pallas,
+    quantize_activations,
     quantized_matmul,
     quantized_ragged_matmul,
     reference_matmul,
@@ -47,6 +55,7 @@ from layers.quantized import (
     pack_nibbles,
     unpack_high_bits,
     unpack_nibbles,
+    with_activations,
 )
 from shard import logical_axes
 from tests.bench.test_cuda_lowering import TRITON_CALL
@@ -191,18 +200,39 @@ def _f16_int8():
 
 
 CASES = packed_cases()
+# Rows of 5 chunks: the integer path's blocks of 4 chunks and a partial one.
+TAIL_CASES = [
+    (f"{kind}-{group}-160", pack(random_w(cols=160), kind, group=group, axes=("mlp", "embed")))
+    for kind, group in [("int8", None), ("int8", 32), ("int4", 32), ("nf4", 32)]
+]
 
 
-@pytest.mark.parametrize("name, weight", CASES, ids=[c[0] for c in CASES])
+def test_activations_are_rounded_within_half_a_step():
+    x = jax.random.normal(jax.random.key(0), (3, 96)) * jnp.array([1e-3, 1.0, 1e3])[:, None]
+    x = x.at[0, :32].set(0.0)  # an all-zero chunk stays zero
+    x_hat = quantize_activations(x)
+    step = jnp.repeat(jnp.max(jnp.abs(x.reshape(3, 3, 32)), axis=-1) / 127, 32, axis=-1)
+    assert bool(jnp.all(jnp.abs(x_hat - x) <= step / 2 + EPS * jnp.abs(x_hat)))
+    np.testing.assert_array_equal(x_hat[0, :32], 0.0)
+    codes = x_hat / jnp.where(step > 0, step, 1)
+    np.testing.assert_allclose(codes, jnp.round(codes), atol=1e-4)  # integers times the step
+
+
+@pytest.mark.parametrize("name, weight", CASES + TAIL_CASES,
+                         ids=[c[0] for c in CASES + TAIL_CASES])  # fmt: skip
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
 def test_cpu_kernel_equals_dequantize_then_matmul(name, weight, portable):
-    # 1, 3 and 17 tokens: the kernel's blocks of 4 and 2 tokens and the single-token tail.
+    # 1, 3 and 17 tokens: the kernel's blocks of 8, 4 and 2 tokens and the single-token tail.
+    # int8 activations: the kernel's input is x̂ (the module docstring), the same bound on it.
     for tokens in (1, 3, 17):
         x = jax.random.normal(jax.random.key(tokens), (tokens, weight.cols))
-        y = jax.jit(lambda x, w: cpu_matmul(x, w, portable=portable))(x, weight)
-        reference = reference_matmul(x, weight)
-        assert y.shape == reference.shape == (tokens, weight.shape[0])
-        assert bool(jnp.all(jnp.abs(y - reference) <= kernel_bound(x, weight))), name
+        for int8, x_in in ((True, quantize_activations(x)), (False, x)):
+            y = jax.jit(
+                lambda x, w, int8=int8: cpu_matmul(x, w, int8_activations=int8, portable=portable)
+            )(x, weight)
+            reference = reference_matmul(x_in, weight)
+            assert y.shape == reference.shape == (tokens, weight.shape[0])
+            assert bool(jnp.all(jnp.abs(y - reference) <= kernel_bound(x_in, weight))), name
 
 
 @pytest.mark.parametrize("sizes", [(2, 0, 3, 1), (0, 0, 6, 0), (1, 1, 1, 1)])
@@ -212,7 +242,8 @@ def test_cpu_kernel_per_expert_equals_ragged_dot(sizes, kind):
     weight = pack(w, kind, axes=("experts", "mlp", "embed"))
     x = jax.random.normal(jax.random.key(1), (7, 64))  # 6 rows belong to experts, one to none
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    y = jax.jit(cpu_matmul)(x, weight, group_sizes)
+    y = jax.jit(lambda *a: cpu_matmul(*a, int8_activations=True))(x, weight, group_sizes)
+    x = quantize_activations(x)  # what the kernel multiplies
     reference = reference_ragged_matmul(x, weight, group_sizes)
     assigned = sum(sizes)
     np.testing.assert_array_equal(y[assigned:], 0.0)
@@ -278,18 +309,24 @@ def test_quantized_linear_is_the_linear_of_its_dequantized_weight(
     assert isinstance(float_linear, Linear) and float_linear.weight.shape == linear.weight.shape
     np.testing.assert_array_equal(float_linear.bias, linear.bias)
     x = jax.random.normal(jax.random.key(1), (1, tokens, *in_shape))
-    y = eqx.filter_jit(lambda m, x: m(x))(q, x)
-    reference = float_linear(x)
-    flat_x = x.reshape(tokens, -1)
-    bound = kernel_bound(flat_x, q.packed).reshape(1, tokens, *out_shape)
-    assert y.shape == reference.shape
-    assert bool(jnp.all(jnp.abs(y - reference) <= bound))
+    forward = eqx.filter_jit(lambda m, x: m(x))
+    # The kernel (up to KERNEL_TOKENS tokens) multiplies x̂ (int8 activations, the default),
+    # dequantize + XLA x itself; with float activations the kernel takes x too.
+    kernel = tokens <= KERNEL_TOKENS
+    rounded = quantize_activations(x.reshape(tokens, -1)).reshape(x.shape) if kernel else x
+    for model, x_in in [(q, rounded)] + ([(with_activations(q, "float"), x)] if kernel else []):
+        y = forward(model, x)
+        reference = float_linear(x_in)
+        bound = kernel_bound(x_in.reshape(tokens, -1), q.packed).reshape(1, tokens, *out_shape)
+        assert y.shape == reference.shape
+        assert bool(jnp.all(jnp.abs(y - reference) <= bound))
 
 
 def test_gradient_reaches_the_input_alone():
     q = QuantizedLinear.from_linear(
         Linear(64, 32, axes=("embed", "mlp"), key=jax.random.key(0)), "int4"
     )
+    q = with_activations(q, "float")  # the forward's x as it is: sin' at the float model's y
     x = jax.random.normal(jax.random.key(1), (2, 64))
     dx = jax.grad(lambda x: jnp.sum(jnp.sin(q(x))))(x)
     w = q.weight()
@@ -337,8 +374,9 @@ def test_quantized_embedding_looks_up_and_unembeds():
     tokens = jnp.array([[0, 5, 255]])
     np.testing.assert_array_equal(q(tokens), table[tokens])
     x = jax.random.normal(jax.random.key(1), (1, 2, 64))
-    bound = kernel_bound(x[0], q.packed)[None]
-    assert bool(jnp.all(jnp.abs(q.unembed(x) - x @ table.T) <= bound))
+    x_hat = quantize_activations(x[0])[None]  # the kernel's input (int8 activations)
+    bound = kernel_bound(x_hat[0], q.packed)[None]
+    assert bool(jnp.all(jnp.abs(q.unembed(x) - x_hat @ table.T) <= bound))
     np.testing.assert_array_equal(q.dequantize().weight, table)
 
 
@@ -347,6 +385,7 @@ def test_quantized_experts_are_the_experts_of_their_dequantized_weights():
     q = QuantizedExperts.from_experts(experts, "int4", group=32)
     assert q.n_experts == 4 and q.kind == "int4"
     floats = q.dequantize()
+    q = with_activations(q, "float")  # x as it is: the float experts' inputs
     x = jax.random.normal(jax.random.key(1), (6, 64))
     sizes = jnp.array([2, 0, 3, 1], jnp.int32)
     # Same weights, another summation order: the tolerance of tests/zoo/test_transformer.py.
@@ -358,6 +397,7 @@ def test_quantized_experts_are_the_experts_of_their_dequantized_weights():
 def test_ragged_gradient_reaches_the_input():
     w = jax.random.normal(jax.random.key(0), (2, 32, 64)) * 0.05
     weight = pack(w, "int8", axes=("experts", "mlp", "embed"))
+    weight = with_activations(weight, "float")  # the forward's x as it is (y in the gradient)
     sizes = jnp.array([1, 2], jnp.int32)
     x = jax.random.normal(jax.random.key(1), (3, 64))
     dx = jax.grad(lambda x: jnp.sum(quantized_ragged_matmul(x, weight, sizes) ** 2))(x)
@@ -380,14 +420,22 @@ def test_quantized_matmul_under_vmap():
     weight = pack(random_w(), "int4", axes=("mlp", "embed"))
     x = jax.random.normal(jax.random.key(1), (3, 1, weight.cols))
     y = jax.vmap(lambda x: quantized_matmul(x, weight))(x)
+    x_hat = quantize_activations(x[:, 0])  # each row rounded on its own, as unbatched
     assert bool(
-        jnp.all(
-            jnp.abs(y[:, 0] - reference_matmul(x[:, 0], weight)) <= kernel_bound(x[:, 0], weight)
-        )
+        jnp.all(jnp.abs(y[:, 0] - reference_matmul(x_hat, weight)) <= kernel_bound(x_hat, weight))
     )
 
 
 # --- bad inputs -----------------------------------------------------------------------------
+
+
+def test_bad_activations_are_refused(without_runtime_typechecks):
+    weight = pack(random_w(), "int8", axes=("mlp", "embed"))
+    with pytest.raises(ValueError, match="activations 'int4' is not one of"):
+        dataclasses.replace(weight, activations="int4")
+    with pytest.raises(ValueError, match="activations 'bf16' is not one of"):
+        with_activations(weight, "bf16")
+    assert with_activations(weight, "float").activations == "float"
 
 
 def test_bad_kind_is_refused(without_runtime_typechecks):

@@ -18,6 +18,7 @@ import pytest
 
 import zoo
 from layers import QuantizedEmbedding, QuantizedLinear
+from layers.quantized import PackedWeight
 from zoo.quantize import quantized_formats
 
 CONFIG = zoo.preset(
@@ -119,7 +120,10 @@ def test_packed_model_computes_what_the_dequantized_file_does(mixed):
     # the same way on both paths)...
     for a, b in zip(jax.tree.leaves(zoo.dequantize(packed)), jax.tree.leaves(floats), strict=True):
         np.testing.assert_array_equal(a, b)
-    # ...and the forward (kernels) differs from the float one by summation order alone.
+    # ...and the forward (kernels taking x as it is: a GGUF's float activations) differs from
+    # the float one by summation order alone.
+    packed_weights = jax.tree.leaves(packed, is_leaf=lambda n: isinstance(n, PackedWeight))
+    assert {w.activations for w in packed_weights if isinstance(w, PackedWeight)} == {"float"}
     forward = eqx.filter_jit(lambda m, t: m(t))
     ours, want = forward(packed, TOKENS), forward(floats, TOKENS)
     scale = float(jnp.max(jnp.abs(want)))

@@ -3,7 +3,12 @@ kernel: `quantized_matmul(x, weight)` and, per expert, `quantized_ragged_matmul(
 group_sizes)`, dispatched per backend (ops.py): the jax.ffi CPU kernel (matmul.cc, built by
 build.py), the Pallas GPU kernel (pallas.py), or dequantize + XLA matmul (the specification)."""
 
-from layers.kernels.quantized.cpu import KernelNotBuilt, cpu_matmul, ensure_built
+from layers.kernels.quantized.cpu import (
+    KernelNotBuilt,
+    cpu_matmul,
+    ensure_built,
+    quantize_activations,
+)
 from layers.kernels.quantized.ops import (
     KERNEL_TOKENS,
     quantized_matmul,
@@ -17,6 +22,7 @@ __all__ = [
     "KernelNotBuilt",
     "cpu_matmul",
     "ensure_built",
+    "quantize_activations",
     "quantized_matmul",
     "quantized_ragged_matmul",
     "reference_matmul",

@@ -1,6 +1,12 @@
 """The CPU kernel (matmul.cc) through `jax.ffi`: `cpu_matmul(x, weight)` is `x · W^T` for a
 `PackedWeight`, dequantizing in registers, optionally per expert (`group_sizes`).
 
+With `int8_activations` (what `weight.activations == "int8"` asks for) the kernel first rounds x
+per 32 inputs to int8 codes and a float32 step (`quantize_activations`, llama.cpp's Q8_0
+activations) and computes `x̂ · W^T` with x̂ the rounded x: on a CPU with AVX-512 VNNI the codes
+then multiply in integers (exact int32 sums, one scale per 32-input chunk), several times fewer
+instructions than turning every weight into a float.
+
 The library is built by `python -m layers.kernels.quantized.build` (the Makefile's install step
 runs it). It is loaded and registered with XLA on first use; a missing library, or one built from
 another version of matmul.cc (its source hash is recorded beside it), is an error that says how
@@ -46,17 +52,31 @@ def ensure_built() -> None:
     _registered(source_hash())
 
 
+def quantize_activations(x: Float[Array, "tokens cols"]) -> Float[Array, "tokens cols"]:
+    """x̂: x rounded per 32 consecutive inputs to int8 codes times a float32 step, as the kernel
+    does with `int8_activations` (the specification it is tested against): d = max|x| / 127,
+    q = round-half-even(x · (1 / d)) clipped to [-127, 127] (0 where d == 0), x̂ = q d. Each
+    x̂_i errs from x_i by at most d / 2 (+ float32 rounding of the product)."""
+    chunks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 32)
+    d = jnp.max(jnp.abs(chunks), axis=-1, keepdims=True) / 127
+    inverse = jnp.where(d != 0, 1 / jnp.where(d != 0, d, 1), 0)
+    q = jnp.clip(jnp.round(chunks * inverse), -127, 127)
+    return (q * d).reshape(x.shape)
+
+
 def cpu_matmul(
     x: Float[Array, "tokens cols"],
     weight: PackedWeight,
     group_sizes: Int[Array, " experts"] | None = None,
     *,
+    int8_activations: bool = False,
     portable: bool = False,
 ) -> Float[Array, "tokens rows"]:
     """`x · W^T` (float32) for `weight` `[rows, cols]`, or with `group_sizes` for an expert-stacked
     `[experts, rows, cols]` weight: rows of x sorted by expert, `group_sizes[e]` of them for
-    expert e (rows past their sum give zeros). `portable` runs the kernel's plain C++ path
-    instead of its AVX-512 one (a test of both)."""
+    expert e (rows past their sum give zeros). `int8_activations`: `quantize_activations(x) ·
+    W^T` instead (the module docstring). `portable` runs the kernel's plain C++ path instead of
+    its AVX-512 ones (a test of both)."""
     # Traced on every backend (jax.lax.platform_dependent traces each branch), lowered only on a
     # CPU: a machine whose programs run elsewhere needs no library.
     if jax.default_backend() == "cpu":
@@ -77,5 +97,6 @@ def cpu_matmul(
         experts=np.int64(experts),
         linear=bool(attrs["linear"]),
         offset=np.float32(attrs["offset"]),
+        int8=int8_activations,
         portable=portable,
     )

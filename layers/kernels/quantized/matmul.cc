@@ -27,14 +27,27 @@
 // sum_{i in g} x_i, so a group's scale multiplies once per token and the minimums meet the
 // per-group sums of x (computed once per call) sixteen groups at a time.
 //
-// Two code paths: AVX-512 (chosen at run time where the CPU has it) and a portable one that
-// dequantizes one row at a time into a K-float buffer (no float copy of W either).
+// Activations (`int8` true): x is first rounded per 32 inputs to int8 codes and a float32 step
+// (llama.cpp's Q8_0 activations: d = max|x| / 127, q = round(x / d) computed as x * (1 / d)),
+// and every path computes x̂ · W^T with x̂ = q d. Where the CPU has AVX-512 VNNI the products of
+// codes then run in integers (vpdpbusd: 64 byte products a instruction, int32 sums, exact) and
+// each 32-input chunk's sum is scaled once by its weight scale times its d: the 4-bit codes are
+// split into bytes by two instructions and never become floats, which is what made the float
+// path compute-bound. x's codes are laid out once per call in the order the weights' bytes come
+// in (4-bit: per 4 chunks, the 64 low nibbles' inputs then the 64 high nibbles'), so no weight
+// is ever moved. `int8` false: x as given, through the float path.
+//
+// Code paths: AVX-512 VNNI integer products (int8 activations; i8, linear u4, q4k, q6k with
+// group 16, 32, 64 or a multiple of 128 or a single group per row), AVX-512 float (NF4's table,
+// other groups, float activations), and a portable one that dequantizes one row at a time into
+// a K-float buffer (no float copy of W either), each chosen at run time by what the CPU has.
 //
 // Threads: rows are split into work items taken from an atomic counter by the calling thread
 // and by tasks on XLA's intra-op thread pool; a task that starts after the work is gone returns
 // at once (its state is shared-owned, so it never touches a finished call).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -116,6 +129,26 @@ inline int32_t code_of(const Weight& w, int64_t n, int64_t i) {
   return c;
 }
 
+// --- int8 activations ------------------------------------------------------------------------
+
+// One 32-input chunk of x rounded to int8: d = max|x| / 127, q = round-half-even(x * (1 / d))
+// in [-127, 127] (0 where d == 0). Adding and subtracting 1.5 * 2^23 rounds a float of
+// magnitude < 2^22 to the nearest integer, ties to even (the default rounding mode), in
+// plain arithmetic the compiler vectorizes. ops.py's `quantize_activations` is the same
+// computation in JAX (the specification the tests hold the kernel to).
+float round_chunk(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  for (int i = 0; i < 32; ++i) {
+    const float r = (x[i] * inverse + kMagic) - kMagic;
+    q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+  return d;
+}
+
 // --- portable path: one row dequantized into a buffer, then a dot per token -----------------
 
 void rows_portable(const Weight& w, const float* x, int64_t stride, float* y, int64_t tokens, int64_t n_out,
@@ -138,6 +171,17 @@ void rows_portable(const Weight& w, const float* x, int64_t stride, float* y, in
   }
 }
 
+// x rounded to int8 per 32-input chunk, laid out for the VNNI path: `ordered` [tokens, blocks
+// * 128] bytes, a block being 4 chunks; 4-bit formats: a block's 16 inputs 0..15 of each chunk
+// (what the low nibbles multiply) then its inputs 16..31 (the high nibbles'); int8 weights:
+// natural order, q + 128 (the unsigned side of vpdpbusd). `lanes` [tokens, blocks, 16 or 32]:
+// the step d of the chunk each int32 lane of a product sums.
+struct Ordered {
+  int64_t blocks, lanes_per_block;
+  const uint8_t* codes;  // token 0 of the rows this call runs
+  const float* lanes;
+};
+
 // --- AVX-512 path ---------------------------------------------------------------------------
 
 #if defined(__x86_64__)
@@ -154,17 +198,18 @@ ZOO_AVX512 inline __m512 load_groups(const void* p, Type t, int64_t count) {
   return _mm512_setzero_ps();
 }
 
+inline const uint8_t* element_at(const void* p, Type t, int64_t i) {
+  const int64_t size = (t == Type::kF32) ? 4 : (t == Type::kF16) ? 2 : 1;
+  return static_cast<const uint8_t*>(p) + i * size;
+}
+
 // The 16 (or `count`) scales and minimums of groups g0 .. g0 + 15 of row n (g0 % 16 == 0).
 ZOO_AVX512 inline void group_constants(const Weight& w, int64_t n, int64_t g0, int64_t count,
                                        __m512& s, __m512& m) {
   const int64_t at = n * w.groups() + g0;
-  const int64_t scale_size = (w.scale_type == Type::kF32) ? 4 : (w.scale_type == Type::kF16) ? 2 : 1;
-  s = load_groups(static_cast<const uint8_t*>(w.scales) + at * scale_size, w.scale_type, count);
+  s = load_groups(element_at(w.scales, w.scale_type, at), w.scale_type, count);
   m = _mm512_setzero_ps();
-  if (w.mins) {
-    const int64_t min_size = (w.min_type == Type::kF32) ? 4 : (w.min_type == Type::kF16) ? 2 : 1;
-    m = load_groups(static_cast<const uint8_t*>(w.mins) + at * min_size, w.min_type, count);
-  }
+  if (w.mins) m = load_groups(element_at(w.mins, w.min_type, at), w.min_type, count);
   if (w.super_scales) {  // groups per super-block (8 or 16) divides 16: lane j's is j / ratio
     const int64_t ratio = 256 / w.group, first = n * (w.k / 256) + g0 / ratio;
     const int64_t supers = (count + ratio - 1) / ratio;
@@ -292,9 +337,192 @@ bool has_avx512() {
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return yes;
 }
+
+// --- AVX-512 VNNI path: integer products of codes (int8 activations) ------------------------
+
+#define ZOO_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")))
+
+// `count` (<= 4) scales of type t as the low lanes of a vector.
+ZOO_VNNI inline __m128 load4(const void* p, Type t, int64_t count) {
+  return _mm512_castps512_ps128(load_groups(p, t, count));
+}
+
+
+// Whether the VNNI path takes this weight: integer levels, and (but Q6_K's 16) a group of 32 or
+// 64, a multiple of 128, or one group per row, so that 4 chunks' scales load as one vector.
+bool vnni_takes(const Weight& w) {
+  if (w.kind == Kind::kInt4 && !w.linear) return false;
+  if (w.kind == Kind::kInt6K) return w.group == 16;
+  const int64_t r = w.group / 32;
+  return w.group % 32 == 0 && (w.groups() == 1 || r == 1 || r == 2 || r % 4 == 0);
+}
+
+// The weight scales of chunks c0 .. c0 + 3 of row n (c0 % 4 == 0; `valid` of them exist) for
+// the int8, 4-bit and Q4_K formats.
+ZOO_VNNI inline __m128 chunk_scales(const Weight& w, int64_t n, int64_t c0, int64_t valid) {
+  if (w.kind == Kind::kInt4K) {  // sub-scale times the super-block's d (4 chunks share one)
+    const __m128 sub = load4(static_cast<const uint8_t*>(w.scales) + n * (w.k / 32) + c0, Type::kU8, valid);
+    return _mm_mul_ps(sub, _mm_set1_ps(half(w.super_scales[n * (w.k / 256) + c0 / 8])));
+  }
+  const int64_t groups = w.groups(), r = w.group / 32;
+  if (groups == 1 || r % 4 == 0) {
+    return _mm_set1_ps(element(w.scales, w.scale_type, n * groups + c0 / r));
+  }
+  if (r == 1) return load4(element_at(w.scales, w.scale_type, n * groups + c0), w.scale_type, valid);
+  const __m128 two = load4(element_at(w.scales, w.scale_type, n * groups + c0 / 2), w.scale_type, (valid + 1) / 2);
+  return _mm_permute_ps(two, _MM_SHUFFLE(1, 1, 0, 0));
+}
+
+// vpmultishiftqb's control for Q6_K's high bits: in a 64-byte vector of one chunk's codes per
+// 16 bytes, byte i is code p = i % 16 of its 16-weight group, whose bit pair is bits 2 (p / 4)
+// of that group's byte p % 4 (bytes 0-3 of the chunk's quadword for the low nibbles' group,
+// 4-7 for the high's); taken from 4 bits lower, so the pair lands on bits 4-5.
+struct Q6KControl {
+  alignas(64) uint8_t bytes[2][64];
+};
+constexpr Q6KControl make_q6k_control() {
+  Q6KControl c{};
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 64; ++i) {
+      const int p = i % 16;
+      c.bytes[h][i] = static_cast<uint8_t>((8 * (4 * h + p % 4) + 2 * (p / 4) - 4) & 63);
+    }
+  }
+  return c;
+}
+constexpr Q6KControl kQ6KControl = make_q6k_control();
+
+ZOO_VNNI inline __m512 spread(__m128 four, __m512i index) {
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(four));
+}
+
+ZOO_VNNI inline __mmask64 first_bytes(int64_t n) {
+  return n >= 64 ? ~__mmask64{0} : n <= 0 ? __mmask64{0} : ((__mmask64{1} << n) - 1);
+}
+
+// One row n of y for tokens [t0, t0 + TB): per block of 4 chunks, the codes' integer products
+// with each token's codes (exact int32), scaled per lane by weight scale times the chunk's d;
+// then the minimums and offsets times x̂'s per-group sums.
+template <int TB, Kind kKind>
+ZOO_VNNI void row_vnni(const Weight& w, const Ordered& o, const float* xsum, float* y, int64_t n_out,
+                       int64_t t0, int64_t n) {
+  const int64_t chunks = w.k / 32, groups = w.groups();
+  const int64_t row_bytes = o.blocks * 128, lane_row = o.blocks * o.lanes_per_block;
+  const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i eighth = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i eighth_high = _mm512_add_epi32(eighth, _mm512_set1_epi32(2));
+  const __m512i nibble = _mm512_set1_epi8(15);
+  const uint8_t* codes = w.codes + n * w.codes_row();
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < o.blocks; ++b) {
+    const int64_t valid = std::min<int64_t>(4, chunks - 4 * b);
+    if constexpr (kKind == Kind::kInt8) {
+      const __m512i w0 = _mm512_maskz_loadu_epi8(first_bytes(32 * valid), codes + 128 * b);
+      const __m512i w1 = _mm512_maskz_loadu_epi8(first_bytes(32 * valid - 64), codes + 128 * b + 64);
+      // x's codes come as q + 128: subtract 128 times each lane's sum of weights.
+      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+      const __m512i neg0 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w0));
+      const __m512i neg1 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w1));
+      const __m128 s = chunk_scales(w, n, 4 * b, valid);
+      const __m512 s0 = spread(s, eighth), s1 = spread(s, eighth_high);
+      for (int t = 0; t < TB; ++t) {
+        const uint8_t* xq = o.codes + (t0 + t) * row_bytes + 128 * b;
+        const float* d = o.lanes + (t0 + t) * lane_row + 32 * b;
+        const __m512i i0 = _mm512_dpbusd_epi32(neg0, _mm512_loadu_si512(xq), w0);
+        const __m512i i1 = _mm512_dpbusd_epi32(neg1, _mm512_loadu_si512(xq + 64), w1);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, _mm512_loadu_ps(d)), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, _mm512_loadu_ps(d + 16)), acc[t]);
+      }
+    } else {
+      const __m512i z = _mm512_maskz_loadu_epi8(first_bytes(16 * valid), codes + 64 * b);
+      __m512i lo = _mm512_and_si512(z, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), nibble);
+      if constexpr (kKind == Kind::kInt6K) {
+        // The high 2 bits: chunk j's 8 bytes (4 per 16-weight group) copied to the two
+        // quadwords its 32 codes fill, then each code's bit pair shifted to bits 4-5
+        // (vpmultishiftqb: any 8 bits of the quadword per byte).
+        const __m512i h = _mm512_maskz_loadu_epi8(first_bytes(8 * valid), w.high + n * (w.k / 4) + 32 * b);
+        const __m512i hq = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), h);
+        const __m512i pair = _mm512_set1_epi8(0x30);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kQ6KControl.bytes[0]), hq), pair));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kQ6KControl.bytes[1]), hq), pair));
+        // Sub-scales: 2 per chunk (groups 2j for the low nibbles' lanes, 2j + 1 the high's).
+        const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(
+            static_cast<__mmask16>((1u << (2 * valid)) - 1), static_cast<const int8_t*>(w.scales) + n * (w.k / 16) + 8 * b)));
+        const __m512 sub16 = _mm512_castps256_ps512(_mm256_mul_ps(sub, _mm256_set1_ps(half(w.super_scales[n * (w.k / 256) + b / 2]))));
+        const __m512i even = _mm512_slli_epi32(quarter, 1);
+        const __m512 s_lo = _mm512_permutexvar_ps(even, sub16);
+        const __m512 s_hi = _mm512_permutexvar_ps(_mm512_add_epi32(even, _mm512_set1_epi32(1)), sub16);
+        for (int t = 0; t < TB; ++t) {
+          const uint8_t* xq = o.codes + (t0 + t) * row_bytes + 128 * b;
+          const __m512 d = _mm512_loadu_ps(o.lanes + (t0 + t) * lane_row + 16 * b);
+          const __m512i i_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+          const __m512i i_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xq + 64));
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_lo), _mm512_mul_ps(s_lo, d), acc[t]);
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_hi), _mm512_mul_ps(s_hi, d), acc[t]);
+        }
+      } else {
+        const __m512 s = spread(chunk_scales(w, n, 4 * b, valid), quarter);
+        for (int t = 0; t < TB; ++t) {
+          const uint8_t* xq = o.codes + (t0 + t) * row_bytes + 128 * b;
+          const __m512 d = _mm512_loadu_ps(o.lanes + (t0 + t) * lane_row + 16 * b);
+          __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+          i = _mm512_dpbusd_epi32(i, hi, _mm512_loadu_si512(xq + 64));
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, d), acc[t]);
+        }
+      }
+    }
+  }
+  if (w.mins || w.offset != 0.0f) {
+    const float* st = xsum + t0 * groups;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      __m512 s, m;
+      group_constants(w, n, g0, count, s, m);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      for (int t = 0; t < TB; ++t) {
+        acc[t] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, st + t * groups + g0), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) y[(t0 + t) * n_out + n] = _mm512_reduce_add_ps(acc[t]);
+}
+
+template <Kind kKind>
+ZOO_VNNI void rows_vnni(const Weight& w, const Ordered& o, const float* xsum, float* y, int64_t tokens,
+                        int64_t n_out, int64_t n0, int64_t n1) {
+  // Row outside, tokens inside: a row's codes are read from memory once per call.
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t t = 0;
+    for (; t + 8 <= tokens; t += 8) row_vnni<8, kKind>(w, o, xsum, y, n_out, t, n);
+    for (; t + 4 <= tokens; t += 4) row_vnni<4, kKind>(w, o, xsum, y, n_out, t, n);
+    for (; t + 2 <= tokens; t += 2) row_vnni<2, kKind>(w, o, xsum, y, n_out, t, n);
+    for (; t < tokens; ++t) row_vnni<1, kKind>(w, o, xsum, y, n_out, t, n);
+  }
+}
+
+ZOO_VNNI void rows_integer(const Weight& w, const Ordered& o, const float* xsum, float* y, int64_t tokens,
+                           int64_t n_out, int64_t n0, int64_t n1) {
+  switch (w.kind) {
+    case Kind::kInt8: return rows_vnni<Kind::kInt8>(w, o, xsum, y, tokens, n_out, n0, n1);
+    case Kind::kInt4: return rows_vnni<Kind::kInt4>(w, o, xsum, y, tokens, n_out, n0, n1);
+    case Kind::kInt4K: return rows_vnni<Kind::kInt4K>(w, o, xsum, y, tokens, n_out, n0, n1);
+    case Kind::kInt6K: return rows_vnni<Kind::kInt6K>(w, o, xsum, y, tokens, n_out, n0, n1);
+  }
+}
+
+bool has_vnni() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512vbmi");
+  return yes;
+}
 #else
 bool has_avx512() { return false; }
 void rows_fast(const Weight&, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+bool vnni_takes(const Weight&) { return false; }
+bool has_vnni() { return false; }
+void rows_integer(const Weight&, const Ordered&, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
 // --- work split over threads ----------------------------------------------------------------
@@ -350,7 +578,7 @@ const uint8_t* at(const ffi::AnyBuffer& b, int64_t expert, int64_t experts) {
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
                   std::string_view format, int64_t group, int64_t experts, bool linear,
-                  float offset, bool portable) {
+                  float offset, bool int8, bool portable) {
   // Arguments: x [T, K] f32, the format's arrays (table last for "u4"), then group_sizes [E]
   // int32 when experts > 0.
   const int64_t n_args = static_cast<int64_t>(args.size());
@@ -418,22 +646,62 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
 
   const float* x = static_cast<const float*>(x_arg->untyped_data());
   float* y = static_cast<float*>(out->untyped_data());
+  const int64_t used = first[stack];  // rows of x that belong to an expert (all, without)
   // Rows of x past sum(group_sizes) belong to no expert: zeros, as ragged_dot gives.
-  std::fill(y + first[stack] * n, y + tokens * n, 0.0f);
-  // Sums of x over each group, per token (what the minimums and offsets multiply).
+  std::fill(y + used * n, y + tokens * n, 0.0f);
+  // x (or x̂, with int8 activations) copied at a row stride of K + 16 floats: rows exactly
+  // 4 KiB apart (K = 1024) would share L1 sets, and a token block reads them side by side.
+  const int64_t stride = k + 16, chunks = k / 32;
+  std::vector<float> padded(used * stride);
+  std::vector<int8_t> q(int8 ? used * k : 0);
+  std::vector<float> steps(int8 ? used * chunks : 0);
+  for (int64_t t = 0; t < used; ++t) {
+    float* row = &padded[t * stride];
+    if (!int8) {
+      std::copy(x + t * k, x + (t + 1) * k, row);
+      continue;
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      int8_t* qc = &q[t * k + 32 * c];
+      const float d = steps[t * chunks + c] = round_chunk(x + t * k + 32 * c, qc);
+      for (int i = 0; i < 32; ++i) row[32 * c + i] = qc[i] * d;
+    }
+  }
+  // Sums of x (x̂) over each group, per token (what the minimums and offsets multiply).
   const int64_t groups = k / group;
-  std::vector<float> xsum(tokens * groups);
-  for (int64_t t = 0; t < first[stack]; ++t) {
+  std::vector<float> xsum(used * groups);
+  for (int64_t t = 0; t < used; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.0f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += x[t * k + i];
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += padded[t * stride + i];
       xsum[t * groups + g] = s;
+    }
+  }
+  // The integer path's view of x: its codes in the weights' byte order and the lanes' steps.
+  const bool integer = int8 && !portable && has_vnni() && vnni_takes(base);
+  const int64_t blocks = (chunks + 3) / 4, lanes_per_block = base.kind == Kind::kInt8 ? 32 : 16;
+  std::vector<uint8_t> ordered(integer ? used * blocks * 128 : 0, 0);
+  std::vector<float> lanes(integer ? used * blocks * lanes_per_block : 0, 0.0f);
+  for (int64_t t = 0; integer && t < used; ++t) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* qc = &q[t * k + 32 * c];
+      const int64_t b = c / 4, j = c % 4;
+      uint8_t* block = &ordered[(t * blocks + b) * 128];
+      float* lane = &lanes[(t * blocks + b) * lanes_per_block];
+      if (base.kind == Kind::kInt8) {  // natural order, q + 128; lanes 8j .. 8j + 7
+        for (int i = 0; i < 32; ++i) block[32 * j + i] = static_cast<uint8_t>(qc[i] + 128);
+        std::fill(lane + 8 * j, lane + 8 * j + 8, steps[t * chunks + c]);
+      } else {  // inputs 0..15 at 16 j, 16..31 at 64 + 16 j; lanes 4j .. 4j + 3
+        std::memcpy(block + 16 * j, qc, 16);
+        std::memcpy(block + 64 + 16 * j, qc + 16, 16);
+        std::fill(lane + 4 * j, lane + 4 * j + 4, steps[t * chunks + c]);
+      }
     }
   }
   // Work items of >= 16 rows, about 4 per thread per expert (late threads still find work).
   // A small product runs on the calling thread alone: waking a pool thread costs more than it
   // saves below ~2M weight-tokens (a SmolLM2 projection at decode), more so on a busy machine.
-  const int64_t work = n * k * first[stack];
+  const int64_t work = n * k * used;
   const int64_t threads = work < (int64_t{1} << 21) ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   const int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
   std::vector<Item> items;
@@ -441,19 +709,19 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     if (first[e + 1] == first[e]) continue;
     for (int64_t n0 = 0; n0 < n; n0 += step) items.push_back({e, n0, std::min(n, n0 + step)});
   }
-  // x copied at a row stride of K + 16 floats: rows exactly 4 KiB apart (K = 1024) would share
-  // L1 sets, and a token block reads them side by side.
-  const int64_t stride = k + 16;
-  std::vector<float> padded(first[stack] * stride);
-  for (int64_t t = 0; t < first[stack]; ++t) std::copy(x + t * k, x + (t + 1) * k, &padded[t * stride]);
   const bool fast = has_avx512() && !portable;
   parallel(pool, threads, items, [&](const Item& it) {
     const Weight w = weight(it.expert);
     const int64_t rows = first[it.expert + 1] - first[it.expert];
     const float* xe = padded.data() + first[it.expert] * stride;
+    const float* se = xsum.data() + first[it.expert] * groups;
     float* ye = y + first[it.expert] * n;
-    if (fast) {
-      rows_fast(w, xe, stride, xsum.data() + first[it.expert] * groups, ye, rows, n, it.n0, it.n1);
+    if (integer) {
+      const Ordered o{blocks, lanes_per_block, ordered.data() + first[it.expert] * blocks * 128,
+                      lanes.data() + first[it.expert] * blocks * lanes_per_block};
+      rows_integer(w, o, se, ye, rows, n, it.n0, it.n1);
+    } else if (fast) {
+      rows_fast(w, xe, stride, se, ye, rows, n, it.n0, it.n1);
     } else {
       rows_portable(w, xe, stride, ye, rows, n, it.n0, it.n1);
     }
@@ -473,4 +741,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
                                   .Attr<int64_t>("experts")
                                   .Attr<bool>("linear")
                                   .Attr<float>("offset")
+                                  .Attr<bool>("int8")
                                   .Attr<bool>("portable"));

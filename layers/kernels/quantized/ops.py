@@ -1,7 +1,8 @@
 """`x · W^T` for a packed weight, dispatched per backend when the program is lowered:
 
 - CPU: the jax.ffi kernel (cpu.py) for up to `KERNEL_TOKENS` tokens (decode, small batches):
-  each weight is read once, packed, and dequantized in registers;
+  each weight is read once, packed, and dequantized in registers; with the weight's
+  `activations == "int8"` (the default) it computes `quantize_activations(x) · W^T`;
 - GPU (cuda): the Pallas kernel (pallas.py) for up to `KERNEL_TOKENS` tokens, for the formats it
   implements (`pallas.SUPPORTED`);
 - otherwise (more tokens: prefill and training; other backends or formats): dequantize to the
@@ -60,7 +61,8 @@ def quantized_matmul(
         return reference_matmul(x, weight)
 
     def cpu(x, weight):
-        return cpu_matmul(x, weight).astype(x.dtype)
+        int8 = weight.activations == "int8"
+        return cpu_matmul(x, weight, int8_activations=int8).astype(x.dtype)
 
     branches = {"cpu": cpu}
     if pallas.supports(weight):
@@ -90,7 +92,8 @@ def quantized_ragged_matmul(
         return reference_ragged_matmul(x, weight, group_sizes)
 
     def cpu(x, weight, group_sizes):
-        return cpu_matmul(x, weight, group_sizes).astype(x.dtype)
+        int8 = weight.activations == "int8"
+        return cpu_matmul(x, weight, group_sizes, int8_activations=int8).astype(x.dtype)
 
     return jax.lax.platform_dependent(
         x, weight, group_sizes, default=reference_ragged_matmul, cpu=cpu
