@@ -34,6 +34,7 @@ import pytest
 from layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 from layers.kernels.quantized import (
     KERNEL_TOKENS,
+    cpu_dequantize,
     cpu_matmul,
     pallas,
     quantize_activations,
@@ -233,6 +234,30 @@ def test_cpu_kernel_equals_dequantize_then_matmul(name, weight, portable):
             reference = reference_matmul(x_in, weight)
             assert y.shape == reference.shape == (tokens, weight.shape[0])
             assert bool(jnp.all(jnp.abs(y - reference) <= kernel_bound(x_in, weight))), name
+
+
+@pytest.mark.parametrize("name, weight", CASES + TAIL_CASES,
+                         ids=[c[0] for c in CASES + TAIL_CASES])  # fmt: skip
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+def test_cpu_dequantize_is_the_specification_bit_for_bit(name, weight, portable):
+    # Both compute each value as dequantize() does in float32 (one product, then the minimum),
+    # so no tolerance: the bits, signed zeros included.
+    w = jax.jit(lambda w: cpu_dequantize(w, portable=portable))(weight)
+    reference = weight.dequantize(jnp.float32)
+    assert w.shape == reference.shape and w.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(w).view(np.uint32), np.asarray(reference).view(np.uint32)
+    )
+
+
+def test_cpu_dequantize_takes_leading_dims_and_vmap():
+    weight = pack(random_w(rows=3 * 40, cols=64).reshape(3, 40, 64), "int4", group=32,
+                  axes=("experts", "mlp", "embed"))  # fmt: skip
+    reference = np.asarray(weight.dequantize()).view(np.uint32)
+    stacked = jax.jit(cpu_dequantize)(weight)
+    mapped = jax.jit(jax.vmap(cpu_dequantize))(weight)
+    np.testing.assert_array_equal(np.asarray(stacked).view(np.uint32), reference)
+    np.testing.assert_array_equal(np.asarray(mapped).view(np.uint32), reference)
 
 
 @pytest.mark.parametrize("sizes", [(2, 0, 3, 1), (0, 0, 6, 0), (1, 1, 1, 1)])
@@ -472,12 +497,14 @@ def test_row_not_a_multiple_of_32_is_refused():
     "kind, group, rows, cols, tokens",
     [("int8", None, 576, 576, 1), ("int4", 32, 1536, 576, 8), ("int8", 32, 49152, 576, 1)],
 )
-def test_pallas_kernel_lowers_for_cuda(kind, group, rows, cols, tokens):
+def test_pallas_kernel_lowers_for_cuda(monkeypatch, kind, group, rows, cols, tokens):
+    # The path is chosen by the backend the program is traced for (ops.py): a GPU's here.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     weight = pack(jnp.zeros((rows, cols)), kind, group=group, axes=("mlp", "embed"))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weight)
     x = jax.ShapeDtypeStruct((tokens, cols), jnp.bfloat16)
     with jax.sharding.use_abstract_mesh(cuda_mesh()):
         lowered = jax.jit(quantized_matmul).trace(x, abstract).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    # The Pallas kernel, and not the CPU kernel's custom call (pruned for this platform).
+    # The Pallas kernel, and not the CPU kernel's custom call.
     assert text.count(TRITON_CALL) == 1 and cpu_module.TARGET not in text

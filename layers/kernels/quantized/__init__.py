@@ -1,10 +1,12 @@
 """Matrix products with weights held packed (layers/quantized/formats.py), dequantized inside the
 kernel: `quantized_matmul(x, weight)` and, per expert, `quantized_ragged_matmul(x, weight,
 group_sizes)`, dispatched per backend (ops.py): the jax.ffi CPU kernel (matmul.cc, built by
-build.py), the Pallas GPU kernel (pallas.py), or dequantize + XLA matmul (the specification)."""
+build.py; `cpu_dequantize` its float copy of a weight for many tokens), the Pallas GPU kernel
+(pallas.py), or dequantize + XLA matmul (the specification)."""
 
 from layers.kernels.quantized.cpu import (
     KernelNotBuilt,
+    cpu_dequantize,
     cpu_matmul,
     ensure_built,
     quantize_activations,
@@ -20,6 +22,7 @@ from layers.kernels.quantized.ops import (
 __all__ = [
     "KERNEL_TOKENS",
     "KernelNotBuilt",
+    "cpu_dequantize",
     "cpu_matmul",
     "ensure_built",
     "quantize_activations",

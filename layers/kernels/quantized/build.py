@@ -50,6 +50,9 @@ def build(*, verbose: bool = False) -> Path:
         "-shared",
         "-fPIC",
         "-Wno-return-type",  # XLA's own headers trip it
+        # No a * b + c fused into one rounding unless written as an FMA: the dequantize target
+        # must round as PackedWeight.dequantize does (bit for bit).
+        "-ffp-contract=off",
         f"-I{jax.ffi.include_dir()}",
         str(SOURCE),
         "-o",

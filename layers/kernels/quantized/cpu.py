@@ -1,5 +1,7 @@
 """The CPU kernel (matmul.cc) through `jax.ffi`: `cpu_matmul(x, weight)` is `x · W^T` for a
-`PackedWeight`, dequantizing in registers, optionally per expert (`group_sizes`).
+`PackedWeight`, dequantizing in registers, optionally per expert (`group_sizes`);
+`cpu_dequantize(weight)` is `weight.dequantize()` (bit for bit) as one call, for the many-token
+path (one XLA dot after it) without an XLA fusion to compile per weight.
 
 With `int8_activations` (what `weight.activations == "int8"` asks for) the kernel first rounds x
 per 32 inputs to int8 codes and a float32 step (`quantize_activations`, llama.cpp's Q8_0
@@ -25,6 +27,7 @@ from layers.kernels.quantized.build import LIBRARY, SOURCE, STAMP, source_hash
 from layers.quantized.formats import PackedWeight
 
 TARGET = "zoo_quantized_matmul"
+DEQUANTIZE_TARGET = "zoo_quantized_dequantize"
 
 
 class KernelNotBuilt(RuntimeError):
@@ -45,6 +48,9 @@ def _registered(digest: str) -> None:
         )
     library = ctypes.cdll.LoadLibrary(str(LIBRARY))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ZooQuantizedMatmul), "cpu")
+    jax.ffi.register_ffi_target(
+        DEQUANTIZE_TARGET, jax.ffi.pycapsule(library.ZooQuantizedDequantize), "cpu"
+    )
 
 
 def ensure_built() -> None:
@@ -77,10 +83,7 @@ def cpu_matmul(
     expert e (rows past their sum give zeros). `int8_activations`: `quantize_activations(x) ·
     W^T` instead (the module docstring). `portable` runs the kernel's plain C++ path instead of
     its AVX-512 ones (a test of both)."""
-    # Traced on every backend (jax.lax.platform_dependent traces each branch), lowered only on a
-    # CPU: a machine whose programs run elsewhere needs no library.
-    if jax.default_backend() == "cpu":
-        ensure_built()
+    ensure_built()
     rows, _ = weight.shape
     experts = 0 if group_sizes is None else weight.lead[-1]
     extra = () if group_sizes is None else (group_sizes.astype(jnp.int32),)
@@ -98,5 +101,28 @@ def cpu_matmul(
         linear=bool(attrs["linear"]),
         offset=np.float32(attrs["offset"]),
         int8=int8_activations,
+        portable=portable,
+    )
+
+
+def cpu_dequantize(
+    weight: PackedWeight, *, portable: bool = False
+) -> Float[Array, "... rows cols"]:
+    """`weight.dequantize(jnp.float32)`, equal bit for bit, `[*lead, rows, cols]`, computed by
+    the library (threaded over rows, AVX-512 where the CPU has it; `portable`: its plain C++
+    path). Under vmap the batch becomes one more leading dim (the kernel takes any)."""
+    ensure_built()
+    attrs = weight.kernel_attrs()
+    call = jax.ffi.ffi_call(
+        DEQUANTIZE_TARGET,
+        jax.ShapeDtypeStruct((*weight.lead, *weight.shape), jnp.float32),
+        vmap_method="broadcast_all",
+    )
+    return call(
+        *weight.kernel_arrays(),
+        format=weight.kernel_format,
+        group=np.int64(weight.group),
+        linear=bool(attrs["linear"]),
+        offset=np.float32(attrs["offset"]),
         portable=portable,
     )

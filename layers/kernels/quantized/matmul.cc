@@ -1,5 +1,9 @@
 // y = x · W^T for a weight W [N, K] held in packed blocks, dequantized in registers: the CPU
-// kernel of layers/kernels/quantized (called through jax.ffi; built by build.py).
+// kernel of layers/kernels/quantized (called through jax.ffi; built by build.py). A second
+// target, ZooQuantizedDequantize, writes W out as float32, equal bit for bit to
+// PackedWeight.dequantize: for many tokens (prefill) one XLA dot on it is faster than this
+// kernel, and XLA:CPU compiles one call in far less time than a fusion of bit operations per
+// weight.
 //
 // XLA:CPU does not fuse an int8 -> float convert into a matrix-vector product (bench/
 // quantized_kernels.py measures it ~10x slower than float32), so decode with quantized weights
@@ -171,6 +175,20 @@ void rows_portable(const Weight& w, const float* x, int64_t stride, float* y, in
   }
 }
 
+// Rows [n0, n1) of W as floats, one value at a time (dequantize_avx512's contract).
+void dequantize_portable(const Weight& w, float* out, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      const float s = scale_of(w, n, g), m = min_of(w, n, g);
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) {
+        const int32_t c = code_of(w, n, i);
+        const float level = w.kind == Kind::kInt4 ? w.table[c] : c + w.offset;
+        out[n * w.k + i] = w.mins ? level * s + m : level * s;
+      }
+    }
+  }
+}
+
 // x rounded to int8 per 32-input chunk, laid out for the VNNI path: `ordered` [tokens, blocks
 // * 128] bytes, a block being 4 chunks; 4-bit formats: a block's 16 inputs 0..15 of each chunk
 // (what the low nibbles multiply) then its inputs 16..31 (the high nibbles'); int8 weights:
@@ -329,6 +347,46 @@ ZOO_AVX512 void rows_fast(const Weight& w, const float* x, int64_t stride, const
       return rows_avx512_all<Kind::kInt4, true>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
     case Kind::kInt4K: return rows_avx512_all<Kind::kInt4K, false>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
     case Kind::kInt6K: return rows_avx512_all<Kind::kInt6K, false>(w, x, stride, xsum, y, tokens, n_out, n0, n1);
+  }
+}
+
+// Rows [n0, n1) of W written out as floats (`out` [N, K]), each value computed as
+// Weight::dequantize does in float32: level * scale, then + minimum where the format has one
+// (never + 0, which would turn a -0 into +0), so the result equals it bit for bit.
+template <Kind kKind>
+ZOO_AVX512 void dequantize_avx512(const Weight& w, float* out, int64_t n0, int64_t n1) {
+  const __m512 table = w.table ? _mm512_loadu_ps(w.table) : _mm512_setzero_ps();
+  const __m512 offset = _mm512_set1_ps(kKind == Kind::kInt6K ? w.offset : 0.0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* codes = w.codes + n * w.codes_row();
+    const uint8_t* high = w.high ? w.high + n * (w.k / 4) : nullptr;
+    float* row = out + n * w.k;
+    for (int64_t c = 0; c < w.k / 32; ++c) {
+      __m512 lo, hi;
+      chunk<kKind, kKind == Kind::kInt4>(w, codes, high, table, c, lo, hi);
+      if constexpr (kKind == Kind::kInt6K) {  // code - 32: exact in float
+        lo = _mm512_add_ps(lo, offset);
+        hi = _mm512_add_ps(hi, offset);
+      }
+      const int64_t g_lo = 32 * c / w.group, g_hi = (32 * c + 16) / w.group;
+      lo = _mm512_mul_ps(lo, _mm512_set1_ps(scale_of(w, n, g_lo)));
+      hi = _mm512_mul_ps(hi, _mm512_set1_ps(scale_of(w, n, g_hi)));
+      if (w.mins) {
+        lo = _mm512_add_ps(lo, _mm512_set1_ps(min_of(w, n, g_lo)));
+        hi = _mm512_add_ps(hi, _mm512_set1_ps(min_of(w, n, g_hi)));
+      }
+      _mm512_storeu_ps(row + 32 * c, lo);
+      _mm512_storeu_ps(row + 32 * c + 16, hi);
+    }
+  }
+}
+
+ZOO_AVX512 void dequantize_fast(const Weight& w, float* out, int64_t n0, int64_t n1) {
+  switch (w.kind) {
+    case Kind::kInt8: return dequantize_avx512<Kind::kInt8>(w, out, n0, n1);
+    case Kind::kInt4: return dequantize_avx512<Kind::kInt4>(w, out, n0, n1);
+    case Kind::kInt4K: return dequantize_avx512<Kind::kInt4K>(w, out, n0, n1);
+    case Kind::kInt6K: return dequantize_avx512<Kind::kInt6K>(w, out, n0, n1);
   }
 }
 
@@ -519,6 +577,7 @@ bool has_vnni() {
 }
 #else
 bool has_avx512() { return false; }
+void dequantize_fast(const Weight&, float*, int64_t, int64_t) {}
 void rows_fast(const Weight&, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 bool vnni_takes(const Weight&) { return false; }
 bool has_vnni() { return false; }
@@ -576,6 +635,54 @@ const uint8_t* at(const ffi::AnyBuffer& b, int64_t expert, int64_t experts) {
   return static_cast<const uint8_t*>(b.untyped_data()) + expert * (b.size_bytes() / experts);
 }
 
+// The format's constants (`base`, no arrays yet) from the handler's attributes and arrays
+// (the format's arrays, table last for "u4"); false for an unknown format or arity.
+bool parse_format(std::string_view format, const std::vector<ffi::AnyBuffer>& a, int64_t k,
+                  int64_t group, bool linear, float offset, Weight& base) {
+  base.k = k;
+  base.group = group;
+  base.offset = offset;
+  base.linear = linear;
+  if (format == "i8" && a.size() == 2) {
+    base.kind = Kind::kInt8;
+  } else if (format == "u4" && (a.size() == 3 || a.size() == 4)) {
+    base.kind = Kind::kInt4;
+    base.table = static_cast<const float*>(a.back().untyped_data());
+  } else if (format == "q4k" && a.size() == 5 && group == 32) {
+    base.kind = Kind::kInt4K;
+  } else if (format == "q6k" && a.size() == 4 && group == 16) {
+    base.kind = Kind::kInt6K;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Expert e of `stack` (1 for a plain weight): `base` pointed at its part of each array.
+Weight expert_weight(const Weight& base, const std::vector<ffi::AnyBuffer>& a, int64_t e, int64_t stack) {
+  Weight w = base;
+  w.codes = at(a[0], e, stack);
+  if (w.kind == Kind::kInt6K) {
+    w.high = at(a[1], e, stack);
+    w.scales = at(a[2], e, stack);
+    w.scale_type = Type::kI8;
+    w.super_scales = reinterpret_cast<const uint16_t*>(at(a[3], e, stack));
+    return w;
+  }
+  w.scales = at(a[1], e, stack);
+  w.scale_type = type_of(a[1]);
+  if (w.kind == Kind::kInt4K) {
+    w.mins = at(a[2], e, stack);
+    w.min_type = Type::kU8;
+    w.super_scales = reinterpret_cast<const uint16_t*>(at(a[3], e, stack));
+    w.super_mins = reinterpret_cast<const uint16_t*>(at(a[4], e, stack));
+  } else if (w.kind == Kind::kInt4 && a.size() == 4) {
+    w.mins = at(a[2], e, stack);
+    w.min_type = type_of(a[2]);
+  }
+  return w;
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
                   std::string_view format, int64_t group, int64_t experts, bool linear,
                   float offset, bool int8, bool portable) {
@@ -604,45 +711,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   if (first[stack] > tokens) return invalid("group_sizes add up to more rows than x has");
 
   Weight base{};
-  base.k = k;
-  base.group = group;
-  base.offset = offset;
-  base.linear = linear;
-  if (format == "i8" && a.size() == 2) {
-    base.kind = Kind::kInt8;
-  } else if (format == "u4" && (a.size() == 3 || a.size() == 4)) {
-    base.kind = Kind::kInt4;
-    base.table = static_cast<const float*>(a.back().untyped_data());
-  } else if (format == "q4k" && a.size() == 5 && group == 32) {
-    base.kind = Kind::kInt4K;
-  } else if (format == "q6k" && a.size() == 4 && group == 16) {
-    base.kind = Kind::kInt6K;
-  } else {
+  if (!parse_format(format, a, k, group, linear, offset, base)) {
     return invalid("unknown format or wrong number of arrays for it");
   }
-  auto weight = [&](int64_t e) {
-    Weight w = base;
-    w.codes = at(a[0], e, stack);
-    if (w.kind == Kind::kInt6K) {
-      w.high = at(a[1], e, stack);
-      w.scales = at(a[2], e, stack);
-      w.scale_type = Type::kI8;
-      w.super_scales = reinterpret_cast<const uint16_t*>(at(a[3], e, stack));
-      return w;
-    }
-    w.scales = at(a[1], e, stack);
-    w.scale_type = type_of(a[1]);
-    if (w.kind == Kind::kInt4K) {
-      w.mins = at(a[2], e, stack);
-      w.min_type = Type::kU8;
-      w.super_scales = reinterpret_cast<const uint16_t*>(at(a[3], e, stack));
-      w.super_mins = reinterpret_cast<const uint16_t*>(at(a[4], e, stack));
-    } else if (w.kind == Kind::kInt4 && a.size() == 4) {
-      w.mins = at(a[2], e, stack);
-      w.min_type = type_of(a[2]);
-    }
-    return w;
-  };
+  auto weight = [&](int64_t e) { return expert_weight(base, a, e, stack); };
 
   const float* x = static_cast<const float*>(x_arg->untyped_data());
   float* y = static_cast<float*>(out->untyped_data());
@@ -729,6 +801,44 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   return ffi::Error::Success();
 }
 
+
+// W [..., N, K] as float32: the format's arrays with any leading dims (stacked layers, experts)
+// taken as more rows, each row as dequantize_avx512 computes it, rows split over the threads.
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
+                      std::string_view format, int64_t group, bool linear, float offset,
+                      bool portable) {
+  const auto dims = out->dimensions();
+  if (out->element_type() != ffi::DataType::F32 || dims.size() < 2) {
+    return invalid("dequantize: the result must be float32 [..., N, K]");
+  }
+  const int64_t k = dims.back(), n = out->element_count() / std::max<int64_t>(k, 1);
+  if (k % 32 || k % group || (group % 32 && group != 16)) {
+    return invalid("K must be a multiple of 32 and the group 16 or a multiple of 32 dividing K");
+  }
+  std::vector<ffi::AnyBuffer> a;
+  for (size_t i = 0; i < args.size(); ++i) a.push_back(*args.get<ffi::AnyBuffer>(i));
+  Weight w{};
+  if (!parse_format(format, a, k, group, linear, offset, w)) {
+    return invalid("unknown format or wrong number of arrays for it");
+  }
+  w = expert_weight(w, a, 0, 1);
+  float* y = static_cast<float*>(out->untyped_data());
+  // Writing the floats is the cost (4 bytes a weight): every thread, items of >= 64 rows.
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t step = std::max<int64_t>(64, (n + 4 * threads - 1) / (4 * threads));
+  std::vector<Item> items;
+  for (int64_t n0 = 0; n0 < n; n0 += step) items.push_back({0, n0, std::min(n, n0 + step)});
+  const bool fast = has_avx512() && !portable;
+  parallel(pool, threads, items, [&](const Item& it) {
+    if (fast) {
+      dequantize_fast(w, y, it.n0, it.n1);
+    } else {
+      dequantize_portable(w, y, it.n0, it.n1);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
@@ -742,4 +852,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
                                   .Attr<bool>("linear")
                                   .Attr<float>("offset")
                                   .Attr<bool>("int8")
+                                  .Attr<bool>("portable"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedDequantize, Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<std::string_view>("format")
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("linear")
+                                  .Attr<float>("offset")
                                   .Attr<bool>("portable"));

@@ -1,16 +1,23 @@
-"""`x · W^T` for a packed weight, dispatched per backend when the program is lowered:
+"""`x · W^T` for a packed weight, dispatched by the backend the program is traced for
+(`jax.default_backend()`: the one jit compiles for unless told otherwise; a program lowered for
+another platform, as `lower(lowering_platforms=...)` can, needs the default backend set to it,
+e.g. by JAX_PLATFORMS):
 
 - CPU: the jax.ffi kernel (cpu.py) for up to `KERNEL_TOKENS` tokens (decode, small batches):
   each weight is read once, packed, and dequantized in registers; with the weight's
-  `activations == "int8"` (the default) it computes `quantize_activations(x) · W^T`;
-- GPU (cuda): the Pallas kernel (pallas.py) for up to `KERNEL_TOKENS` tokens, for the formats it
+  `activations == "int8"` (the default) it computes `quantize_activations(x) · W^T`. More
+  tokens (prefill, training): the library's dequantize (`cpu_dequantize`, bit for bit the
+  specification's float weight) and one XLA matmul;
+- GPU: the Pallas kernel (pallas.py) for up to `KERNEL_TOKENS` tokens, for the formats it
   implements (`pallas.SUPPORTED`);
-- otherwise (more tokens: prefill and training; other backends or formats): dequantize to the
-  compute dtype and one XLA matmul (the specification the kernels are tested against).
+- otherwise (more tokens on a GPU; other backends or formats): dequantize to the compute dtype
+  with XLA ops and one XLA matmul (the specification the kernels are tested against).
 
-The token count is a static shape, so the choice is made once per compiled program. Gradients
-flow to x only (a packed weight is frozen: its cotangent is zero) through a custom VJP whose
-backward dequantizes again instead of keeping a float copy of W as a residual.
+The backend and the token count are known when the program is traced, so one path is traced
+per weight, once per compiled program (`jax.lax.platform_dependent` would trace every path of
+every weight: ~0.9 s per engine program of SmolLM2's ~210 weights). Gradients flow to x only (a
+packed weight is frozen: its cotangent is zero) through a custom VJP whose backward dequantizes
+again instead of keeping a float copy of W as a residual.
 """
 
 import jax
@@ -19,7 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from layers.kernels.quantized import pallas
-from layers.kernels.quantized.cpu import cpu_matmul
+from layers.kernels.quantized.cpu import cpu_dequantize, cpu_matmul
 from layers.quantized.formats import PackedWeight
 
 # Up to this many tokens (rows of x) a kernel runs; beyond it, dequantize + XLA matmul
@@ -42,6 +49,14 @@ def reference_ragged_matmul(
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+def dequantized(weight: PackedWeight, dtype) -> Float[Array, "... rows cols"]:
+    """`weight.dequantize(dtype)`, the same values, by the CPU library's one call on a CPU (XLA
+    compiles a fusion of bit operations per weight otherwise)."""
+    if jax.default_backend() == "cpu":
+        return cpu_dequantize(weight).astype(dtype)
+    return weight.dequantize(dtype)
+
+
 def _zero_cotangent(leaf):
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
         return jnp.zeros_like(leaf)
@@ -57,17 +72,15 @@ def quantized_matmul(
     x: Float[Array, "tokens cols"], weight: PackedWeight
 ) -> Float[Array, "tokens rows"]:
     """`x · W^T` in x's dtype for `weight` `[rows, cols]` (see the module docstring)."""
+    backend = jax.default_backend()
     if x.shape[0] > KERNEL_TOKENS:
-        return reference_matmul(x, weight)
-
-    def cpu(x, weight):
+        return x @ dequantized(weight, x.dtype).T
+    if backend == "cpu":
         int8 = weight.activations == "int8"
         return cpu_matmul(x, weight, int8_activations=int8).astype(x.dtype)
-
-    branches = {"cpu": cpu}
-    if pallas.supports(weight):
-        branches["cuda"] = pallas.pallas_matmul
-    return jax.lax.platform_dependent(x, weight, default=reference_matmul, **branches)
+    if backend == "gpu" and pallas.supports(weight):
+        return pallas.pallas_matmul(x, weight)
+    return reference_matmul(x, weight)
 
 
 def _matmul_fwd(x, weight):
@@ -75,7 +88,7 @@ def _matmul_fwd(x, weight):
 
 
 def _matmul_bwd(weight, dy):
-    return dy @ weight.dequantize(dy.dtype), _frozen(weight)
+    return dy @ dequantized(weight, dy.dtype), _frozen(weight)
 
 
 quantized_matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -89,15 +102,12 @@ def quantized_ragged_matmul(
     `weight` `[experts, rows, cols]`: each row times its own expert's W^T (`jax.lax.ragged_dot`'s
     contract). The CPU kernel reads only the experts that have rows."""
     if x.shape[0] > KERNEL_TOKENS:
-        return reference_ragged_matmul(x, weight, group_sizes)
-
-    def cpu(x, weight, group_sizes):
+        w = jnp.swapaxes(dequantized(weight, x.dtype), -1, -2)  # [experts, cols, rows]
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    if jax.default_backend() == "cpu":
         int8 = weight.activations == "int8"
         return cpu_matmul(x, weight, group_sizes, int8_activations=int8).astype(x.dtype)
-
-    return jax.lax.platform_dependent(
-        x, weight, group_sizes, default=reference_ragged_matmul, cpu=cpu
-    )
+    return reference_ragged_matmul(x, weight, group_sizes)
 
 
 def _ragged_fwd(x, weight, group_sizes):
@@ -106,7 +116,7 @@ def _ragged_fwd(x, weight, group_sizes):
 
 def _ragged_bwd(residuals, dy):
     weight, group_sizes = residuals
-    dx = jax.lax.ragged_dot(dy, weight.dequantize(dy.dtype), group_sizes)
+    dx = jax.lax.ragged_dot(dy, dequantized(weight, dy.dtype), group_sizes)
     return dx, _frozen(weight), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
