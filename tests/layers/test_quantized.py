@@ -451,6 +451,29 @@ def test_quantized_matmul_under_vmap():
     )
 
 
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+@pytest.mark.parametrize("tokens", [1, KERNEL_TOKENS + 1], ids=["kernel", "many"])
+def test_one_path_is_traced_for_the_backend(monkeypatch, backend, tokens):
+    # ops.py picks the path when tracing: on a CPU the kernel (few tokens) or the library's
+    # dequantize + one dot (many); on a backend without a kernel the specification alone (it
+    # runs here too, on the CPU). One path only: no other path's call in the program.
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    weight = pack(random_w(), "int4", axes=("mlp", "embed"))
+    x = jax.random.normal(jax.random.key(3), (tokens, weight.cols))
+    f = jax.jit(lambda x, w: quantized_matmul(x, w))  # a new function: traced afresh
+    text = f.trace(x, weight).lower().as_text()
+    called = {t for t in (cpu_module.TARGET, cpu_module.DEQUANTIZE_TARGET) if t in text}
+    kernel = tokens <= KERNEL_TOKENS
+    expected = {cpu_module.TARGET if kernel else cpu_module.DEQUANTIZE_TARGET}
+    assert called == (expected if backend == "cpu" else set())
+    if backend == "tpu" or not kernel:  # the specification's float weight (bit for bit, above)
+        # and a dot of it; only the dots' summation orders may differ: each errs by at most
+        # K eps sum_k |x_k w_k|, so they differ by at most twice that.
+        w = weight.dequantize()
+        bound = 2 * weight.cols * EPS * (jnp.abs(x) @ jnp.abs(w).T)
+        assert bool(jnp.all(jnp.abs(f(x, weight) - x @ w.T) <= bound))
+
+
 # --- bad inputs -----------------------------------------------------------------------------
 
 
