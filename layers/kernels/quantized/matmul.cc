@@ -841,13 +841,18 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
 
 }  // namespace
 
+// What both targets take first: the pool, the arrays, the result, the format and its group.
+static auto packed_weight_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .RemainingArgs()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<std::string_view>("format")
+      .Attr<int64_t>("group");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("format")
-                                  .Attr<int64_t>("group")
+                              packed_weight_binding()
                                   .Attr<int64_t>("experts")
                                   .Attr<bool>("linear")
                                   .Attr<float>("offset")
@@ -855,12 +860,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
                                   .Attr<bool>("portable"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedDequantize, Dequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("format")
-                                  .Attr<int64_t>("group")
+                              packed_weight_binding()
                                   .Attr<bool>("linear")
                                   .Attr<float>("offset")
                                   .Attr<bool>("portable"));
