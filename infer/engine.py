@@ -45,6 +45,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
+from infer.speculative.adaptive import Acceptance, StepCosts, speculation_pays
 from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
@@ -244,6 +245,7 @@ class Request:
     draft_tokens: int = 0  # drafts proposed per step at most (0: no speculation)
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts the target kept
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # running rate
     # Engine bookkeeping.
     order: int = 0  # submission order: the youngest is preempted first
     row: int = -1
@@ -286,6 +288,7 @@ class _Launched:
     owners: list[Request | None]
     record: StepRecord
     started: float
+    drafts: dict[int, int]  # each verified row's drafts (empty: a plain step)
 
 
 def _check_count(name: str, value, *, low: int = 1) -> int:
@@ -384,6 +387,10 @@ class Engine:
             speculative.check_target(model)
         self.proposer = speculative
         self.max_drafts = 0 if speculative is None else speculative.k
+        # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
+        self.adaptive = isinstance(speculative, Proposer) and speculative.adaptive
+        self.costs = StepCosts()
+        self._consumed: tuple[int, float] | None = None  # the last step read, and when
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
         self.records: list[StepRecord] = []
@@ -619,29 +626,62 @@ class Engine:
     def step(self) -> None:
         """Dispatch the next step (when there is work), then read the previous step's tokens:
         the host runs one step behind the device (in step with it while a constrained request
-        runs, its next mask needs its last token, and in a speculating engine, whose proposals
-        continue the previous step's tokens)."""
-        speculating = self.proposer is not None
+        runs, its next mask needs its last token, and before a step that verifies drafts or
+        after one: proposals continue the previous step's tokens, and accepted drafts move the
+        rows' lengths)."""
+        speculating = self._speculating()
         if self._launched is not None and (
-            speculating or any(r is not None and r.allowed for r in self.rows)
+            speculating
+            or self._launched.drafts  # its accepted drafts move the rows' lengths
+            or any(r is not None and r.allowed for r in self.rows)
         ):
             self._consume(self._launched)
             self._launched = None
-        launched = self._dispatch()
+        launched = self._dispatch(speculating)
         if self._launched is not None:
             self._consume(self._launched)
         self._launched = launched
 
+    def _speculating(self) -> bool:
+        """Whether the next step verifies drafts. An adaptive proposer's engine decides from
+        the running rows' acceptance rates and the measured step costs
+        (infer/speculative/adaptive.py; a program not yet timed is run to time it)."""
+        if self.proposer is None or not self.adaptive:
+            return self.proposer is not None
+        rows = [r for r in self.rows if r is not None and r.draft_tokens and not r.prefilling]
+        if not rows:
+            return False
+        untimed = self.costs.unmeasured()
+        if untimed is not None:
+            return untimed == "verify"
+        rates = [r.acceptance.rate for r in rows]
+        return speculation_pays(rates, self.max_drafts, self.costs.verify_cost())
+
     def _warm_up(self) -> None:
-        """Compile both programs now (every row idle: nothing written, nothing emitted)."""
-        for chunks in (0, self.prefill_rows):
-            plan = self._plan([], [], chunks, {})
-            if self.drafter is not None:
-                plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
-            self.state, report = self._program(
-                self.model, self.state, self._row_params(), plan, self.key
-            )
-        report.block_until_ready()
+        """Compile the programs now (every row idle: nothing written, nothing emitted): with
+        and without prompt chunks, each at one token per row and, speculating, at `k + 1` (an
+        adaptive engine uses both widths, and times each decode-only one once compiled)."""
+        widths = [None] if self.proposer is None else [{}]
+        if self.adaptive:
+            widths = [None, {}]
+        for drafts in widths:
+            for chunks in (0, self.prefill_rows):
+                plan = self._plan([], [], chunks, {}, drafts)
+                if self.drafter is not None:
+                    plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
+                self.state, report = self._program(
+                    self.model, self.state, self._row_params(), plan, self.key
+                )
+            report.block_until_ready()
+            if self.adaptive:
+                plan = self._plan([], [], 0, {}, drafts)
+                started = time.perf_counter()
+                self.state, report = self._program(
+                    self.model, self.state, self._row_params(), plan, self.key
+                )
+                report.block_until_ready()
+                kind = "plain" if drafts is None else "verify"
+                self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
 
     def _take_inbox(self) -> None:
         """What other threads handed over since the last step: new requests join the queue,
@@ -797,7 +837,7 @@ class Engine:
             "start": np.zeros(width, np.int32),
             "final": np.zeros(width, bool),
             "had": np.zeros(width, np.int32),
-            "drafts": np.zeros((rows, self.max_drafts), np.int32),
+            "drafts": np.zeros((rows, 0 if drafts is None else self.max_drafts), np.int32),
             "k": np.zeros(rows, np.int32),
             "allowed": self._everything_allowed,
         }
@@ -836,15 +876,18 @@ class Engine:
             r.drafted += drafts[r.row].size
         return drafts
 
-    def _dispatch(self) -> _Launched | None:
-        """Admit, schedule, launch this step's program (without waiting for it)."""
+    def _dispatch(self, speculating: bool) -> _Launched | None:
+        """Admit, schedule, launch this step's program (without waiting for it): verifying
+        drafts when `speculating` and some row has any, one token per row otherwise."""
         self._take_inbox()
         self._admit()
         masks = self._masks()
         decode, chunks = self._schedule()
         if not decode and not chunks:
             return None
-        drafts = self._propose(decode) if self.proposer is not None else None
+        drafts = self._propose(decode) if speculating else None
+        if self.adaptive and drafts is not None and not any(d.size for d in drafts.values()):
+            drafts = None  # nothing to verify: the one-token program is the cheaper one
         plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, masks, drafts)
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
@@ -867,16 +910,18 @@ class Engine:
         )
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
-        return _Launched(record.step, report, owners, record, time.perf_counter())
+        verified = {row: d.size for row, d in (drafts or {}).items()}
+        return _Launched(record.step, report, owners, record, time.perf_counter(), verified)
 
     def _consume(self, launched: _Launched) -> None:
         """Read a dispatched step's tokens (waiting for it) and act on them: record, stream,
         finish the requests the device found done."""
         report = np.asarray(launched.report)
         tokens, emitted, done = report[:, :-2], report[:, -2], report[:, -1]
-        record = dataclasses.replace(
-            launched.record, ms=(time.perf_counter() - launched.started) * 1e3
-        )
+        now = time.perf_counter()
+        record = dataclasses.replace(launched.record, ms=(now - launched.started) * 1e3)
+        if self.adaptive:
+            self._time_step(launched, now)
         self.records.append(record)
         if self.log_steps:
             print(record, flush=True)
@@ -886,9 +931,29 @@ class Engine:
             extra = int(emitted[row]) - 1  # accepted drafts: past the one token dispatch counted
             request.cached, request.scheduled = request.cached + extra, request.scheduled + extra
             request.accepted += extra
+            if self.adaptive and request.draft_tokens:
+                self._observe(request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]))
             if self.drafter is not None:
                 self.drafter.kept(row, request.cached)
             self._emit(request, tokens[row, : emitted[row]].tolist(), bool(done[row]))
+
+    def _time_step(self, launched: _Launched, now: float) -> None:
+        """A decode-only step's cost: the wall time since the previous step was read (the
+        step's own time once the device is the bound, host one step behind or not)."""
+        previous, self._consumed = self._consumed, (launched.step, now)
+        if previous is not None and previous[0] == launched.step - 1 and not launched.record.chunks:
+            self.costs.add("verify" if launched.drafts else "plain", now - previous[1])
+
+    def _observe(self, request: Request, drafts: int, kept: int, first: int) -> None:
+        """The row's acceptance trials from this step (infer/speculative/adaptive.py): the
+        verification's, or whether the proposer's first draft, asked now, is the token the step
+        gave."""
+        if drafts:
+            request.acceptance.observe_verification(drafts, kept)
+            return
+        guess = self.proposer.propose(np.asarray(request.prompt + request.tokens), 1)
+        if guess.size:
+            request.acceptance.observe(int(guess[0] == first), 1)
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""
