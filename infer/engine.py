@@ -47,6 +47,7 @@ from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.speculative.adaptive import Acceptance, StepCosts, speculation_pays
 from infer.speculative.draft import DraftModel, DraftRunner
+from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
@@ -141,13 +142,16 @@ def _cut_at_stops(tokens, n, stops, count, budget):
     return n, jnp.any(stop, axis=1) | (count + n >= budget)
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
-def _step_program(model, state, params, plan, key, *, page_size, placement):
+@functools.partial(
+    jax.jit, donate_argnums=1, static_argnames=("page_size", "placement", "keep_hidden")
+)
+def _step_program(model, state, params, plan, key, *, page_size, placement, keep_hidden=False):
     """One engine step: decode rows (each its last token and its drafts, a group of
     `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
-    its own keys and allowed tokens), stop checks and the rows' state. Returns the state and
+    its own keys and allowed tokens), stop checks and the rows' state. Returns the state,
     `[rows, k_max + 3]` int32: each row's new tokens `[k_max + 1]`, how many it emitted,
-    whether it is done."""
+    whether it is done, and with `keep_hidden` the last layer's output at every token
+    `[tokens, embed]` (what DeepSeek's MTP module drafts from; None otherwise)."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
     TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
@@ -213,7 +217,8 @@ def _step_program(model, state, params, plan, key, *, page_size, placement):
     done = done.at[row].set(ended, mode="drop")
     n = n.at[row].set(1, mode="drop")
     report = jnp.concatenate([new, n[:, None], done[:, None].astype(jnp.int32)], axis=1)
-    return RowState(out.cache.layers, last, count, done), report
+    hidden = out.hidden[:, 0] if keep_hidden else None
+    return RowState(out.cache.layers, last, count, done), report, hidden
 
 
 @dataclasses.dataclass(eq=False)
@@ -318,8 +323,11 @@ class Engine:
     `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
     same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
     step (`engine.records` keeps them); `speculative` a proposer (infer/speculative/:
-    `PromptLookup(k=4)`, `DraftModel(small, k=4)`) whose `k` is the most drafts a row verifies
-    per step (each request may ask for fewer, or none: `submit(..., draft_tokens=)`).
+    `PromptLookup(k=4)`, `DraftModel(small, k=4)`, `MTPDraft(k=1)`: the model's own DeepSeek
+    MTP module) whose `k` is the most drafts a row verifies per step (each request may ask for
+    fewer, or none: `submit(..., draft_tokens=)`); an adaptive proposer's engine verifies only in
+    steps where it pays (infer/speculative/adaptive.py; `engine.costs` holds the step times it
+    measured).
 
     Threads: `submit` and `cancel` may be called from any thread while one thread steps the
     engine (they only queue; the stepping thread takes the queue at its next step, and `busy`
@@ -352,7 +360,7 @@ class Engine:
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
         log_steps: bool = False,
-        speculative: Proposer | DraftModel | None = None,
+        speculative: Proposer | DraftModel | MTPDraft | None = None,
     ):
         if not isinstance(model, Transformer):
             raise ValueError(f"Engine needs a zoo.Transformer, got {type(model).__name__}")
@@ -378,12 +386,14 @@ class Engine:
         self.key = jax.random.key(0) if key is None else key
         self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
         self.stop_tokens = self._checked_stops(stop_tokens)
-        if speculative is not None and not isinstance(speculative, Proposer | DraftModel):
+        if speculative is not None and not isinstance(
+            speculative, Proposer | DraftModel | MTPDraft
+        ):
             raise ValueError(
-                f"Engine speculative must be a proposer (infer.speculative.PromptLookup or "
-                f"DraftModel), got {speculative!r}"
+                f"Engine speculative must be a proposer (infer.speculative.PromptLookup, "
+                f"DraftModel or MTPDraft), got {speculative!r}"
             )
-        if isinstance(speculative, DraftModel):
+        if isinstance(speculative, DraftModel | MTPDraft):
             speculative.check_target(model)
         self.proposer = speculative
         self.max_drafts = 0 if speculative is None else speculative.k
@@ -463,9 +473,16 @@ class Engine:
                 speculative, self.placement.place_arrays(draft_pages), rows=max_batch,
                 page_size=page_size, placement=self.placement, key=jax.random.split(self.key)[1],
             )  # fmt: skip
+        elif isinstance(speculative, MTPDraft):
+            self.drafter = MTPRunner(
+                speculative, model, rows=max_batch, n_pages=n_pages, page_size=page_size,
+                max_len=max_len, window_rows=max_batch if window_cache else 0,
+                placement=self.placement, key=jax.random.split(self.key)[1],
+            )  # fmt: skip
         self._program = functools.partial(
-            _step_program, page_size=page_size, placement=self.placement
-        )
+            _step_program, page_size=page_size, placement=self.placement,
+            keep_hidden=isinstance(speculative, MTPDraft),
+        )  # fmt: skip
         if warm_up:
             self._warm_up()
 
@@ -669,19 +686,26 @@ class Engine:
                 plan = self._plan([], [], chunks, {}, drafts)
                 if self.drafter is not None:
                     plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
-                self.state, report = self._program(
-                    self.model, self.state, self._row_params(), plan, self.key
-                )
-            report.block_until_ready()
+                self._launch(plan, [])
+            self.state.last.block_until_ready()
             if self.adaptive:
                 plan = self._plan([], [], 0, {}, drafts)
                 started = time.perf_counter()
-                self.state, report = self._program(
-                    self.model, self.state, self._row_params(), plan, self.key
-                )
-                report.block_until_ready()
+                self._launch(plan, []).block_until_ready()
                 kind = "plain" if drafts is None else "verify"
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
+
+    def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]) -> Array:
+        """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
+        step's prompt chunks as `(sequence, start, n)`); the step's report."""
+        params = self._row_params()
+        self.state, report, hidden = self._program(self.model, self.state, params, plan, self.key)
+        if hidden is not None:
+            following = chunk_next_tokens(chunks, plan.tokens.shape[0], self.chunk)
+            self.drafter.after_step(
+                self.model, plan, report, hidden, following, params.sampling, self.steps
+            )
+        return report
 
     def _take_inbox(self) -> None:
         """What other threads handed over since the last step: new requests join the queue,
@@ -892,9 +916,7 @@ class Engine:
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
             plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
-        self.state, report = self._program(
-            self.model, self.state, self._row_params(), plan, self.key
-        )
+        report = self._launch(plan, [(r.sequence, r.cached, n) for r, n in chunks])
         owners = list(self.rows)
         for r in decode:
             r.cached += 1
