@@ -345,9 +345,9 @@ def test_adaptive_speculation_follows_the_acceptance_rate(llama):
     prompt, new = prompts([6], seed=5)[0], 40
     expected = alone(llama, prompt, new)
     until = len(prompt) + 16
-    proposer = TurnsWrong(k=3, answer=tuple(prompt + expected), until=until)
-    kwargs = dict(max_batch=1, max_len=64, page_size=8, chunk=16, speculative=proposer)
-    Engine(llama, **kwargs)  # compiles the four programs
+    proposer = TurnsWrong(k=4, answer=tuple(prompt + expected), until=until)
+    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16, speculative=proposer)
+    Engine(llama, **kwargs)  # compiles the four programs (the tests above compiled them)
     before = dict(TRACES)
     engine = Engine(llama, **kwargs)
     engine.costs = FixedCosts()
