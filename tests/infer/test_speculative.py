@@ -143,7 +143,7 @@ def test_prompt_lookup_in_the_engine_equals_greedy(llama):
     cases = [(chunk * 3, 12), (rng.integers(0, 256, 9).tolist(), 8)]
     expected = greedy(llama, cases)
     engine = Engine(llama, max_batch=2, max_len=64, page_size=8, chunk=16,
-                    speculative=PromptLookup(k=3))  # fmt: skip
+                    speculative=PromptLookup(k=3, adaptive=False))  # fmt: skip
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     assert [r.tokens for r in requests] == expected

@@ -8,6 +8,8 @@ The first module is loaded (the one V3 ships; drafting with it alone is what vLL
 one); `save_pretrained` writes it back as that layer. Its token table and head are the main
 model's own arrays where the checkpoint's copies equal them (V3's do: no second copy)."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -94,13 +96,23 @@ def load_mtp(
 ) -> Transformer:
     """`model` with its checkpoint's first MTP module (`model.mtp`), or as it is when the
     config.json declares none (`num_nextn_predict_layers` 0 or absent) or the checkpoint holds
-    none (converted checkpoints often drop them)."""
+    none (converted checkpoints often drop them); a module whose layer lacks tensors or holds
+    unknown ones is left out with a warning naming them (the causal LM does not need it)."""
     config, prefix = model.config, layer_prefix(model.config)
     if not hf.get("num_nextn_predict_layers") or prefix + PROJ not in source.names():
         return model
-    body = load_weights(
-        _BodyView(source, prefix), arch, body_config(config), policy=policy, placement=placement
-    )
+    try:
+        body = load_weights(
+            _BodyView(source, prefix), arch, body_config(config), policy=policy,
+            placement=placement,
+        )  # fmt: skip
+    except ValueError as error:  # the causal LM is whole: it loads, said without its MTP module
+        warnings.warn(
+            f"the checkpoint's multi-token-prediction module (its tensors {prefix}*) does not "
+            f"load ({error}); the model is loaded without it (model.mtp is None)",
+            stacklevel=3,
+        )
+        return model
     skeleton = eqx.filter_eval_shape(MTP, config, policy=body.policy, key=jax.random.key(0))
     shardings = placement.param_shardings(skeleton)
     d = config.d_model
