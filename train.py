@@ -51,11 +51,21 @@ from data.supervised import PAIR_ROLES
 from data.tokenizers import OPENAI_ENCODINGS, get_tokenizer, save_ranks
 from layers.moe import MoEStats
 from shard import Placement
+from shard.compile_cache import use_compile_cache
 from shard.sequence import check_sequence_length
 from shard.xla_flags import set_default_xla_flags
 from training import distributed, loop, lora_run, offload, preference_run, run_model
 from training import run_dir as runs
-from training.args import ArgError, Args, accumulation, check, given, parse_args, pipeline_stages
+from training.args import (
+    ArgError,
+    Args,
+    accumulation,
+    check,
+    check_batch_shards,
+    given,
+    parse_args,
+    pipeline_stages,
+)
 from training.distributed import Processes
 from training.loss import CrossEntropy
 from training.model_config import (
@@ -120,17 +130,17 @@ def init_tokenizer_spec(path: str) -> str:
     train.py run recorded (as `run_dir.tokenizer_from_spec` reads it)."""
     if not runs.is_run(path):
         return str(Path(path).resolve())
-    spec = runs.run_tokenizer_spec(path)
-    if spec is None:
-        raise ValueError(f"--init-from {path!r}: the run records no tokenizer; pass --tokenizer")
-    return spec
+    try:
+        return runs.recorded_tokenizer_spec(path)
+    except ValueError as error:
+        raise ValueError(f"--init-from {path!r}: {error}; or pass --tokenizer") from None
 
 
 def make_tokenizer(args: Args, sample, cache: Path, run_dir: Path):
     """A resumed run's own tokenizer; --init-from's; else the one --tokenizer names (a BPE is
     trained on `sample` and cached)."""
     if args.resume:
-        return runs.tokenizer_from_spec(runs.run_tokenizer_spec(run_dir))
+        return runs.tokenizer_from_spec(runs.recorded_tokenizer_spec(run_dir))
     if args.init_from and args.tokenizer == "bpe":
         return runs.tokenizer_from_spec(init_tokenizer_spec(args.init_from))
     return get_tokenizer(
@@ -144,7 +154,7 @@ def chat_tokenizer(args: Args, data_format: str, sample, cache: Path, run_dir: P
     for chat data, before a BPE is trained for nothing)."""
     spec = None
     if args.resume:
-        spec = runs.run_tokenizer_spec(run_dir)
+        spec = runs.recorded_tokenizer_spec(run_dir)
     elif args.init_from and args.tokenizer == "bpe":
         spec = init_tokenizer_spec(args.init_from)
     if spec is not None:
@@ -362,6 +372,8 @@ def resumed_args(args: Args, given_names: frozenset[str], run_dir: Path) -> Args
     unless given, is chosen again for the recorded batch."""
     record = runs.read_record(run_dir)
     recorded, step = record["settings"], runs.latest_step(run_dir)
+    if not recorded.get("lora_rank"):  # runs before Args' lora_targets=None recorded a string
+        recorded["lora_targets"] = None
     changes = {}
     if "steps" in given_names and args.steps <= step:
         raise ArgError(
@@ -491,6 +503,7 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
         )
     processes = distributed.start(args)  # before anything touches a device
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
+    check_batch_shards(args)
     check_sequence_length(args.seq_len, placement.sequence_shards)
     if args.offload_opt_state:
         offload.check_supported(placement.mesh.devices.flat if placement.sharded else jax.devices())
@@ -791,6 +804,7 @@ def _train(
 
 if __name__ == "__main__":
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
+    use_compile_cache()  # a resumed or repeated run reads its programs back instead of compiling
     try:
         main()
     except (ValueError, FloatingPointError, OSError) as error:

@@ -2,9 +2,9 @@
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
 samplers, the serving engine, the HTTP server, speculative decoding, LoRA/QLoRA vs full
 fine-tuning, the pipeline bubble, asynchronous vs synchronous checkpoint saves, quantized
-inference and its kernels, GRPO rollout vs update, the int8 KV cache) with sizes for the device
-found, each printing predicted (zoo.math roofline) vs measured beside the ceilings measured once
-in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
+inference and its kernels, GRPO rollout vs update, the int8 KV cache, logprobs) with sizes for
+the device found, each printing predicted (zoo.math roofline) vs measured beside the ceilings
+measured once in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
 
     python -m bench all --out results/
     python -m bench decode                 # one benchmark
@@ -40,6 +40,7 @@ BENCHMARKS = {
     "quantized-kernels": "bench.quantized_kernels",
     "posttrain": "bench.posttrain",
     "kv-int8": "bench.kv_int8",
+    "logprobs": "bench.logprobs",
 }
 
 

@@ -29,23 +29,30 @@ from training.artifacts import load_artifact, plain
 from zoo import Tokenizer, Transformer
 
 
+class ConversationFull(ValueError):
+    """A user turn that would leave no room for a reply in the engine's `max_len`: not sent (the
+    conversation stays as it was), so the chat can go on with a shorter one."""
+
+
 class Chat:
     """A conversation over one engine: `reply(text)` adds a user turn and streams the answer."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, system: str | None = None,
-                 max_len: int = flags.MAX_LEN, max_new_tokens: int = flags.MAX_NEW_TOKENS,
+                 max_len: int | None = None, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
                  placement: shard.Placement | None = None, kv_dtype: str | None = None,
                  write=sys.stdout.write, speculative: Proposer | None = None):  # fmt: skip
         """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
-        what `load_pretrained` gives; a run's stacked model is converted once); `speculative`
-        a proposer of draft tokens (infer/speculative/)."""
+        what `load_pretrained` gives; a run's stacked model is converted once); `max_len` the
+        tokens the conversation may hold (default `flags.MAX_LEN`, or the model's max_seq_len
+        if smaller; more than that is refused); `speculative` a proposer of draft tokens
+        (infer/speculative/)."""
         tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
         self.tokenizer = tokenizer
         self.engine = infer.Engine(
             plain(model).with_policy(storage="unrolled"),
             max_batch=1,
-            max_len=min(max_len, model.config.max_seq_len),
+            max_len=flags.max_len(max_len, model.config),
             key=jax.random.key(seed),
             placement=placement,
             kv_dtype=kv_dtype,
@@ -56,14 +63,19 @@ class Chat:
         self.stop_texts = tuple(stop_texts)
 
     def reply(self, text: str) -> stream.Reply:
-        self.messages.append({"role": "user", "content": text})
-        prompt = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        """Stream the answer to the user turn `text`; `ConversationFull` (nothing changed) when
+        the conversation with it leaves no room for a reply token."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         budget = min(self.max_new_tokens, self.engine.max_len - len(prompt))
         if budget < 1:
-            raise ValueError(
-                f"the conversation ({len(prompt)} tokens) fills the engine's max_len="
-                f"{self.engine.max_len}: start a new chat or raise --max-len"
+            raise ConversationFull(
+                f"not sent: with this message the conversation is {len(prompt)} tokens, and the "
+                f"chat holds {self.engine.max_len} (--max-len) with room for the reply; send a "
+                "shorter message, or start a new chat with a larger --max-len (up to the "
+                f"model's max_seq_len)"
             )
+        self.messages = messages
         answer = stream.reply(
             self.engine, self.tokenizer, prompt, max_new_tokens=budget, sampler=self.sampler,
             stop_texts=self.stop_texts, write=self.write,
@@ -79,12 +91,7 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
     p.add_argument("--system", help="a system prompt")
     p.add_argument("--message", action="append", help="a user turn (repeatable); default: stdin")
     flags.add_stopping(p)
-    p.add_argument(
-        "--max-len",
-        type=flags.POSITIVE_INT.flag_type(),
-        default=flags.MAX_LEN,
-        help="tokens the conversation may hold",
-    )
+    flags.add_max_len(p, "tokens the conversation may hold")
     flags.add_sampling(p)
     flags.add_kv_dtype(p)
     p.add_argument(
@@ -147,7 +154,11 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         if args.message:
             print(f"you> {text}")
         print("bot> ", end="", flush=True)
-        answer = chat.reply(text)
+        try:
+            answer = chat.reply(text)
+        except ConversationFull as error:  # the chat goes on without this turn
+            print(f"({error})")
+            continue
         request = answer.request
         n = len(request.tokens)
         rate = (n - 1) / request.decode_s if n > 1 and request.decode_s else float("nan")

@@ -12,7 +12,9 @@ class Command:
     """`main` and `parser` are "module:function": `main(argv, prog)` runs the command,
     `parser(prog)` is its argparse parser (for --help and the flag-vocabulary test).
     `own_defaults`: the shared flags whose default this command sets itself (its --help shows
-    them); every other flag has the vocabulary's one default (tests/cli/test_vocabulary.py)."""
+    them); every other flag has the vocabulary's one default (tests/cli/test_vocabulary.py).
+    `own_kinds`: the shared flags that take another kind of value here (its --help says
+    which); every other shared flag accepts the same values in every command."""
 
     name: str
     summary: str
@@ -20,6 +22,7 @@ class Command:
     main: str
     parser: str
     own_defaults: tuple[str, ...] = ()
+    own_kinds: tuple[str, ...] = ()
 
     def _load(self, target: str):
         module, function = target.split(":")
@@ -98,6 +101,29 @@ COMMANDS = (
         "cli.export:main",
         "cli.export:parser",
         own_defaults=("--out",),
+    ),
+    Command(
+        "evaluate",
+        "score any model on tasks: perplexity and bits per byte, multiple choice, generations "
+        "by exact match or a checker (training.evaluate), or lm-eval's",
+        "SmolLM2-135M on examples/data/brevity_heldout.jsonl (42 generate rows, 40 new tokens "
+        "each: load, compile, generate) took 74 CPU seconds, about a minute on a 2-core CPU "
+        "alone (10 min measured while shared)",
+        "cli.evaluate:main",
+        "cli.evaluate:parser",
+        # Rows per batch (8), tokens per generate row (64), a results file (none): evaluation's.
+        own_defaults=("--batch-size", "--max-new-tokens", "--out"),
+    ),
+    Command(
+        "serve",
+        "serve any model over OpenAI's HTTP API (chat and text completions, streamed; LoRA "
+        "adapters per request; infer.serve)",
+        "as chat's start: about 30 s to load and compile SmolLM2-135M on a 2-core CPU, then "
+        "until stopped",
+        "cli.serve:main",
+        "cli.serve:parser",
+        # NAME=PATH, repeatable: each adapter served as its own model, not folded into --model.
+        own_kinds=("--adapter",),
     ),
     Command(
         "plan",

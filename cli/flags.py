@@ -1,8 +1,9 @@
-"""The flags the inference commands share (sample, chat, merge, export), defined once: the model
-(`--model`, `--adapter`, `--chat-template`), how it runs (`--attention`, `--mesh`, `--rules`,
-`--seed`: training.args' own definitions, so they read alike in every command), how it samples
-(`--temperature`, `--top-k`, `--top-p`, `--min-p`) and when it stops (`--max-new-tokens`,
-`--stop`). Every number is checked at its flag (training.args' `Bounds`)."""
+"""The flags the inference commands share (sample, chat, merge, export, evaluate, serve),
+defined once: the model (`--model`, `--adapter`, `--chat-template`), how it runs (`--attention`,
+`--mesh`, `--rules`, `--seed`: training.args' own definitions, so they read alike in every
+command), how it samples (`--temperature`, `--top-k`, `--top-p`, `--min-p`) and when it stops
+(`--max-new-tokens`, `--stop`, `--max-len`). Every number is checked at its flag (training.args'
+`Bounds`)."""
 
 import argparse
 import importlib.util
@@ -17,6 +18,7 @@ from training.args import (
     PROBABILITY,
     add_arguments,
 )
+from zoo import Config
 
 MAX_NEW_TOKENS = 256
 MAX_LEN = 2048
@@ -35,8 +37,11 @@ def default_chat_model() -> str:
     return str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def add_model(p: argparse.ArgumentParser, *, default: str | None = None) -> None:
-    """--model (required unless `default`), --adapter, --attention."""
+def add_model(
+    p: argparse.ArgumentParser, *, default: str | None = None, adapter: bool = True
+) -> None:
+    """--model (required unless `default`), --adapter (unless the command takes its own kind:
+    serve's), --attention."""
     p.add_argument(
         "--model",
         type=str,
@@ -45,12 +50,38 @@ def add_model(p: argparse.ArgumentParser, *, default: str | None = None) -> None
         help="the model: a zoo preset name (random weights), an HF directory, a .gguf file or a "
         "train.py run directory (full or LoRA: its latest checkpoint and its tokenizer)",
     )
-    p.add_argument(
-        "--adapter",
-        help="a PEFT LoRA adapter directory to add to --model (e.g. <finetune run>/adapter, or "
-        "one trained with peft)",
-    )
+    if adapter:
+        p.add_argument(
+            "--adapter",
+            help="a PEFT LoRA adapter directory to add to --model (e.g. <finetune run>/adapter, "
+            "or one trained with peft)",
+        )
     add_arguments(p, ("attention",))
+
+
+def add_max_len(p: argparse.ArgumentParser, what: str) -> None:
+    """--max-len: `what` (the tokens a conversation or a request may hold)."""
+    p.add_argument(
+        "--max-len",
+        type=POSITIVE_INT.flag_type(),
+        metavar="INT",
+        help=f"{what}; at most the model's max_seq_len (default: {MAX_LEN}, or the model's "
+        "max_seq_len if smaller)",
+    )
+
+
+def max_len(given: int | None, config: Config) -> int:
+    """The engine's max_len for `--max-len given`: the default `MAX_LEN` cut to the model's
+    max_seq_len; a given value past it is refused (the model has no positions there), naming
+    both numbers."""
+    if given is None:
+        return min(MAX_LEN, config.max_seq_len)
+    if given > config.max_seq_len:
+        raise ValueError(
+            f"--max-len {given} is more than the model's max_seq_len {config.max_seq_len} (it "
+            f"has no positions past it): give --max-len {config.max_seq_len} or less"
+        )
+    return given
 
 
 def add_chat_template(p: argparse.ArgumentParser) -> None:

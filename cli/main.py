@@ -41,10 +41,14 @@ def main(argv: list[str] | None = None):
     name, rest = argv[0], argv[1:]
     if name not in BY_NAME:
         sys.exit(f"eqx-zoo: error: unknown command {name!r}; commands: {', '.join(BY_NAME)}")
+    from shard.compile_cache import use_compile_cache
     from shard.xla_flags import set_default_xla_flags
 
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
+    use_compile_cache()  # a second start reads its programs back instead of compiling them
+    from layers.kernels.quantized.cpu import KernelNotBuilt  # says how to build it
+
     try:
         return BY_NAME[name].run(rest)
-    except (ValueError, FloatingPointError, OSError) as error:
+    except (ValueError, FloatingPointError, OSError, KernelNotBuilt) as error:
         sys.exit(f"eqx-zoo {name}: error: {error}")

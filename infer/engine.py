@@ -23,6 +23,9 @@ one step behind, streaming, prefix reuse, preemption.
   tokens are rolled back by the row's length: their pages stay with the row and are written over.
   The host proposes from the tokens it has read, so a speculating engine reads each step's
   tokens before it dispatches the next.
+- Log-probabilities (`submit(..., logprobs=N)`, N up to `MAX_LOGPROBS`): the step also reports
+  each emitted token's log-probability and the N most likely tokens at its position, from the
+  model's raw distribution (`TokenLogprob`); computed only in steps where some row asks.
 - Pages are allocated as tokens arrive. When the pool runs dry, the youngest running request is
   preempted: its pages go back, it returns to the head of the queue and is recomputed (its prompt
   and the tokens it already has, prefilled again) when pages free up; its tokens are kept.
@@ -63,6 +66,9 @@ OnTokens = Callable[[list[int]], None]
 # (after its previous token was streamed): an int32 bitmask [allowed_words(vocab)].
 AllowedTokens = Callable[[], np.ndarray]
 Count = int | np.integer  # numpy's integers count too
+# The most alternatives per token a request may ask for (`submit(logprobs=)`, OpenAI's limit on
+# top_logprobs): the step always has room for this many, so no request's setting compiles anything.
+MAX_LOGPROBS = 20
 
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
@@ -83,14 +89,15 @@ class RowParams(eqx.Module):
     """Each row's request settings on the device, uploaded when a request joins: its sampler,
     its stop tokens (`-1` pads), its budget of new tokens and its seed (a row's i-th new token
     is drawn with `fold_in(fold_in(key, seed), i)`: the same request and seed give the same
-    tokens whatever else is in the batch) and its LoRA adapter (-1: none; a model with
-    `LoRABank`s, `zoo.bank_adapters`)."""
+    tokens whatever else is in the batch), its LoRA adapter (-1: none; a model with
+    `LoRABank`s, `zoo.bank_adapters`) and whether it wants log-probabilities."""
 
     sampling: SamplingParams
     stops: Int[Array, "rows stops"]
     budget: Int[Array, " rows"]
     seed: Int[Array, " rows"]
     adapter: Int[Array, " rows"]
+    logprobs: Bool[Array, " rows"]
 
 
 class StepPlan(eqx.Module):
@@ -116,6 +123,48 @@ class StepPlan(eqx.Module):
     k: Int[ArrayLike, " rows"]
     allowed: Int[ArrayLike, "rows words"]
     q: Float[ArrayLike, "rows drafts vocab"] | None = None
+
+
+class Logprobs(eqx.Module):
+    """A step's log-probabilities, laid out as its report's tokens: each row's emitted tokens'
+    `[rows, group]`, and the most likely tokens at their positions with theirs `[rows, group,
+    top]` (`top = min(MAX_LOGPROBS, vocab)`, most likely first). All zeros in a step where no
+    row asked (nothing is computed then)."""
+
+    chosen: Float[Array, "rows group"]
+    top_tokens: Int[Array, "rows group top"]
+    top: Float[Array, "rows group top"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model and the most likely tokens at its
+    position with theirs, most likely first (as many as the request asked for)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def _logprobs(
+    logits: Float[Array, "n vocab"], tokens: Int[Array, " n"], wanted: Bool[Array, " n"]
+) -> tuple[Float[Array, " n"], Int[Array, "n top"], Float[Array, "n top"]]:
+    """The log-softmax of the raw `logits` at each position: the emitted `tokens`' values and
+    the most likely tokens'. Skipped (zeros) unless some position is `wanted`: a step where no
+    row asks pays one predicate, not a softmax and a top-k over the vocabulary."""
+    n, vocab = logits.shape
+    top = min(MAX_LOGPROBS, vocab)
+
+    def compute():
+        scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        best, best_tokens = jax.lax.top_k(scores, top)
+        chosen = jnp.take_along_axis(scores, tokens[:, None], axis=1)[:, 0]
+        return chosen, best_tokens.astype(jnp.int32), best
+
+    def skip():
+        return jnp.zeros(n), jnp.zeros((n, top), jnp.int32), jnp.zeros((n, top))
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip)
 
 
 def allowed_words(vocab_size: int) -> int:
@@ -150,8 +199,9 @@ def _step_program(model, state, params, plan, key, *, page_size, placement, keep
     `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
     its own keys and allowed tokens), stop checks and the rows' state. Returns the state,
     `[rows, k_max + 3]` int32: each row's new tokens `[k_max + 1]`, how many it emitted,
-    whether it is done, and with `keep_hidden` the last layer's output at every token
-    `[tokens, embed]` (what DeepSeek's MTP module drafts from; None otherwise)."""
+    whether it is done, their `Logprobs` (computed when a row that emits asks for them), and
+    with `keep_hidden` the last layer's output at every token `[tokens, embed]` (what
+    DeepSeek's MTP module drafts from; None otherwise)."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
     TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
@@ -202,6 +252,12 @@ def _step_program(model, state, params, plan, key, *, page_size, placement, keep
         chunk_logits = jnp.where(allowed[plan.row], out.logits[rows * group :], -jnp.inf)
         chunk_sampling = jax.tree.map(lambda x: x[plan.row], params.sampling)
         first = sample(chunk_logits, chunk_sampling, keys[rows:])
+    # Log-probabilities of every position's emitted token: the decode groups' (a verified
+    # group's accepted drafts and its extra token), then the prompt chunks' first tokens.
+    wanted = jnp.concatenate(
+        [jnp.repeat(live & params.logprobs, group), plan.final & params.logprobs[plan.row]]
+    )
+    scores = _logprobs(out.logits, jnp.concatenate([new.reshape(-1), first]), wanted)
     n, stopped = _cut_at_stops(new, n, params.stops, state.count, params.budget)
     count = state.count + n
     done = state.done | (live & stopped)
@@ -217,8 +273,24 @@ def _step_program(model, state, params, plan, key, *, page_size, placement, keep
     done = done.at[row].set(ended, mode="drop")
     n = n.at[row].set(1, mode="drop")
     report = jnp.concatenate([new, n[:, None], done[:, None].astype(jnp.int32)], axis=1)
+
+    def by_row(x):  # laid out as `new`: a prompt's first token at its row's slot 0
+        grouped = x[: rows * group].reshape(rows, group, *x.shape[1:])
+        return grouped.at[row, 0].set(x[rows * group :], mode="drop")
+
+    logprobs = Logprobs(*(by_row(x) for x in scores))
     hidden = out.hidden[:, 0] if keep_hidden else None
-    return RowState(out.cache.layers, last, count, done), report, hidden
+    return RowState(out.cache.layers, last, count, done), report, logprobs, hidden
+
+
+def _token_logprobs(scores: Logprobs, row: int, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """A row's emitted `tokens`' entries from a step's `Logprobs` read to the host."""
+    entries = []
+    for i, token in enumerate(tokens):
+        ids, values = scores.top_tokens[row, i, :top].tolist(), scores.top[row, i, :top].tolist()
+        best = zip(ids, values, strict=True)
+        entries.append(TokenLogprob(token, float(scores.chosen[row, i]), tuple(best)))
+    return entries
 
 
 @dataclasses.dataclass(eq=False)
@@ -229,7 +301,8 @@ class Request:
     submit to first token, first to last (as the host sees them); `preemptions` counts how often
     the pool ran dry and it was recomputed. `seed` fixes its draws, `allowed` constrains them.
     Speculation: up to `draft_tokens` drafts per step, `drafted` of them verified and
-    `accepted` kept (`accepted / drafted`: the acceptance rate)."""
+    `accepted` kept (`accepted / drafted`: the acceptance rate). `logprobs` (None: not asked)
+    alternatives per token: `token_logprobs` then holds one `TokenLogprob` per token."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -239,7 +312,9 @@ class Request:
     seed: int = 0
     allowed: AllowedTokens | None = None
     adapter: int = -1
+    logprobs: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     done: bool = False
     error: Exception | None = None
     cancelled: bool = False
@@ -290,6 +365,7 @@ class StepRecord:
 class _Launched:
     step: int
     report: Array
+    logprobs: Logprobs
     owners: list[Request | None]
     record: StepRecord
     started: float
@@ -460,6 +536,7 @@ class Engine:
             "budget": np.ones(max_batch, np.int32),
             "seed": np.zeros(max_batch, np.int32),
             "adapter": np.full(max_batch, -1, np.int32),
+            "logprobs": np.zeros(max_batch, bool),
         }
         self._params: RowParams | None = None
         self._launched: _Launched | None = None
@@ -504,6 +581,7 @@ class Engine:
         seed: int | None = None,
         allowed: AllowedTokens | None = None,
         adapter: int = -1,
+        logprobs: Count | None = None,
     ) -> Request:
         """Queue a prompt (a list of token ids), ending at one of `stop_tokens` (default: the
         engine's `stop_tokens`; `()`: none) or after `max_new_tokens`. Bad input is a ValueError
@@ -516,7 +594,17 @@ class Engine:
         `seed` fixes the request's draws (default: its submission number); `allowed` constrains
         its tokens (see `AllowedTokens`; a failing one ends only its request, as `error`);
         `adapter` picks one of the model's banked LoRA adapters (`zoo.bank_adapters`; -1: the
-        base model)."""
+        base model).
+
+        `logprobs=N` (0 to `MAX_LOGPROBS`; None: none) fills `request.token_logprobs`: for every
+        token it generates (drafts a verification accepted included) its log-probability and
+        the N most likely tokens at its position with theirs, before `on_tokens` sees it. They
+        are the model's own distribution, the log-softmax of its raw logits over the whole
+        vocabulary: before temperature, top-k/top-p/min-p and the `allowed` mask (vLLM's
+        default, "raw" logprobs). So they say what the model thinks of the text, the same for a
+        text whatever settings drew it (comparable across requests, usable for scoring), and a
+        greedy token is its position's most likely one; a sampled or constrained token may
+        not be among the top N."""
         (row,) = check_prompts([prompt], self.model.config.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -560,6 +648,14 @@ class Engine:
                 f"adapter must be -1 (the base model) or the index of one of the model's "
                 f"{n_adapters} banked adapters, got {adapter!r}"
             )
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int | np.integer)
+            or not 0 <= logprobs <= MAX_LOGPROBS
+        ):  # fmt: skip
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (how many most likely "
+                f"tokens to report per token), got {logprobs!r}"
+            )
         stops = self.stop_tokens if stop_tokens is None else self._checked_stops(stop_tokens)
         drafts = self._check_draft_tokens(draft_tokens)
         if allowed is not None and draft_tokens:  # a draft's mask would need the tokens before it
@@ -576,6 +672,7 @@ class Engine:
             on_tokens=on_tokens,
             allowed=allowed,
             adapter=int(adapter),
+            logprobs=None if logprobs is None else int(logprobs),
             submitted=time.perf_counter(),
         )
         request.sampler.params()  # a bad sampler fails here, not mid-batch
@@ -691,21 +788,23 @@ class Engine:
             if self.adaptive:
                 plan = self._plan([], [], 0, {}, drafts)
                 started = time.perf_counter()
-                self._launch(plan, []).block_until_ready()
+                self._launch(plan, [])[0].block_until_ready()
                 kind = "plain" if drafts is None else "verify"
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
 
-    def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]) -> Array:
+    def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
-        step's prompt chunks as `(sequence, start, n)`); the step's report."""
+        step's prompt chunks as `(sequence, start, n)`); the step's report and logprobs."""
         params = self._row_params()
-        self.state, report, hidden = self._program(self.model, self.state, params, plan, self.key)
+        self.state, report, logprobs, hidden = self._program(
+            self.model, self.state, params, plan, self.key
+        )
         if hidden is not None:
             following = chunk_next_tokens(chunks, plan.tokens.shape[0], self.chunk)
             self.drafter.after_step(
                 self.model, plan, report, hidden, following, params.sampling, self.steps
             )
-        return report
+        return report, logprobs
 
     def _take_inbox(self) -> None:
         """What other threads handed over since the last step: new requests join the queue,
@@ -775,6 +874,7 @@ class Engine:
         host["budget"][row] = request.max_new_tokens
         host["seed"][row] = request.seed
         host["adapter"][row] = request.adapter
+        host["logprobs"][row] = request.logprobs is not None
         self._params = None  # uploaded again before the next step
 
     def _row_params(self) -> RowParams:
@@ -786,8 +886,9 @@ class Engine:
                 min_p=host["min_p"],
             )  # fmt: skip
             self._params = RowParams(
-                sampling, host["stops"], host["budget"], host["seed"], host["adapter"]
-            )
+                sampling, host["stops"], host["budget"], host["seed"], host["adapter"],
+                host["logprobs"],
+            )  # fmt: skip
         return self._params
 
     def _cover(self, request: Request, n_tokens: int) -> bool:
@@ -916,7 +1017,7 @@ class Engine:
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
             plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
-        report = self._launch(plan, [(r.sequence, r.cached, n) for r, n in chunks])
+        report, logprobs = self._launch(plan, [(r.sequence, r.cached, n) for r, n in chunks])
         owners = list(self.rows)
         for r in decode:
             r.cached += 1
@@ -933,7 +1034,9 @@ class Engine:
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
         verified = {row: d.size for row, d in (drafts or {}).items()}
-        return _Launched(record.step, report, owners, record, time.perf_counter(), verified)
+        return _Launched(
+            record.step, report, logprobs, owners, record, time.perf_counter(), verified
+        )
 
     def _consume(self, launched: _Launched) -> None:
         """Read a dispatched step's tokens (waiting for it) and act on them: record, stream,
@@ -947,6 +1050,8 @@ class Engine:
         self.records.append(record)
         if self.log_steps:
             print(record, flush=True)
+        asked = any(r is not None and r.logprobs is not None for r in launched.owners)
+        scores = jax.device_get(launched.logprobs) if asked else None  # read only when asked
         for row, request in enumerate(launched.owners):
             if request is None or request.done or not emitted[row]:
                 continue
@@ -957,7 +1062,10 @@ class Engine:
                 self._observe(request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]))
             if self.drafter is not None:
                 self.drafter.kept(row, request.cached)
-            self._emit(request, tokens[row, : emitted[row]].tolist(), bool(done[row]))
+            new = tokens[row, : emitted[row]].tolist()
+            if request.logprobs is not None:
+                request.token_logprobs.extend(_token_logprobs(scores, row, new, request.logprobs))
+            self._emit(request, new, bool(done[row]))
 
     def _time_step(self, launched: _Launched, now: float) -> None:
         """A decode-only step's cost: the wall time since the previous step was read (the

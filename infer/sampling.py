@@ -224,16 +224,22 @@ def _search_threshold(
 
     The sum shrinks as t grows, so t is found by bisection over the order keys of float32: 32
     passes, each one masked sum over the row, pin down one float32 value. Float rounding is
-    monotone, so the computed sums keep that order and the search is exact. The passes are
-    unrolled: a rolled loop would cost a GPU a host round trip per iteration for its condition.
+    monotone, so the computed sums keep that order and the search is exact. On a GPU the passes
+    are unrolled (a rolled loop would cost a host round trip per pass for its condition); on a
+    CPU they are a loop, which compiles in half the time and runs as fast.
     """
     lo = jnp.broadcast_to(_order_key(jnp.float32(-jnp.inf)), limit.shape)
     hi = _order_key(jnp.max(logits, axis=-1))  # the sum over nothing, 0, is < limit (limit > 0)
-    for _ in range(32):  # the width hi - lo < 2^32 at least halves each pass
+
+    def halve(_, bounds):  # the width hi - lo < 2^32 at least halves each pass
+        lo, hi = bounds
         mid = lo + (hi - lo) // 2
         above = jnp.sum(jnp.where(logits > _from_order_key(mid)[:, None], weights, 0.0), axis=-1)
         found = above < limit
-        lo, hi = jnp.where(found, lo, mid), jnp.where(found, mid, hi)
+        return jnp.where(found, lo, mid), jnp.where(found, mid, hi)
+
+    unroll = jax.default_backend() != "cpu"
+    _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi), unroll=unroll)
     return _from_order_key(hi)
 
 

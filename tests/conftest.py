@@ -12,6 +12,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["EQX_ZOO_COMPILE_CACHE"] = "off"  # tests compile afresh: nothing read back or left in ~
 
 import jax
 

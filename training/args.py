@@ -105,6 +105,7 @@ def _help(text: str, *, bounds: Bounds | None = None, **kwargs):
 
 
 DEFAULT_WARMUP = 30
+DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -234,10 +235,11 @@ class Args:
     lora_alpha: float = _help(
         "LoRA scale numerator: the update is (alpha / rank) A B", default=16.0, bounds=POSITIVE
     )
-    lora_targets: str = _help(
-        "comma-separated projections to adapt, PEFT's names (q_proj, k_proj, v_proj, o_proj, "
-        "gate_proj, up_proj, down_proj) or ours (zoo/adapter.py)",
-        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    lora_targets: str | None = _help(
+        "with --lora-rank: comma-separated projections to adapt, PEFT's names (q_proj, k_proj, "
+        "v_proj, o_proj, gate_proj, up_proj, down_proj) or ours (zoo/adapter.py). Default: "
+        f"every projection, {DEFAULT_LORA_TARGETS}",
+        default=None,
     )
     base_dtype: Literal["float32", "bfloat16", "float16", "int8", "nf4"] | None = _help(
         "with --lora-rank: how the frozen base is held: a float dtype, or quantized (int8 per "
@@ -358,14 +360,11 @@ class Args:
                     bounds.check(value)
                 except ValueError as error:
                     raise ArgError(flag_name(field.name), str(error)) from None
+        if self.init_from is not None:
+            check_checkpoint("--init-from", self.init_from)
         if self.model is not None and self.model not in presets():
             # --model names a checkpoint to start from: the same setting as --init-from.
-            if not Path(self.model).exists():
-                raise ArgError(
-                    "--model",
-                    f"{self.model!r} is neither a zoo preset ({', '.join(presets())}) nor a "
-                    "checkpoint that exists (an HF directory, a .gguf file or a train.py run)",
-                )
+            check_checkpoint("--model", self.model)
             if self.init_from is not None:
                 raise ArgError(
                     "--model",
@@ -375,10 +374,44 @@ class Args:
             self.model, self.init_from = None, self.model
         if self.warmup is None:
             self.warmup = min(DEFAULT_WARMUP, self.steps)
+        if self.lora_targets is not None and not self.lora_rank:
+            raise ArgError(
+                "--lora-targets",
+                f"{self.lora_targets!r} names projections to adapt, and only a LoRA run adapts "
+                "any (without --lora-rank every weight trains): give --lora-rank too, or drop "
+                "--lora-targets",
+            )
+        if self.lora_rank and self.lora_targets is None:
+            self.lora_targets = DEFAULT_LORA_TARGETS
+        if self.mesh is not None:
+            try:
+                parse_mesh(self.mesh)
+            except ValueError as error:
+                raise ArgError("--mesh", str(error)) from None
         pipelined = self.mesh is not None and pipeline_stages(self) > 1
         if pipelined and self.microbatches is None and self.batch_size % self.grad_accum == 0:
             self.microbatches = default_microbatches(self)
         check(self)
+
+
+def check_checkpoint(flag: str, path: str) -> None:
+    """`path`, given to `flag`, names a model to start from: an HF directory, a .gguf file or a
+    train.py run directory (training/artifacts.py tells them apart). Anything else is an
+    `ArgError` naming the path and what is expected, before any data or tokenizer is read."""
+    if path in presets():
+        raise ArgError(flag, f"{path!r} is a zoo preset, not a checkpoint: give it with --model")
+    if not Path(path).exists():
+        raise ArgError(
+            flag,
+            f"{path!r} is neither a zoo preset ({', '.join(presets())}) nor a checkpoint that "
+            "exists (an HF directory, a .gguf file or a train.py run)",
+        )
+    from training.artifacts import artifact_kind  # it imports the model code: only for a path
+
+    try:
+        artifact_kind(path, flag=None)
+    except ValueError as error:
+        raise ArgError(flag, str(error)) from None
 
 
 def lora_target_names(text: str) -> tuple[str, ...]:
@@ -508,6 +541,22 @@ def check_pipeline_flags(args: Args) -> None:
             f"{args.virtual_stages}: the interleaved schedule needs at least 2 layer chunks per "
             "device (1 is --pipeline-schedule gpipe)",
         )
+
+
+def check_batch_shards(args: Args) -> None:
+    """Each micro-batch (the batch, or each --grad-accum part of it) splits evenly over the
+    devices `--mesh` gives the batch: checked once the mesh is known to fit the devices, before
+    any data or model (XLA's sharding error came after them)."""
+    shards, part = batch_shards(args), args.batch_size // args.grad_accum
+    if pipeline_stages(args) > 1 or part % shards == 0:  # a pipeline's: check_pipeline_flags
+        return
+    parts = f" in --grad-accum {args.grad_accum} parts of {part}" if args.grad_accum > 1 else ""
+    raise ArgError(
+        "--batch-size",
+        f"{args.batch_size}{parts} does not split evenly over the {shards} devices that --mesh "
+        f"{args.mesh} (rules {args.rules or 'default'}) gives the batch: give a --batch-size "
+        f"that is a multiple of {args.grad_accum * shards}, or a --mesh with fewer batch devices",
+    )
 
 
 def check_processes(args: Args) -> None:

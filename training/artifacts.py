@@ -43,12 +43,13 @@ class Artifact:
         return f"{self.source} ({self.kind}{adapters})"
 
 
-def artifact_kind(spec: str) -> str:
-    """Which of `KINDS` `spec` names; an error saying what it is not, and what is expected."""
-    path = Path(spec)
+def artifact_kind(spec: str, *, flag: str | None = "--model") -> str:
+    """Which of `KINDS` `spec` names; an error saying what it is not, and what is expected
+    (naming `spec` as the argument of `flag`, or alone with None)."""
+    path, named = Path(spec), f"{flag} {spec!r}" if flag else repr(spec)
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ValueError(f"--model {spec!r}: the GGUF file does not exist")
+            raise ValueError(f"{named}: the GGUF file does not exist")
         return "gguf"
     if path.is_dir():
         if (path / runs.RECORD).is_file() or runs.is_run(path):
@@ -57,13 +58,13 @@ def artifact_kind(spec: str) -> str:
             return "hf"
         if (path / "adapter_config.json").is_file():
             raise ValueError(
-                f"--model {spec!r} is a PEFT adapter, not a model: give its base with --model "
+                f"{named} is a PEFT adapter, not a model: give its base with --model "
                 f"and this directory with --adapter {spec}"
             )
-        raise ValueError(f"--model {spec!r} is a directory but none of: {WHAT}")
+        raise ValueError(f"{named} is a directory but none of: {WHAT}")
     if spec in presets():
         return "preset"
-    raise ValueError(f"--model {spec!r} is none of: {WHAT}; presets: {', '.join(presets())}")
+    raise ValueError(f"{named} is none of: {WHAT}; presets: {', '.join(presets())}")
 
 
 def artifact_config(spec: str) -> Config:

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 import infer
+from training.args import NON_NEGATIVE, POSITIVE_INT, add_arguments
 from training.scoring import perplexity, score
 from zoo import Transformer
 
@@ -54,38 +55,31 @@ Checker = Callable[[str, Mapping[str, Any]], bool | float]
 
 
 def load_model(
-    spec: str, *, adapter: str | None = None, chat_template: str | None = None
+    spec: str,
+    *,
+    adapter: str | None = None,
+    chat_template: str | None = None,
+    attention: str | None = None,
+    seed: int = 0,
 ) -> tuple[Transformer, Any]:
-    """(model, tokenizer) of an HF directory, .gguf or train.py run directory, with a PEFT
-    `adapter` folded in. The tokenizer is a `zoo.Tokenizer` (with its chat template) where the
-    checkpoint has one, else the run's tiktoken encoding."""
-    from training import run_dir as runs
-    from training.run_model import run_model
+    """(model, tokenizer) of any model artifact (`training.artifacts`: an HF directory, a .gguf
+    file, a train.py run directory, full or LoRA) with a PEFT `adapter`, the adapters folded in
+    (`folded`). The tokenizer is a `zoo.Tokenizer` (with its chat template where it has one); an
+    artifact without one (a preset) cannot be evaluated on text."""
+    from training.artifacts import load_artifact
 
-    if runs.is_run(spec):
-        model = _folded(run_model(spec))
-        token_spec = runs.run_tokenizer_spec(spec)
-        if token_spec is None:
-            raise ValueError(f"run {spec!r} records no tokenizer: it cannot be evaluated on text")
-        tokenizer = runs.chat_tokenizer_from_spec(token_spec)
-    elif Path(spec).exists():
-        import zoo
-
-        model = zoo.load_pretrained(spec)
-        tokenizer = zoo.load_tokenizer(spec, chat_template=chat_template)
-    else:
+    artifact = load_artifact(
+        spec, adapter=adapter, chat_template=chat_template, attention=attention, seed=seed
+    )
+    if artifact.tokenizer is None:
         raise ValueError(
-            f"model {spec!r} does not exist: give an HF directory, a .gguf file or a train.py run "
-            "directory"
+            f"model {spec!r} comes with no tokenizer: it cannot be evaluated on text; give a "
+            "checkpoint or a run that has one"
         )
-    if adapter is not None:
-        import zoo
-
-        model = _folded(zoo.load_adapter(model, adapter))
-    return model, tokenizer
+    return folded(artifact.model), artifact.tokenizer
 
 
-def _folded(model: Transformer) -> Transformer:
+def folded(model: Transformer) -> Transformer:
     """LoRA adapters folded into their base once (W + scale A B), so evaluation runs at the
     plain model's speed; a quantized base keeps them apart."""
     from layers import QuantizedLinear
@@ -360,17 +354,33 @@ def _task(text: str) -> tuple[str, str]:
     return kind, path
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-
-    return parse
+def add_task_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of what to evaluate and how (every flag but the model's): shared by `python -m
+    training.evaluate` and `eqx-zoo evaluate`. Numbers are checked at their flag (training.args'
+    `Bounds`); the flags other commands have too mean the same there."""
+    kinds = ", ".join(KINDS)
+    p.add_argument("--task", action="append", type=_task, default=[], metavar="KIND=FILE",
+                   help=f"a task to run (repeatable); KIND is one of {kinds}")  # fmt: skip
+    p.add_argument("--lm-eval", metavar="TASKS",
+                   help="comma-separated lm-eval tasks (needs the `eval` extra)")  # fmt: skip
+    p.add_argument("--lm-eval-include", metavar="DIR", help="a directory of local lm-eval tasks")
+    p.add_argument("--checker", help="FILE.py:function or module:function scoring generations")
+    p.add_argument(
+        "--max-new-tokens", type=POSITIVE_INT.flag_type(), default=64,
+        help="most tokens to generate per generate row (fewer where the model's end of turn or "
+        "sequence comes first)",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=POSITIVE_INT.flag_type(), metavar="INT", default=8,
+                   help="rows scored or generated together")  # fmt: skip
+    p.add_argument("--window", type=POSITIVE_INT.flag_type(),
+                   help="perplexity window (default max_seq_len)")  # fmt: skip
+    add_arguments(p, ("text_column",))
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="render generate prompts with the chat template if any")  # fmt: skip
+    p.add_argument("--temperature", type=NON_NEGATIVE.flag_type(),
+                   help="for generate tasks; default 0 (greedy)")  # fmt: skip
+    add_arguments(p, ("seed",))
+    p.add_argument("--out", type=str, help="write the results as JSON here")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -379,40 +389,29 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", help="HF directory, .gguf file or train.py run directory")
+    p.add_argument(
+        "model", help="any model artifact: an HF directory, .gguf file or train.py run directory"
+    )
     p.add_argument("--adapter", help="a PEFT adapter directory to put on the model")
-    kinds = ", ".join(KINDS)
-    p.add_argument("--task", action="append", type=_task, default=[], metavar="KIND=FILE",
-                   help=f"a task to run (repeatable); KIND is one of {kinds}")  # fmt: skip
-    p.add_argument("--lm-eval", metavar="TASKS",
-                   help="comma-separated lm-eval tasks (needs the `eval` extra)")  # fmt: skip
-    p.add_argument("--lm-eval-include", metavar="DIR", help="a directory of local lm-eval tasks")
-    p.add_argument("--checker", help="FILE.py:function or module:function scoring generations")
-    p.add_argument("--max-new-tokens", type=_positive(int), default=64)
-    p.add_argument("--batch-size", type=_positive(int), default=8)
-    p.add_argument("--window", type=_positive(int), help="perplexity window (default max_seq_len)")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="render generate prompts with the chat template if any")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", help="a .jinja file replacing the checkpoint's template")
-    p.add_argument("--out", help="write the results as JSON here")
+    add_task_arguments(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict]:
-    """The command line; returns the results."""
-    p = parser()
-    args = p.parse_args(argv)
+def check_tasks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """At least one task; the temperature resolved (None: greedy)."""
     if not args.task and not args.lm_eval:
         p.error("give at least one --task KIND=FILE (or --lm-eval TASKS)")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        p.error(f"argument --temperature: must be >= 0, got {args.temperature}")
-    checker = load_checker(args.checker) if args.checker else None
-    model, tokenizer = load_model(
-        args.model, adapter=args.adapter, chat_template=args.chat_template
-    )
+    if args.temperature is None:
+        args.temperature = 0.0
+
+
+def run(
+    args: argparse.Namespace, model: Transformer, tokenizer, *, checker: Checker | None = None
+) -> dict[str, dict]:
+    """The tasks `args` name (`add_task_arguments`'s flags) run on `model`, generations scored
+    by `checker` (`load_checker(args.checker)`): the table printed, the results written to
+    `--out` as JSON; returns them."""
     results = evaluate(
         model, tokenizer, args.task, checker=checker, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, chat=args.chat, temperature=args.temperature,
@@ -431,6 +430,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                                               "results": results}, indent=1))  # fmt: skip
         print(f"results written to {args.out}")
     return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    """The command line; returns the results."""
+    p = parser()
+    args = p.parse_args(argv)
+    check_tasks(p, args)
+    checker = load_checker(args.checker) if args.checker else None  # fails before the model
+    model, tokenizer = load_model(
+        args.model, adapter=args.adapter, chat_template=args.chat_template, seed=args.seed
+    )
+    return run(args, model, tokenizer, checker=checker)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ from shard.rules import (
     rules_for,
     shard_count,
 )
-from training.args import add_arguments
+from shard.sequence import check_sequence_length
+from training.args import ArgError, Args, add_arguments, check_batch_shards
 from zoo import math as zmath
 from zoo.config import Config
 from zoo.policy import Policy
@@ -643,6 +644,13 @@ def verdict(
     return best
 
 
+# The settings of the run planned: train.py's flags (training/args.py), checked as train.py
+# checks them.
+TRAIN_FLAGS = ("model", "override", "mesh", "rules", "batch_size", "seq_len", "grad_accum",
+               "microbatches", "pipeline_schedule", "virtual_stages", "dtype", "param_dtype",
+               "attention", "moe_dispatch", "capacity_factor", "offload_opt_state")  # fmt: skip
+
+
 def parser(
     prog: str = "python -m training.plan", *, defaults: bool = True
 ) -> argparse.ArgumentParser:
@@ -656,10 +664,7 @@ def parser(
         "verdict tries each count train.py accepts.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    names = ("model", "override", "mesh", "rules", "batch_size", "seq_len", "grad_accum",
-             "microbatches", "pipeline_schedule", "virtual_stages", "dtype", "param_dtype",
-             "attention", "moe_dispatch", "capacity_factor", "offload_opt_state")  # fmt: skip
-    add_arguments(p, names, defaults=defaults)
+    add_arguments(p, TRAIN_FLAGS, defaults=defaults)
     p.add_argument(
         "--device",
         default="h100-80gb",
@@ -675,9 +680,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.plan") -
     args = p.parse_args(argv)
     given = vars(parser(prog, defaults=False).parse_known_args(argv)[0])
     try:
+        check_batch_shards(Args(**{name: getattr(args, name) for name in TRAIN_FLAGS}))
         return _print_plan(args, given_accum="grad_accum" in given)
     except ValueError as error:
         p.error(str(error))
+
+
+def check_trainable_length(config: Config, seq: int, name: str, sizes: dict[str, int]) -> None:
+    """The sequence lengths train.py refuses for this model and mesh: past the model's
+    `max_seq_len`, or not cut into the context axis's 2n zig-zag chunks."""
+    try:
+        config.check_length(seq, f"--seq-len {seq}")
+    except ValueError as error:
+        raise ValueError(f"model {name!r}: {error}") from None
+    try:
+        check_sequence_length(seq, sizes.get("context", 1))
+    except ValueError as error:
+        raise ArgError("--seq-len", str(error)) from None
 
 
 def _print_plan(args: argparse.Namespace, *, given_accum: bool) -> Verdict:
@@ -689,6 +708,7 @@ def _print_plan(args: argparse.Namespace, *, given_accum: bool) -> Verdict:
     config = artifact_config(name)
     if args.override:
         config = config.replace(**overrides(args))
+    check_trainable_length(config, args.seq_len, name, sizes)
     policy = Policy(
         compute_dtype=args.dtype, param_dtype=args.param_dtype, attention=args.attention,
         moe_dispatch=Capacity(args.capacity_factor) if args.moe_dispatch == "capacity"

@@ -261,6 +261,21 @@ def run_tokenizer_spec(run_dir: str | Path) -> str | None:
     return None
 
 
+def recorded_tokenizer_spec(run_dir: str | Path) -> str:
+    """`run_tokenizer_spec` of a run that needs its tokenizer (to resume it, to start from it):
+    a ValueError naming the run and the missing files when it records none."""
+    spec = run_tokenizer_spec(run_dir)
+    if spec is None:
+        raise ValueError(
+            f"run {str(run_dir)!r} records no tokenizer: neither tokenizer.tiktoken nor "
+            "tokenizer.source is in it (train.py writes one of them; was it deleted?). Put the "
+            "run's tokenizer back: its rank file as tokenizer.tiktoken (a BPE train.py trained "
+            "is cached as <--cache-dir>/bpe-<vocab>-<digest>.tiktoken), or the OpenAI encoding "
+            "name or checkpoint path it used in tokenizer.source"
+        )
+    return spec
+
+
 def tokenizer_from_spec(spec: str) -> Any:
     """The tiktoken encoding of a pretrained checkpoint's tokenizer (an HF directory, .gguf or
     tokenizer.json), a `.tiktoken` rank file, or an OpenAI encoding name."""
@@ -274,6 +289,11 @@ def chat_tokenizer_from_spec(spec: str) -> Any:
     from data.tokenizers import load_ranks, openai_encoding
 
     source = Path(spec)
+    if not source.exists() and (source.is_absolute() or source.suffix or len(source.parts) > 1):
+        raise ValueError(
+            f"tokenizer {spec!r} does not exist (a run's tokenizer.source names the checkpoint "
+            "or rank file it was trained with: put it back there, or write its new path)"
+        )
     if source.is_dir() or source.suffix in (".gguf", ".json"):
         from zoo.tokenizer import load_tokenizer
 

@@ -18,6 +18,7 @@ import uvicorn
 import zoo
 from infer.engine import Engine
 from infer.serve.app import make_app
+from shard.compile_cache import use_compile_cache
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,4 +73,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    use_compile_cache()  # a restarted server reads its step programs back instead of compiling
     main()

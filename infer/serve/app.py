@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from infer.engine import Engine
 from infer.serve import protocol
 from infer.serve.generation import BadRequest, Disconnected, GenerationFailed, Generations, Piece
+from infer.serve.logprobs import LogprobFormat
 from infer.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
 from infer.serve.worker import EngineFailed, EngineThread, QueueFull
 from layers.lora_bank import adapters_in
@@ -104,6 +105,7 @@ def make_app(
         raise ValueError(f"served names must differ: {name}, base, {', '.join(adapters)}")
     worker = EngineThread(engine, max_waiting=max_waiting)
     generations = Generations(worker, tokenizer, max_n=max_n or engine.max_batch)
+    formatter = LogprobFormat(tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -170,6 +172,7 @@ def make_app(
             "model": body.model,
         }
         counts = [0] * len(choices)
+        logprobs = formatter if choices[0].logprobs is not None else None
         pieces = generations.pieces(choices, body.stops(), http.is_disconnected, counts)
         try:  # the first piece: submission errors become HTTP errors before anything is sent
             first = await anext(pieces, None)
@@ -190,13 +193,16 @@ def make_app(
                 len(choices),
                 counts,
                 len(prompt) if include_usage else None,
+                logprobs,
             )
             return EventSourceResponse(events, ping=15)
         texts, reasons = [""] * len(choices), [None] * len(choices)
+        entries = [[] for _ in choices]
         try:
             async for piece in _chain(first, pieces):
                 texts[piece.index] += piece.text
                 reasons[piece.index] = piece.finish_reason or reasons[piece.index]
+                entries[piece.index].extend(piece.logprobs)
         except GenerationFailed as error:
             raise APIError(500, str(error), kind="server_error") from None
         except Disconnected:
@@ -204,7 +210,7 @@ def make_app(
         finally:
             await pieces.aclose()
         out = [
-            _choice(i, text, reason, chat)
+            _choice(i, text, reason, chat, _logprobs(logprobs, entries[i], chat))
             for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
         ]
         return {
@@ -291,32 +297,43 @@ async def _chain(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterat
         yield piece
 
 
-def _choice(index: int, text: str, reason: str | None, chat: bool) -> dict:
+def _logprobs(formatter: LogprobFormat | None, entries, chat: bool, offset: int = 0) -> dict | None:
+    """A choice's (or chunk's) `logprobs` field: null unless they were asked for."""
+    if formatter is None:
+        return None
+    return formatter.chat(entries) if chat else formatter.completion(entries, offset)
+
+
+def _choice(index: int, text: str, reason: str | None, chat: bool, logprobs: dict | None) -> dict:
     if chat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
             "finish_reason": reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
-    return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
 
-def _delta(index: int, text: str | None, reason: str | None, chat: bool, role: bool) -> dict:
+def _delta(
+    index: int, text: str | None, reason: str | None, chat: bool, role: bool, logprobs=None
+) -> dict:
     if not chat:
-        return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
     delta = {"role": "assistant", "content": ""} if role else {}
     if text:
         delta["content"] = text
-    return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+    return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
 
 
-async def _stream(first, pieces, meta, kind, chat, n, counts, prompt_tokens):
-    """OpenAI's chunks: (chat) a role chunk per choice, a chunk per piece, the finish reason on
-    the last; with include_usage a last chunk of usage; then [DONE]. An error mid-stream is an
-    error event (the status line was sent already)."""
+async def _stream(first, pieces, meta, kind, chat, n, counts, prompt_tokens, logprobs=None):
+    """OpenAI's chunks: (chat) a role chunk per choice, a chunk per piece (with its tokens'
+    log-probabilities when `logprobs` formats them), the finish reason on the last; with
+    include_usage a last chunk of usage; then [DONE]. An error mid-stream is an error event
+    (the status line was sent already)."""
     chunk = {**meta, "object": f"{kind}.chunk" if chat else kind}
     extra = {"usage": None} if prompt_tokens is not None else {}
+    offsets = [0] * n  # each choice's characters of token texts so far (text_offset)
 
     def data(choices) -> str:
         return json.dumps({**chunk, "choices": choices, **extra})
@@ -326,8 +343,12 @@ async def _stream(first, pieces, meta, kind, chat, n, counts, prompt_tokens):
             for i in range(n):
                 yield data([_delta(i, None, None, chat, role=True)])
         async for piece in _chain(first, pieces):
-            if piece.text or piece.finish_reason:
-                yield data([_delta(piece.index, piece.text, piece.finish_reason, chat, False)])
+            if piece.text or piece.finish_reason or piece.logprobs:
+                i, scores = piece.index, None
+                if piece.logprobs:
+                    scores = _logprobs(logprobs, piece.logprobs, chat, offsets[i])
+                    offsets[i] += logprobs.length(piece.logprobs)
+                yield data([_delta(i, piece.text, piece.finish_reason, chat, False, scores)])
     except GenerationFailed as error:
         yield json.dumps(error_body(str(error), "server_error"))
         yield "[DONE]"

@@ -7,6 +7,7 @@ import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from infer.engine import TokenLogprob
 from infer.sampling import Greedy, Sampler, Temperature, TopP
 from infer.serve.grammar import Grammars
 from infer.serve.protocol import Sampling
@@ -29,11 +30,16 @@ class Disconnected(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """New text of choice `index`; `finish_reason` ("stop" or "length") on its last piece."""
+    """New text of choice `index`; `finish_reason` ("stop" or "length") on its last piece;
+    with log-probabilities asked for, `logprobs` of the tokens that arrived with it (the
+    shown ones: not the hidden end of turn; when a stop string ends the text, up to the token
+    that completed it). Text held back (a partial character, a possible stop string) comes in
+    a later piece than its tokens' entries."""
 
     index: int
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def sampler_of(body: Sampling) -> Sampler:
@@ -92,6 +98,7 @@ class Generations:
             raise BadRequest(f"{refused} is not supported by this server; leave it unset")
         try:
             grammar = self.grammars_of(body)
+            alternatives = body.alternatives()
         except ValueError as error:
             raise BadRequest(str(error)) from None
         budget = self.budget(prompt, max_tokens)
@@ -109,6 +116,7 @@ class Generations:
                     allowed=constraint and constraint.allowed,
                     consume=constraint and constraint.consume,
                     adapter=adapter,
+                    logprobs=alternatives,
                 )
             )
         return choices
@@ -150,14 +158,17 @@ class Generations:
                     continue
                 stream = streams[i]
                 if isinstance(event, Tokens):
+                    # The engine recorded these tokens' entries before it posted them.
+                    entries = requests[i].token_logprobs[counts[i] : counts[i] + len(event.tokens)]
+                    entries = tuple(e for e in entries if e.token not in self.end_ids)
                     counts[i] += len(event.tokens)
                     piece = stream.feed(event.tokens)
                     if stream.stopped:  # a stop string: the engine need not go on
                         pending.discard(i)
                         self.worker.cancel([requests[i]])
-                        yield Piece(i, piece, "stop")
-                    elif piece:
-                        yield Piece(i, piece)
+                        yield Piece(i, piece, "stop", entries)
+                    elif piece or entries:
+                        yield Piece(i, piece, logprobs=entries)
                     continue
                 pending.discard(i)
                 request = event.request

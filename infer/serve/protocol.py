@@ -3,7 +3,7 @@ field) and the response pieces it writes: completion objects, streamed chunks, u
 OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`).
 
 Fields OpenAI defines that the server does not act on are refused rather than ignored
-(`logprobs`, `tools`, ...): a client must not believe it got what it asked for. Unknown extra
+(`tools`, `logit_bias`): a client must not believe it got what it asked for. Unknown extra
 fields are ignored, as OpenAI's own server does.
 """
 
@@ -12,6 +12,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from infer.engine import MAX_LOGPROBS
 
 
 class StreamOptions(BaseModel):
@@ -37,17 +39,20 @@ class Sampling(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None  # a Lark grammar
     # Defined by OpenAI, not done here: refused with a message if set.
-    logprobs: Any = None
-    top_logprobs: Any = None
     tools: Any = None
     logit_bias: Any = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def alternatives(self) -> int | None:
+        """How many most likely tokens to report per token with its log-probability (None: no
+        log-probabilities); a ValueError says what is inconsistent."""
+        raise NotImplementedError
+
     def refused(self) -> str | None:
         """The first field set that the server does not implement, if any."""
-        for name in ("logprobs", "top_logprobs", "tools", "logit_bias"):
+        for name in ("tools", "logit_bias"):
             if getattr(self, name) not in (None, False, [], {}):
                 return name
         return None
@@ -73,10 +78,24 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    def alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError(
+                f"top_logprobs={self.top_logprobs} needs logprobs: true (log-probabilities of "
+                "the generated tokens, which top_logprobs adds alternatives to)"
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 def error_body(

@@ -58,6 +58,7 @@ class Choice:
     allowed: AllowedTokens | None = None
     consume: Callable[[list[int]], None] | None = None
     adapter: int = -1
+    logprobs: int | None = None  # the engine's submit(logprobs=)
 
 
 class EngineThread:
@@ -126,6 +127,7 @@ class EngineThread:
             seed=choice.seed,
             allowed=choice.allowed,
             adapter=choice.adapter,
+            logprobs=choice.logprobs,
             on_tokens=on_tokens,
         )
 

@@ -41,6 +41,8 @@ def test_filters_sample_at_temperature_one_unless_given():
         (["--temperature", "0", "--top-p", "0.9"], "would ignore --top-p 0.9"),
         (["--temperature", "-1"], "--temperature: must be a non-negative finite number, got -1"),
         (["--temperature", "nan"], "--temperature: must be a non-negative finite number"),
+        (["--temperature", "inf"], "--temperature: must be a non-negative finite number, got "
+         "inf"),
         (["--top-k", "0"], "--top-k: must be a positive integer, got 0"),
         (["--top-p", "0"], "--top-p: must be a probability in (0, 1], got 0"),
         (["--top-p", "1.5"], "--top-p: must be a probability in (0, 1], got 1.5"),

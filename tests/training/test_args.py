@@ -4,10 +4,21 @@ together, and the error is argparse's: exit status 2, the flag named."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
-from training.args import ArgError, Args, _flag_type, bounds_of, check, parse_args, parser
+import train
+from training.args import (
+    ArgError,
+    Args,
+    _flag_type,
+    bounds_of,
+    check,
+    check_batch_shards,
+    parse_args,
+    parser,
+)
 
 
 def fails(argv: list[str], capsys) -> str:
@@ -175,3 +186,62 @@ def test_bad_config_file(tmp_path, capsys):
     assert "argument --warmup: 50 is more than --steps 10" in fails(
         ["--config", str(toml), "--steps", "10"], capsys
     )
+
+
+def test_lora_settings_without_a_lora_rank_are_refused(capsys):
+    """--lora-targets (any name, known or not) names what a LoRA run adapts: without
+    --lora-rank it used to start a full fine-tune without a word."""
+    for targets in ("wq", "q_proj,v_proj"):
+        line = fails(["--lora-targets", targets], capsys)
+        assert f"argument --lora-targets: {targets!r} names projections to adapt" in line
+        assert "give --lora-rank too, or drop --lora-targets" in line
+    assert parse_args(["--lora-rank", "4"]).lora_targets.split(",")[:2] == ["q_proj", "k_proj"]
+    assert parse_args(["--lora-rank", "4", "--lora-targets", "wq"]).lora_targets == "wq"
+    assert parse_args([]).lora_targets is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mesh", "data=8", "--batch-size", "4"], "argument --batch-size: 4 does not split "
+         "evenly over the 8 devices that --mesh data=8 (rules default) gives the batch: give a "
+         "--batch-size that is a multiple of 8"),
+        (["--mesh", "fsdp=4,tensor=2", "--batch-size", "12", "--grad-accum", "6"], "argument "
+         "--batch-size: 12 in --grad-accum 6 parts of 2 does not split evenly over the 4 devices "
+         "that --mesh fsdp=4,tensor=2 (rules default) gives the batch: give a --batch-size that "
+         "is a multiple of 24"),
+        (["--mesh", "data=2,tensor=4", "--batch-size", "3"], "argument --batch-size: 3 does not "
+         "split evenly over the 2 devices"),
+    ],
+)  # fmt: skip
+def test_a_mesh_that_does_not_divide_the_batch_is_named(argv, message, tmp_path, tiny_argv):
+    """Before any data, tokenizer or model: it used to be XLA's sharding error after them."""
+    with pytest.raises(ArgError) as error:
+        check_batch_shards(parse_args(argv))
+    assert message in str(error.value)
+    with pytest.raises(ArgError, match=re.escape(message)):
+        train.main(tiny_argv(tmp_path / "run", *argv, "--data", "/does/not/exist"))
+    assert not (tmp_path / "run").exists()
+    check_batch_shards(parse_args(["--mesh", "data=2,tensor=4", "--batch-size", "4"]))
+
+
+def test_a_bad_mesh_is_a_flag_error(capsys):
+    assert "argument --mesh: bad mesh entry 'data8'" in fails(["--mesh", "data8"], capsys)
+    assert "argument --mesh: unknown mesh axis 'model'" in fails(["--mesh", "model=8"], capsys)
+
+
+def test_a_checkpoint_to_start_from_must_be_one(tmp_path, capsys):
+    """--model / --init-from a missing path, a file that is no checkpoint or a bare directory:
+    named at the flag (they used to reach tiktoken: "Unknown encoding", "Error parsing line")."""
+    random_file = tmp_path / "notes.txt"
+    random_file.write_text("vm\n")
+    for flag in ("--model", "--init-from"):
+        line = fails([flag, str(tmp_path / "missing")], capsys)
+        assert f"argument {flag}: {str(tmp_path / 'missing')!r} is neither a zoo preset (" in line
+        line = fails([flag, str(random_file)], capsys)
+        assert f"argument {flag}: {str(random_file)!r} is none of: a zoo preset name, an HF" in line
+        assert "a .gguf file or a train.py run directory" in line
+        line = fails([flag, str(tmp_path)], capsys)
+        assert f"argument {flag}: {str(tmp_path)!r} is a directory but none of" in line
+    line = fails(["--init-from", "tiny-llama"], capsys)
+    assert "argument --init-from: 'tiny-llama' is a zoo preset, not a checkpoint" in line

@@ -273,3 +273,33 @@ def test_lm_eval_runs_local_tasks_end_to_end(loaded, tmp_path):
     ours = evaluate.choice_task(model, tokenizer, mc)
     assert results["lm-eval:zoo_local_choice"]["acc"] == ours["accuracy"]
     assert results["lm-eval:zoo_local_generate"]["exact_match"] == 0.5
+
+
+def test_eqx_zoo_evaluate_is_the_same_evaluation_with_the_shared_flags(
+    checkpoint, tmp_path, capsys
+):
+    """`eqx-zoo evaluate --model X` (any artifact, the CLI's flags) scores what `python -m
+    training.evaluate X` scores; a preset has no tokenizer to score text with; numbers are
+    checked at their flag."""
+    from cli.evaluate import main as eqx_zoo_evaluate
+
+    texts = _jsonl(tmp_path / "texts.jsonl", [{"text": "def f(x):\n    return x\n"}] * 2)
+    mc = _jsonl(tmp_path / "mc.jsonl", [{"prompt": "import", "choices": [" os", " x"],
+                                        "answer": 0}])  # fmt: skip
+    tasks = ["--task", f"perplexity={texts}", "--task", f"choice={mc}"]
+    ours = eqx_zoo_evaluate(["--model", str(checkpoint), *tasks, "--out", str(tmp_path / "r")])
+    theirs = evaluate.main([str(checkpoint), *tasks])
+    saved = json.loads((tmp_path / "r").read_text())["results"]
+    for results in (ours, theirs, saved):
+        for metrics in results.values():
+            metrics.pop("seconds")
+    assert ours == theirs == saved
+    with pytest.raises(ValueError, match="model 'tiny-llama' comes with no tokenizer"):
+        eqx_zoo_evaluate(["--model", "tiny-llama", *tasks])
+    for flag, value, message in [("--temperature", "nan", "a non-negative finite number"),
+                                 ("--batch-size", "0", "a positive integer")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            eqx_zoo_evaluate(["--model", str(checkpoint), *tasks, flag, value])
+        assert f"eqx-zoo evaluate: error: argument {flag}: must be {message}" in (
+            capsys.readouterr().err
+        )

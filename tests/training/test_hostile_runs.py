@@ -12,9 +12,10 @@ import pytest
 
 import train
 import zoo
+from cli.sample import main as sample
 from data.datasets import load_text
 from tests.training.conftest import stopped_copy
-from tests.training.test_resume import _write_equinox_format
+from tests.training.test_resume import _bare_resume, _write_equinox_format
 from training import convert_run, run_dir
 from training.optimizer import adamw
 from training.state import SHA256, UncheckedState
@@ -106,3 +107,19 @@ def test_a_data_file_whose_format_is_unknown(tmp_path, name, message):
     (tmp_path / name).write_text("some text\n")
     with pytest.raises(ValueError, match=rf"{message}, so its format is unknown; name it .*\.txt"):
         load_text(str(tmp_path / name))
+
+
+def test_a_run_that_lost_its_tokenizer_says_which_file_to_put_back(tmp_path, full_run, cache_dir):
+    """--resume used to stop with pathlib's TypeError, `sample --model RUN` to blame --prompt;
+    both name the run and the missing file now, and change nothing in it."""
+    run = stopped_copy(full_run[0], tmp_path / "run", step=3)
+    (run / "tokenizer.tiktoken").unlink()
+    before = snapshot(run)
+    missing = rf"run {str(run)!r} records no tokenizer: neither tokenizer.tiktoken nor "
+    with pytest.raises(ValueError, match=missing + r".*Put the run's tokenizer back"):
+        train.main(_bare_resume(run, cache_dir))
+    with pytest.raises(ValueError, match=missing):
+        sample(["--model", str(run), "--prompt", "def main("])
+    after = snapshot(run)
+    assert after.pop(".lock") == b""  # the lock, released; every file of the run kept
+    assert after == before

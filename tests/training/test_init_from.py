@@ -102,15 +102,18 @@ def test_flags_that_contradict_the_checkpoint_are_refused(tmp_path, tiny_argv, p
         train.main([*argv, "--model", "tiny-llama"])
 
 
-def test_the_policy_comes_from_the_flags_and_overrides_must_agree():
-    flags = ["--init-from", "ckpt", "--remat", "dots", "--param-dtype", "bfloat16"]
+def test_the_policy_comes_from_the_flags_and_overrides_must_agree(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")  # a checkpoint, as far as flags see
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--init-from", ckpt, "--remat", "dots", "--param-dtype", "bfloat16"]
     args = parse_args([*flags, "--moe-dispatch", "capacity", "--override", "d_model=64"])
     assert policy(args) == zoo.Policy(param_dtype="bfloat16", remat="dots", moe_dispatch="capacity")
     check_imported(args, TINY_LLAMA.replace(d_model=64))  # repeats the checkpoint's value
     with pytest.raises(ValueError, match=r"--override d_model=64 .* whose d_model is 32"):
         check_imported(args, TINY_LLAMA.replace(d_model=32, n_heads=2, n_kv_heads=2))
     gpt2 = zoo.preset("tiny-gpt2", max_seq_len=8)
-    args = parse_args(["--init-from", "ckpt", "--seq-len", "16"])
+    args = parse_args(["--init-from", ckpt, "--seq-len", "16"])
     with pytest.raises(ValueError, match=r"--seq-len 16 \(16 tokens\) exceeds Config"):
         check_fits(gpt2, args, gpt2.vocab_size, "ckpt")
     with pytest.raises(ValueError, match=r"has 9999 tokens .* use a tokenizer with fewer"):

@@ -234,3 +234,32 @@ def test_offloaded_adam_state_moves_to_the_host_line():
     assert (moved.adam_state, moved.adam_state_on_host) == (0, kept.adam_state)
     assert moved.params == kept.params and moved.grads == kept.grads
     assert "in host memory" in format_plan(moved) and "in host memory" not in format_plan(kept)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+        (["--seq-len", "-5"], "argument --seq-len: must be a positive integer, got -5"),
+        (["--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),
+        # What train.py refuses, the plan refuses with train.py's words (it planned them before).
+        (["--grad-accum", "3"], "argument --grad-accum: --batch-size 16 is not divisible by "
+         "--grad-accum 3"),
+        (["--microbatches", "2"], "argument --microbatches: 2 applies to a pipeline, and one "
+         "device has no pipeline axis"),
+        (["--mesh", "data=8", "--batch-size", "4"], "argument --batch-size: 4 does not split "
+         "evenly over the 8 devices"),
+        (["--model", "tiny-llama", "--seq-len", "100000"], "model 'tiny-llama': --seq-len 100000 "
+         "(100000 tokens) exceeds Config.max_seq_len=128"),
+        (["--model", "tiny-llama", "--mesh", "context=2,fsdp=4", "--seq-len", "126"], "argument "
+         "--seq-len: context parallelism over 2 devices cuts the sequence into 2 x 2 = 4 equal "
+         "chunks"),
+    ],
+)  # fmt: skip
+def test_a_run_train_py_refuses_gets_an_error_not_a_plan(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert f"python -m training.plan: error: {message}" in captured.err
+    assert "verdict" not in captured.out

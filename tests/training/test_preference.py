@@ -68,13 +68,18 @@ def _direct_logp(model, prompt, response) -> jax.Array:
     return sum(logprobs[k - 1, seq[k]] for k in range(start, len(seq)))
 
 
-def _paper_loss(loss: PreferenceLoss, policy, reference) -> jax.Array:
-    """The papers' formulas, pair by pair, then the mean."""
+def _sequence_logps(model) -> jax.Array:
+    """`[pairs, 2]`: log pi(chosen | prompt) and log pi(rejected | prompt), pair by pair."""
+    return jnp.stack(
+        [jnp.stack([_direct_logp(model, p, c), _direct_logp(model, p, j)]) for p, c, j in PAIRS]
+    )
+
+
+def _paper_loss(loss: PreferenceLoss, logps: jax.Array, reference: jax.Array) -> jax.Array:
+    """The papers' formulas on the per-sequence log-probs, pair by pair, then the mean."""
     beta, values = loss.beta, []
-    for prompt, chosen, rejected in PAIRS:
-        pc, pr = _direct_logp(policy, prompt, chosen), _direct_logp(policy, prompt, rejected)
+    for (_, chosen, rejected), (pc, pr), (rc, rr) in zip(PAIRS, logps, reference, strict=True):
         if loss.kind in ("dpo", "ipo"):
-            rc, rr = (_direct_logp(reference, prompt, y) for y in (chosen, rejected))
             h = (pc - rc) - (pr - rr)
             dpo, ipo = jnp.log1p(jnp.exp(-beta * h)), (h - 1 / (2 * beta)) ** 2
             value = dpo if loss.kind == "dpo" else ipo
@@ -89,8 +94,20 @@ def _paper_loss(loss: PreferenceLoss, policy, reference) -> jax.Array:
     return jnp.mean(jnp.stack(values))
 
 
+@pytest.fixture(scope="module")
+def paper_terms(models):
+    """The policy's per-sequence log-probs and their Jacobian in the parameters, and the
+    reference's log-probs: one compiled program, shared by every loss's formula (each loss is a
+    function of these log-probs, so its gradient is the chain rule through the Jacobian)."""
+    policy, reference = models
+    params, static = split_model(policy)
+    logps = jax.jit(lambda p: _sequence_logps(eqx.combine(p, static)))
+    jacobian = jax.jit(jax.jacrev(lambda p: _sequence_logps(eqx.combine(p, static))))
+    return logps(params), jacobian(params), jax.jit(_sequence_logps)(reference)
+
+
 @pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "orpo"])
-def test_loss_and_gradient_equal_the_papers_formula(models, kind):
+def test_loss_and_gradient_equal_the_papers_formula(models, paper_terms, kind):
     policy, reference = models
     loss = PreferenceLoss(kind=kind)
     data = _data()
@@ -104,17 +121,17 @@ def test_loss_and_gradient_equal_the_papers_formula(models, kind):
         terms = objective.terms(eqx.combine(p, static), batch)
         return terms.nll_sum / objective.total(batch)
 
-    def paper(p):
-        return _paper_loss(loss, eqx.combine(p, static), reference)
-
-    value, grads = jax.value_and_grad(ours)(params)
-    expected, expected_grads = jax.value_and_grad(paper)(params)
+    value, grads = jax.jit(jax.value_and_grad(ours))(params)
+    logps, jacobian, reference_values = paper_terms
+    expected, outer = jax.value_and_grad(_paper_loss, argnums=1)(loss, logps, reference_values)
+    expected_grads = jax.tree.map(lambda j: jnp.tensordot(outer, j, axes=2), jacobian)
     # Both sides run the same float32 ops on the same positions; they differ in the order of
     # sums (padded batched rows vs one unpadded row, a masked sum vs a Python sum over <= 6
-    # tokens). Each summed log-prob (|logp| <= ~30 here: 6 tokens of a 64-way softmax) carries
-    # a rounding error of about eps * |logp| * (terms summed, <= 64 in a logsumexp); the losses
-    # scale it by beta <= 2. Hence an absolute 64 * 30 * 2 * eps ~ 5e-4 bound on the loss; the
-    # gradient, a sum of such terms, is held to the same bound relative to its largest entry.
+    # tokens, the chain rule through the Jacobian vs one backward pass). Each summed log-prob
+    # (|logp| <= ~30 here: 6 tokens of a 64-way softmax) carries a rounding error of about
+    # eps * |logp| * (terms summed, <= 64 in a logsumexp); the losses scale it by beta <= 2.
+    # Hence an absolute 64 * 30 * 2 * eps ~ 5e-4 bound on the loss; the gradient, a sum of such
+    # terms, is held to the same bound relative to its largest entry.
     bound = 64 * 30 * 2 * EPS
     np.testing.assert_allclose(float(value), float(expected), rtol=0, atol=bound)
     flat, flat_expected = (jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])
@@ -134,11 +151,13 @@ def test_dpo_starts_at_log_2_and_its_gradient_prefers_the_chosen(models):
     batch = jax.tree.map(jnp.asarray, data.in_order(1)[0])
     objective = PreferenceObjective(PreferenceLoss(kind="dpo", beta=0.5))
     params, static = split_model(policy)
-    terms = objective.terms(policy, batch)
+    terms_of = eqx.filter_jit(objective.terms)
+    terms = terms_of(policy, batch)
     np.testing.assert_allclose(float(terms.nll_sum) / len(PAIRS), np.log(2.0), atol=1e-6)
-    grads = jax.grad(lambda p: objective.terms(eqx.combine(p, static), batch).nll_sum)(params)
+    nll = jax.jit(jax.grad(lambda p: objective.terms(eqx.combine(p, static), batch).nll_sum))
+    grads = nll(params)
     stepped = eqx.combine(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), static)
-    after = objective.terms(stepped, batch)
+    after = terms_of(stepped, batch)
     assert float(after.stats["margin"]) > 0
     assert float(after.nll_sum) < float(terms.nll_sum)
 
