@@ -3,7 +3,10 @@ float32 (the GGUF dequantized), batch 1, greedy, side by side in one run with th
 without speculation:
 
 - prompt lookup (`PromptLookup(k=6)`) on an input-grounded task (repeat a passage word for word)
-  and on free chat (where nothing recurs: it should cost little and win nothing);
+  and on free chat (where nothing recurs: it should cost little and win nothing), verifying
+  every step that has a draft (`adaptive=False`) and adaptive (the engine verifies only in steps
+  where the rows' running acceptance and the measured step costs make it pay,
+  infer/speculative/adaptive.py);
 - a draft model on both: the target's first 2 layers (`truncated_draft`, untrained), k = 2.
 
 Each row prints the acceptance rate (drafts kept / drafts verified), the tokens one target
@@ -11,8 +14,9 @@ forward emitted (decode steps only) and the decode speed of both engines (median
 repeats), beside the prediction of zoo.math: the expected tokens per step at the measured
 acceptance rate (`speculative_tokens_per_step`) and the speedup once the verification's cost is
 counted (`speculative_speedup`; a `k + 1`-token target step over a one-token one, both by the
-roofline of the ceilings measured in this run). Every speculative run's tokens are checked
-against the plain engine's.
+roofline of the ceilings measured in this run; an adaptive row's at least 1x), and for adaptive
+rows the verification's cost the engine measured itself (in plain steps), which it decides by.
+Every speculative run's tokens are checked against the plain engine's.
 
     python -m bench speculative
 """
@@ -21,7 +25,7 @@ import statistics
 
 import zoo
 from bench.harness import Ceilings, Table
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 from infer.engine import Engine
 from infer.speculative import DraftModel, PromptLookup, truncated_draft
 from zoo import math as zmath
@@ -83,7 +87,8 @@ def run(ceilings: Ceilings) -> Table:
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
         proposers = [
-            (f"prompt lookup k={K}", PromptLookup(k=K), 0.0),
+            (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0.0),
+            (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0.0),
             (f"draft: first {DRAFT_LAYERS} of {model.config.n_layers} layers, k={DRAFT_K}",
              DraftModel(draft, k=DRAFT_K), draft_cost),
         ]  # fmt: skip
@@ -108,6 +113,9 @@ def run(ceilings: Ceilings) -> Table:
             speedup = zmath.speculative_speedup(
                 acceptance, k, verify_cost=verify_cost, draft_cost=cost
             )
+            adaptive = isinstance(proposer, PromptLookup) and proposer.adaptive
+            if adaptive:  # it decodes plainly where speculating would lose
+                speedup = max(speedup, 1.0)
             table.add({
                 "task": task,
                 "proposer": name,
@@ -115,6 +123,9 @@ def run(ceilings: Ceilings) -> Table:
                 "tokens/forward": f"{(len(tokens) - 1) / forwards:.2f}",
                 "predicted tokens/forward": f"{tokens_per_step:.2f}",
                 "predicted speedup": f"{speedup:.2f}x",
+                "engine's verify cost": (
+                    f"{speculating.costs.verify_cost():.2f}" if adaptive else "-"
+                ),
                 "plain tok/s": f"{plain_rate:.1f}",
                 "speculative tok/s": f"{spec_rate:.1f}",
                 "speedup": f"{spec_rate / plain_rate:.2f}x",

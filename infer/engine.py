@@ -48,7 +48,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
+from infer.speculative.adaptive import Acceptance, StepCosts, speculation_pays
 from infer.speculative.draft import DraftModel, DraftRunner
+from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
@@ -189,13 +191,17 @@ def _cut_at_stops(tokens, n, stops, count, budget):
     return n, jnp.any(stop, axis=1) | (count + n >= budget)
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
-def _step_program(model, state, params, plan, key, *, page_size, placement):
+@functools.partial(
+    jax.jit, donate_argnums=1, static_argnames=("page_size", "placement", "keep_hidden")
+)
+def _step_program(model, state, params, plan, key, *, page_size, placement, keep_hidden=False):
     """One engine step: decode rows (each its last token and its drafts, a group of
     `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
     its own keys and allowed tokens), stop checks and the rows' state. Returns the state,
     `[rows, k_max + 3]` int32: each row's new tokens `[k_max + 1]`, how many it emitted,
-    whether it is done, and their `Logprobs` (computed when a row that emits asks for them)."""
+    whether it is done, their `Logprobs` (computed when a row that emits asks for them), and
+    with `keep_hidden` the last layer's output at every token `[tokens, embed]` (what
+    DeepSeek's MTP module drafts from; None otherwise)."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
     TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
@@ -273,7 +279,8 @@ def _step_program(model, state, params, plan, key, *, page_size, placement):
         return grouped.at[row, 0].set(x[rows * group :], mode="drop")
 
     logprobs = Logprobs(*(by_row(x) for x in scores))
-    return RowState(out.cache.layers, last, count, done), report, logprobs
+    hidden = out.hidden[:, 0] if keep_hidden else None
+    return RowState(out.cache.layers, last, count, done), report, logprobs, hidden
 
 
 def _token_logprobs(scores: Logprobs, row: int, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -318,6 +325,7 @@ class Request:
     draft_tokens: int = 0  # drafts proposed per step at most (0: no speculation)
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts the target kept
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # running rate
     # Engine bookkeeping.
     order: int = 0  # submission order: the youngest is preempted first
     row: int = -1
@@ -361,6 +369,7 @@ class _Launched:
     owners: list[Request | None]
     record: StepRecord
     started: float
+    drafts: dict[int, int]  # each verified row's drafts (empty: a plain step)
 
 
 def _check_count(name: str, value, *, low: int = 1) -> int:
@@ -390,8 +399,11 @@ class Engine:
     `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
     same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
     step (`engine.records` keeps them); `speculative` a proposer (infer/speculative/:
-    `PromptLookup(k=4)`, `DraftModel(small, k=4)`) whose `k` is the most drafts a row verifies
-    per step (each request may ask for fewer, or none: `submit(..., draft_tokens=)`).
+    `PromptLookup(k=4)`, `DraftModel(small, k=4)`, `MTPDraft(k=1)`: the model's own DeepSeek
+    MTP module) whose `k` is the most drafts a row verifies per step (each request may ask for
+    fewer, or none: `submit(..., draft_tokens=)`); an adaptive proposer's engine verifies only in
+    steps where it pays (infer/speculative/adaptive.py; `engine.costs` holds the step times it
+    measured).
 
     Threads: `submit` and `cancel` may be called from any thread while one thread steps the
     engine (they only queue; the stepping thread takes the queue at its next step, and `busy`
@@ -424,7 +436,7 @@ class Engine:
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
         log_steps: bool = False,
-        speculative: Proposer | DraftModel | None = None,
+        speculative: Proposer | DraftModel | MTPDraft | None = None,
     ):
         if not isinstance(model, Transformer):
             raise ValueError(f"Engine needs a zoo.Transformer, got {type(model).__name__}")
@@ -450,15 +462,21 @@ class Engine:
         self.key = jax.random.key(0) if key is None else key
         self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
         self.stop_tokens = self._checked_stops(stop_tokens)
-        if speculative is not None and not isinstance(speculative, Proposer | DraftModel):
+        if speculative is not None and not isinstance(
+            speculative, Proposer | DraftModel | MTPDraft
+        ):
             raise ValueError(
-                f"Engine speculative must be a proposer (infer.speculative.PromptLookup or "
-                f"DraftModel), got {speculative!r}"
+                f"Engine speculative must be a proposer (infer.speculative.PromptLookup, "
+                f"DraftModel or MTPDraft), got {speculative!r}"
             )
-        if isinstance(speculative, DraftModel):
+        if isinstance(speculative, DraftModel | MTPDraft):
             speculative.check_target(model)
         self.proposer = speculative
         self.max_drafts = 0 if speculative is None else speculative.k
+        # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
+        self.adaptive = isinstance(speculative, Proposer) and speculative.adaptive
+        self.costs = StepCosts()
+        self._consumed: tuple[int, float] | None = None  # the last step read, and when
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
         self.records: list[StepRecord] = []
@@ -532,9 +550,16 @@ class Engine:
                 speculative, self.placement.place_arrays(draft_pages), rows=max_batch,
                 page_size=page_size, placement=self.placement, key=jax.random.split(self.key)[1],
             )  # fmt: skip
+        elif isinstance(speculative, MTPDraft):
+            self.drafter = MTPRunner(
+                speculative, model, rows=max_batch, n_pages=n_pages, page_size=page_size,
+                max_len=max_len, window_rows=max_batch if window_cache else 0,
+                placement=self.placement, key=jax.random.split(self.key)[1],
+            )  # fmt: skip
         self._program = functools.partial(
-            _step_program, page_size=page_size, placement=self.placement
-        )
+            _step_program, page_size=page_size, placement=self.placement,
+            keep_hidden=isinstance(speculative, MTPDraft),
+        )  # fmt: skip
         if warm_up:
             self._warm_up()
 
@@ -715,29 +740,71 @@ class Engine:
     def step(self) -> None:
         """Dispatch the next step (when there is work), then read the previous step's tokens:
         the host runs one step behind the device (in step with it while a constrained request
-        runs, its next mask needs its last token, and in a speculating engine, whose proposals
-        continue the previous step's tokens)."""
-        speculating = self.proposer is not None
+        runs, its next mask needs its last token, and before a step that verifies drafts or
+        after one: proposals continue the previous step's tokens, and accepted drafts move the
+        rows' lengths)."""
+        speculating = self._speculating()
         if self._launched is not None and (
-            speculating or any(r is not None and r.allowed for r in self.rows)
+            speculating
+            or self._launched.drafts  # its accepted drafts move the rows' lengths
+            or any(r is not None and r.allowed for r in self.rows)
         ):
             self._consume(self._launched)
             self._launched = None
-        launched = self._dispatch()
+        launched = self._dispatch(speculating)
         if self._launched is not None:
             self._consume(self._launched)
         self._launched = launched
 
+    def _speculating(self) -> bool:
+        """Whether the next step verifies drafts. An adaptive proposer's engine decides from
+        the running rows' acceptance rates and the measured step costs
+        (infer/speculative/adaptive.py; a program not yet timed is run to time it)."""
+        if self.proposer is None or not self.adaptive:
+            return self.proposer is not None
+        rows = [r for r in self.rows if r is not None and r.draft_tokens and not r.prefilling]
+        if not rows:
+            return False
+        untimed = self.costs.unmeasured()
+        if untimed is not None:
+            return untimed == "verify"
+        rates = [r.acceptance.rate for r in rows]
+        return speculation_pays(rates, self.max_drafts, self.costs.verify_cost())
+
     def _warm_up(self) -> None:
-        """Compile both programs now (every row idle: nothing written, nothing emitted)."""
-        for chunks in (0, self.prefill_rows):
-            plan = self._plan([], [], chunks, {})
-            if self.drafter is not None:
-                plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
-            self.state, report, _ = self._program(
-                self.model, self.state, self._row_params(), plan, self.key
+        """Compile the programs now (every row idle: nothing written, nothing emitted): with
+        and without prompt chunks, each at one token per row and, speculating, at `k + 1` (an
+        adaptive engine uses both widths, and times each decode-only one once compiled)."""
+        widths = [None] if self.proposer is None else [{}]
+        if self.adaptive:
+            widths = [None, {}]
+        for drafts in widths:
+            for chunks in (0, self.prefill_rows):
+                plan = self._plan([], [], chunks, {}, drafts)
+                if self.drafter is not None:
+                    plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
+                self._launch(plan, [])
+            self.state.last.block_until_ready()
+            if self.adaptive:
+                plan = self._plan([], [], 0, {}, drafts)
+                started = time.perf_counter()
+                self._launch(plan, [])[0].block_until_ready()
+                kind = "plain" if drafts is None else "verify"
+                self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
+
+    def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
+        """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
+        step's prompt chunks as `(sequence, start, n)`); the step's report and logprobs."""
+        params = self._row_params()
+        self.state, report, logprobs, hidden = self._program(
+            self.model, self.state, params, plan, self.key
+        )
+        if hidden is not None:
+            following = chunk_next_tokens(chunks, plan.tokens.shape[0], self.chunk)
+            self.drafter.after_step(
+                self.model, plan, report, hidden, following, params.sampling, self.steps
             )
-        report.block_until_ready()
+        return report, logprobs
 
     def _take_inbox(self) -> None:
         """What other threads handed over since the last step: new requests join the queue,
@@ -895,7 +962,7 @@ class Engine:
             "start": np.zeros(width, np.int32),
             "final": np.zeros(width, bool),
             "had": np.zeros(width, np.int32),
-            "drafts": np.zeros((rows, self.max_drafts), np.int32),
+            "drafts": np.zeros((rows, 0 if drafts is None else self.max_drafts), np.int32),
             "k": np.zeros(rows, np.int32),
             "allowed": self._everything_allowed,
         }
@@ -934,22 +1001,23 @@ class Engine:
             r.drafted += drafts[r.row].size
         return drafts
 
-    def _dispatch(self) -> _Launched | None:
-        """Admit, schedule, launch this step's program (without waiting for it)."""
+    def _dispatch(self, speculating: bool) -> _Launched | None:
+        """Admit, schedule, launch this step's program (without waiting for it): verifying
+        drafts when `speculating` and some row has any, one token per row otherwise."""
         self._take_inbox()
         self._admit()
         masks = self._masks()
         decode, chunks = self._schedule()
         if not decode and not chunks:
             return None
-        drafts = self._propose(decode) if self.proposer is not None else None
+        drafts = self._propose(decode) if speculating else None
+        if self.adaptive and drafts is not None and not any(d.size for d in drafts.values()):
+            drafts = None  # nothing to verify: the one-token program is the cheaper one
         plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, masks, drafts)
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
             plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
-        self.state, report, logprobs = self._program(
-            self.model, self.state, self._row_params(), plan, self.key
-        )
+        report, logprobs = self._launch(plan, [(r.sequence, r.cached, n) for r, n in chunks])
         owners = list(self.rows)
         for r in decode:
             r.cached += 1
@@ -965,16 +1033,20 @@ class Engine:
         )
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
-        return _Launched(record.step, report, logprobs, owners, record, time.perf_counter())
+        verified = {row: d.size for row, d in (drafts or {}).items()}
+        return _Launched(
+            record.step, report, logprobs, owners, record, time.perf_counter(), verified
+        )
 
     def _consume(self, launched: _Launched) -> None:
         """Read a dispatched step's tokens (waiting for it) and act on them: record, stream,
         finish the requests the device found done."""
         report = np.asarray(launched.report)
         tokens, emitted, done = report[:, :-2], report[:, -2], report[:, -1]
-        record = dataclasses.replace(
-            launched.record, ms=(time.perf_counter() - launched.started) * 1e3
-        )
+        now = time.perf_counter()
+        record = dataclasses.replace(launched.record, ms=(now - launched.started) * 1e3)
+        if self.adaptive:
+            self._time_step(launched, now)
         self.records.append(record)
         if self.log_steps:
             print(record, flush=True)
@@ -986,12 +1058,32 @@ class Engine:
             extra = int(emitted[row]) - 1  # accepted drafts: past the one token dispatch counted
             request.cached, request.scheduled = request.cached + extra, request.scheduled + extra
             request.accepted += extra
+            if self.adaptive and request.draft_tokens:
+                self._observe(request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]))
             if self.drafter is not None:
                 self.drafter.kept(row, request.cached)
             new = tokens[row, : emitted[row]].tolist()
             if request.logprobs is not None:
                 request.token_logprobs.extend(_token_logprobs(scores, row, new, request.logprobs))
             self._emit(request, new, bool(done[row]))
+
+    def _time_step(self, launched: _Launched, now: float) -> None:
+        """A decode-only step's cost: the wall time since the previous step was read (the
+        step's own time once the device is the bound, host one step behind or not)."""
+        previous, self._consumed = self._consumed, (launched.step, now)
+        if previous is not None and previous[0] == launched.step - 1 and not launched.record.chunks:
+            self.costs.add("verify" if launched.drafts else "plain", now - previous[1])
+
+    def _observe(self, request: Request, drafts: int, kept: int, first: int) -> None:
+        """The row's acceptance trials from this step (infer/speculative/adaptive.py): the
+        verification's, or whether the proposer's first draft, asked now, is the token the step
+        gave."""
+        if drafts:
+            request.acceptance.observe_verification(drafts, kept)
+            return
+        guess = self.proposer.propose(np.asarray(request.prompt + request.tokens), 1)
+        if guess.size:
+            request.acceptance.observe(int(guess[0] == first), 1)
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""

@@ -12,6 +12,8 @@ from jaxtyping import PRNGKeyArray
 
 from infer.engine import Engine
 from infer.sampling import Sampler
+from infer.speculative.draft import DraftModel
+from infer.speculative.mtp import MTPDraft
 from infer.speculative.proposer import Proposer
 from infer.step import check_prompts, check_tokens
 from shard import Placement
@@ -41,7 +43,7 @@ def generate(
     max_len: int | np.integer | None = None,
     placement: Placement | None = None,
     kv_dtype: str | None = None,
-    speculative: Proposer | None = None,
+    speculative: Proposer | DraftModel | MTPDraft | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (up to `max_new_tokens`, ending at the first stop token, which
     is included). The stop tokens are `stop_tokens`, by default the model's end of turn and end
@@ -61,8 +63,9 @@ def generate(
     `model.with_policy(storage="unrolled")` converts once). Nothing copies the weights per call.
     Sharded generation: give the `placement` the model was created or loaded in
     (`shard.Placement(mesh, rules)`); the rows must divide by the mesh's batch axes.
-    `speculative` a proposer of draft tokens (`infer.speculative.PromptLookup(k=4)`): the same
-    tokens (greedy) or the same distribution (sampling), fewer target forwards.
+    `speculative` a proposer of draft tokens (`infer.speculative.PromptLookup(k=4)`,
+    `DraftModel`, `MTPDraft`: the `Engine`'s): the same tokens (greedy) or the same
+    distribution (sampling), fewer target forwards.
     """
     config = arguments.instance(model, "model", Transformer, "zoo.load_pretrained(path)").config
     rows = check_prompts(prompts, config.vocab_size)

@@ -7,6 +7,7 @@ from zoo.adapter import add_lora, merge_adapter
 from zoo.adapter_bank import bank_adapters
 from zoo.block import Block
 from zoo.config import Config
+from zoo.mtp import MTP
 from zoo.output import ModelOutput
 from zoo.policy import Policy
 from zoo.presets import preset, presets
@@ -17,6 +18,7 @@ from zoo.tokenizer import Tokenizer, from_tiktoken, load_tokenizer, save_tokeniz
 from zoo.transformer import Transformer
 
 __all__ = [
+    "MTP",
     "Block",
     "Config",
     "ModelOutput",

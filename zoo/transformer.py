@@ -8,6 +8,7 @@ keys and values written."""
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -44,6 +45,9 @@ from zoo.pipeline import run_stack
 from zoo.policy import Policy
 from zoo.stack import Stack, make_stacks
 
+if TYPE_CHECKING:  # zoo/mtp.py builds on Transformer
+    from zoo.mtp import MTP
+
 DEFAULT_POLICY = Policy()
 
 
@@ -74,7 +78,9 @@ class Transformer(eqx.Module):
 
     `config` is the architecture, `policy` how it runs (`with_policy` swaps it). `stacks` hold
     the layers (zoo/stack.py) as `policy.storage` says: weights stacked on a leading axis and
-    run by `lax.scan`, or unrolled per layer; `policy.fused` fuses q/k/v and gate/up.
+    run by `lax.scan`, or unrolled per layer; `policy.fused` fuses q/k/v and gate/up. `mtp`:
+    DeepSeek-V3's multi-token-prediction module (zoo/mtp.py) where the checkpoint has one
+    (`load_pretrained`, `with_mtp`), None otherwise; the forward never runs it.
     """
 
     embed: Embedding | QuantizedEmbedding
@@ -82,6 +88,7 @@ class Transformer(eqx.Module):
     stacks: tuple[Stack, ...]
     final_norm: LayerNorm | RMSNorm
     lm_head: Linear | QuantizedLinear | None
+    mtp: "MTP | None"
     config: Config = eqx.field(static=True)
     policy: Policy = eqx.field(static=True)
 
@@ -98,6 +105,7 @@ class Transformer(eqx.Module):
         )
         self.stacks = _stored(make_stacks(config, dtype=dtype, key=blocks_key), policy)
         self.final_norm = make_norm(config, dtype)
+        self.mtp = None
         self.lm_head = (
             None
             if config.tie_embeddings
@@ -127,10 +135,25 @@ class Transformer(eqx.Module):
             model = jax.tree.map(lambda n: n if packed(n) else cast(n), self, is_leaf=packed)
         if (policy.storage, policy.fused) != (self.policy.storage, self.policy.fused):
             model = eqx.tree_at(lambda m: m.stacks, model, _stored(model.stacks, policy))
+        if model.mtp is not None:
+            model = eqx.tree_at(lambda m: m.mtp, model, model.mtp.with_policy(policy))
         # A static field: rebuilt from the same leaves (no copy) with the new policy set.
         model = jax.tree.map(lambda leaf: leaf, model)
         object.__setattr__(model, "policy", policy)
         return model
+
+    def with_mtp(self, mtp: "MTP | None") -> "Transformer":
+        """This model with `mtp` as its multi-token-prediction module (zoo/mtp.py; None: none),
+        which must be made for this config (its width and vocabulary)."""
+        if mtp is not None:
+            config = mtp.body.config
+            if (config.d_model, config.vocab_size) != (self.config.d_model, self.config.vocab_size):
+                raise ValueError(
+                    f"an MTP module of d_model {config.d_model} and {config.vocab_size} tokens "
+                    f"does not fit this model (d_model {self.config.d_model}, "
+                    f"{self.config.vocab_size} tokens); make it with MTP(model.config, ...)"
+                )
+        return eqx.tree_at(lambda m: m.mtp, self, mtp, is_leaf=lambda x: x is None)
 
     @property
     def is_fused(self) -> bool:
@@ -287,6 +310,7 @@ class Transformer(eqx.Module):
         cache: KVCache | None = None,
         valid: Bool[Array, "batch seq"] | None = None,
         logits_at: Int[Array, " n"] | None = None,
+        embeddings: Float[Array, "batch seq embed"] | None = None,
     ) -> ModelOutput:
         """Logits, the MoE layers' router statistics and the updated cache.
 
@@ -300,6 +324,8 @@ class Transformer(eqx.Module):
         `logits_at` `[n]` picks the tokens whose logits to compute, as indices into the tokens
         flattened in row-major order (decode needs one per row): logits `[n, vocab]`; default
         every token, `[batch, seq, vocab]`.
+        `embeddings` replace the token embeddings as the first layer's input (`tokens` still
+        give the shape): DeepSeek's multi-token-prediction module feeds its projection here.
         """
         c = self.config
         _, split = sequence_axis()
@@ -346,7 +372,7 @@ class Transformer(eqx.Module):
             valid = jnp.ones(tokens.shape, bool) if valid is None else valid
             step = cache.append(valid, sliding_window=window)
             cache, positions, mask = step.cache, step.positions, step.mask
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens) if embeddings is None else embeddings
         if self.positions is not None:
             x = x + self.positions(positions, dtype=self.policy.compute)
         x = constrain(x, "batch seq embed")
@@ -372,6 +398,6 @@ class Transformer(eqx.Module):
             else MoEStats.empty(c.n_experts)
         )
         if logits_at is None:
-            return ModelOutput(logits=self.logits(x), aux=aux, cache=cache)
+            return ModelOutput(logits=self.logits(x), aux=aux, cache=cache, hidden=x)
         picked = x.reshape(-1, x.shape[-1])[logits_at][None]  # [1, n, embed]
-        return ModelOutput(logits=self.logits(picked)[0], aux=aux, cache=cache)
+        return ModelOutput(logits=self.logits(picked)[0], aux=aux, cache=cache, hidden=x)

@@ -1,13 +1,16 @@
 """Speculative decoding in the serving engine: proposers of draft tokens and their verification
-by one target forward per step (infer/engine.py runs it; verify.py accepts or rejects)."""
+by one target forward per step (infer/engine.py runs it; verify.py accepts or rejects; adaptive.py
+decides per step whether verifying pays)."""
 
 from infer.speculative.draft import DraftModel, check_tokenizers, truncated_draft
 from infer.speculative.lookup import PromptLookup
+from infer.speculative.mtp import MTPDraft
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import accept_sampled, residual, verify
 
 __all__ = [
     "DraftModel",
+    "MTPDraft",
     "PromptLookup",
     "Proposer",
     "accept_sampled",

@@ -111,7 +111,7 @@ def check_tokenizers(target: Tokenizer, draft: Tokenizer) -> None:
         )
 
 
-def _draws(
+def draw_drafts(
     logits: Float[Array, "rows vocab"], params: SamplingParams, key: PRNGKeyArray
 ) -> tuple[Int[Array, " rows"], Float[Array, "rows vocab"]]:
     """Each row's draft and the distribution it came from (greedy rows: the argmax)."""
@@ -152,7 +152,7 @@ def draft_program(
     key = jax.random.fold_in(key, step)
     with placement.context():
         out = model.forward(tokens[:, None], valid=valid[:, None], cache=cache, logits_at=at)
-    token, q = _draws(out.logits, sampling, jax.random.fold_in(key, 0))
+    token, q = draw_drafts(out.logits, sampling, jax.random.fold_in(key, 0))
     proposed, probs = [token], [q]
     lengths = lengths + catch_up_n
     pages = out.cache.layers
@@ -163,7 +163,7 @@ def draft_program(
         )
         with placement.context():
             out = model.forward(token[:, None], valid=live[:, None], cache=cache)
-        token, q = _draws(out.logits[:, 0], sampling, jax.random.fold_in(key, j))
+        token, q = draw_drafts(out.logits[:, 0], sampling, jax.random.fold_in(key, j))
         proposed.append(token)
         probs.append(q)
         lengths, pages = lengths + live, out.cache.layers

@@ -19,16 +19,21 @@ def _check(name: str, value, low: int) -> int:
 class PromptLookup(Proposer):
     """`k` drafts per step at most (the engine's static maximum; a request may ask for fewer),
     matched on the longest n-gram from `max_ngram` down to `min_ngram` tokens that occurred
-    before. Runs on the host, on the tokens the request holds."""
+    before. Runs on the host, on the tokens the request holds. `adaptive`: the engine verifies
+    drafts only in steps where the rows' acceptance rates make it pay, and decodes one token
+    per row otherwise (infer/speculative/adaptive.py); False verifies whenever a draft exists."""
 
     k: int = eqx.field(static=True, default=4)
     max_ngram: int = eqx.field(static=True, default=3)
     min_ngram: int = eqx.field(static=True, default=1)
+    adaptive: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
         check_k("PromptLookup", self.k)
         _check("min_ngram", self.min_ngram, 1)
         _check("max_ngram", self.max_ngram, self.min_ngram)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"PromptLookup adaptive must be True or False, got {self.adaptive!r}")
 
     def propose(self, tokens: Int[np.ndarray, " seq"], k: int) -> Int[np.ndarray, " drafts"]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest matching

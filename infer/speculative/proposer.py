@@ -13,6 +13,9 @@ class Proposer(eqx.Module):
     prompt and output). The drafts are deterministic (`q` one-hot in the rejection rule)."""
 
     k: eqx.AbstractVar[int]
+    # Whether the engine decides per step whether to verify drafts (infer/speculative/adaptive.py);
+    # a proposer that wants every step verified leaves it False.
+    adaptive = False
 
     @abc.abstractmethod
     def propose(self, tokens: Int[np.ndarray, " seq"], k: int) -> Int[np.ndarray, " drafts"]:

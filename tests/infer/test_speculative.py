@@ -20,6 +20,14 @@ from infer.speculative import (
     check_tokenizers,
     truncated_draft,
 )
+from infer.speculative.adaptive import (
+    DECAY,
+    PRIOR_KEPT,
+    PRIOR_TRIED,
+    Acceptance,
+    StepCosts,
+    speculation_pays,
+)
 from infer.speculative.draft import TRACES as DRAFT_TRACES
 from tests.infer.test_engine import FAMILIES, LLAMA, alone, prompts
 
@@ -135,7 +143,7 @@ def test_prompt_lookup_in_the_engine_equals_greedy(llama):
     cases = [(chunk * 3, 12), (rng.integers(0, 256, 9).tolist(), 8)]
     expected = greedy(llama, cases)
     engine = Engine(llama, max_batch=2, max_len=64, page_size=8, chunk=16,
-                    speculative=PromptLookup(k=3))  # fmt: skip
+                    speculative=PromptLookup(k=3, adaptive=False))  # fmt: skip
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     assert [r.tokens for r in requests] == expected
@@ -191,13 +199,15 @@ def test_smollm2_repeating_its_input_keeps_most_drafts_and_the_greedy_tokens():
 
     gguf = smollm2_gguf()
     tokenizer = zoo.load_tokenizer(gguf)
-    model = zoo.load_pretrained(gguf, quantized=False)
+    # Stacked layers: one scanned block to compile instead of 30 (verification and rollback
+    # work on the pages, whatever the storage: test_engine runs both on every family).
+    model = zoo.load_pretrained(gguf, quantized=False).with_policy(storage="stacked")
     text = "Repeat exactly: the ferry crosses to the island twice a day, at dawn and at dusk."
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True
     )
     results = []
-    for speculative in (None, PromptLookup(k=4)):
+    for speculative in (None, PromptLookup(k=4, adaptive=False)):
         engine = Engine(model, max_batch=1, max_len=128, chunk=64, speculative=speculative)
         request = engine.submit(prompt, max_new_tokens=20)
         engine.run()
@@ -266,3 +276,94 @@ def test_a_truncated_draft_is_the_targets_first_layers(llama, without_runtime_ty
     for bad in (0, 2, True):
         with pytest.raises(ValueError, match=r"n_layers must be an int in \[1, 1\]"):
             truncated_draft(target, bad)
+
+
+def test_acceptance_counts_judged_drafts_and_forgets_old_ones():
+    """A verification that keeps `a` of `k` drafts is `a` kept trials and, when a < k, one
+    rejected trial (drafts after a rejection are never judged); every trial decays the older
+    ones by DECAY."""
+    rate = Acceptance()
+    rate.observe_verification(4, 4)  # four kept, no rejection
+    kept, tried = PRIOR_KEPT, PRIOR_TRIED
+    for _ in range(4):
+        kept, tried = DECAY * kept + 1, DECAY * tried + 1
+    assert (rate.kept, rate.tried) == pytest.approx((kept, tried))
+    rate.observe_verification(4, 1)  # one kept, then a rejection: two trials
+    kept, tried = DECAY * (DECAY * kept + 1), DECAY * (DECAY * tried + 1) + 1
+    assert (rate.kept, rate.tried) == pytest.approx((kept, tried))
+    for _ in range(60):  # a long run of rejections outweighs all of it
+        rate.observe_verification(4, 0)
+    assert rate.rate < 0.01
+
+
+@pytest.mark.parametrize(
+    "rates, k, verify_cost, pays",
+    [
+        # zoo.math: tokens per step (1 - a^(k+1)) / (1 - a) over the verification's cost.
+        ([0.9], 6, 2.0, True),  # 5.2 tokens for 2 steps' time
+        ([0.3], 6, 2.0, False),  # 1.43 tokens
+        ([0.0], 6, 1.0, False),  # nothing kept: a plain step is as good, never better
+        ([0.9, 0.0], 6, 2.0, True),  # mean of 2.6x and 0.5x
+        ([0.6, 0.0], 6, 2.0, False),  # mean of 1.22x and 0.5x
+        ([], 6, 1.0, False),
+    ],
+)
+def test_speculation_pays_when_the_mean_expected_speedup_exceeds_one(rates, k, verify_cost, pays):
+    assert speculation_pays(rates, k, verify_cost) is pays
+
+
+class FixedCosts(StepCosts):
+    """A verification step costs two plain ones, whatever the timings (the test's decisions
+    then depend on acceptance alone)."""
+
+    def add(self, kind, seconds, *, first_may_compile=True):
+        pass
+
+    def unmeasured(self):
+        return None
+
+    def verify_cost(self):
+        return 2.0
+
+
+class TurnsWrong(Proposer):
+    """The greedy continuation while the sequence is shorter than `until`, then always-wrong
+    drafts: the acceptance rate goes from 1 to 0 mid-request."""
+
+    k: int
+    answer: tuple
+    until: int
+    adaptive = True
+
+    def propose(self, tokens, k):
+        drafts = np.array(self.answer[len(tokens) : len(tokens) + k], np.int64)
+        return drafts if len(tokens) < self.until else (drafts + 1) % 256
+
+
+def test_adaptive_speculation_follows_the_acceptance_rate(llama):
+    """Good drafts turn verification on, then wrong drafts turn it off (one token per row
+    per step again, with the host one step behind); the tokens stay greedy's and nothing
+    compiles after the start."""
+    prompt, new = prompts([6], seed=5)[0], 40
+    expected = alone(llama, prompt, new)
+    until = len(prompt) + 16
+    proposer = TurnsWrong(k=4, answer=tuple(prompt + expected), until=until)
+    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16, speculative=proposer)
+    Engine(llama, **kwargs)  # compiles the four programs (the tests above compiled them)
+    before = dict(TRACES)
+    engine = Engine(llama, **kwargs)
+    engine.costs = FixedCosts()
+    drafted = []  # (tokens so far, drafts verified so far) at each streamed piece
+    request = engine.submit(
+        prompt,
+        max_new_tokens=new,
+        on_tokens=lambda t: drafted.append((len(request.tokens) + len(t), request.drafted)),
+    )
+    engine.run()
+    assert request.tokens == expected
+    early = [d for n, d in drafted if n + len(prompt) <= until]
+    assert early[-1] > 0 and request.accepted > 0  # verified while the drafts were right
+    # Once wrong: each rejection lowers the rate; a few verifications later it stays off.
+    late = [d for n, d in drafted if n >= new - 10]
+    assert len(set(late)) == 1
+    assert dict(TRACES) == before

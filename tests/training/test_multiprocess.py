@@ -168,7 +168,8 @@ def test_two_processes_train_stop_together_and_resume_as_two_and_as_one(tiny_arg
 def test_processes_that_disagree_or_cannot_meet_stop_with_one_message(tiny_argv, tmp_path):
     def pair(out: str, first_extra: list[str], second_extra: list[str]) -> list[subprocess.Popen]:
         port = f"localhost:{free_port()}"
-        common = ["--mesh", "fsdp=4,data=2", "--coordinator", port, "--init-timeout", "60"]
+        common = ["--mesh", "fsdp=4,data=2", "--batch-size", "8", "--coordinator", port,
+                  "--init-timeout", "60"]  # fmt: skip
         return [
             launch([*tiny_argv(tmp_path / out, *common, *extra), "--process-id", str(i)], devices=4)
             for i, extra in enumerate([first_extra, second_extra])

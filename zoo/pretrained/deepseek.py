@@ -6,8 +6,9 @@ computes it: multi-head latent attention (layers/mla.py) with interleaved rotary
 width `n_shared_experts * moe_intermediate_size`.
 
 Multi-token prediction (`num_nextn_predict_layers` > 0) is not part of the causal LM: real
-checkpoints store its modules as layers past `num_hidden_layers`, which are ignored here as
-transformers ignores them; `save_pretrained` writes `num_nextn_predict_layers: 0`.
+checkpoints store its modules as layers past `num_hidden_layers`, which the causal LM's layout
+ignores (as transformers does); zoo/pretrained/deepseek_mtp.py reads the first as `model.mtp`,
+and `save_pretrained` writes it back (`num_nextn_predict_layers: 1`) or, without one, 0.
 
 Experts are read per expert (`mlp.experts.E.{gate,up,down}_proj.weight`, what checkpoints and
 transformers' `save_pretrained` hold) or fused (`mlp.experts.gate_up_proj` `[experts, 2 * mlp,

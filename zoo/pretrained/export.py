@@ -12,6 +12,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from zoo.adapter import has_lora
+from zoo.pretrained import deepseek_mtp
 from zoo.pretrained.architectures import architecture_for
 from zoo.pretrained.hf_config import config_to_hf
 from zoo.pretrained.safetensors import INDEX, SINGLE, read_weight_map
@@ -29,6 +30,17 @@ def _layer_array(model: Transformer, layer: int | None, path: str) -> np.ndarray
     target, index = layer_path(model, layer, path)
     array = leaf(model, target)
     return np.asarray(array if index is None else array[index])
+
+
+def _tensors(model: Transformer, arch) -> dict[str, np.ndarray]:
+    """Every weight of `model` under its HF name in `arch`'s layout, on the host."""
+    tensors = {}
+    for group in arch.tensors(model.config):
+        for i in group.layers(model.config.n_layers):
+            arrays = [_layer_array(model, i, path) for path in group.zoo]
+            for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
+                tensors[name] = np.ascontiguousarray(array)
+    return tensors
 
 
 # The files of an HF model directory: what `overwrite` replaces, so that nothing of the old model
@@ -111,19 +123,24 @@ def save_pretrained(
             f"save_pretrained: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"vocab_size is {config.vocab_size}: it is not this model's tokenizer"
         )
+    if model.mtp is not None and arch.name != deepseek_mtp.ARCHITECTURE:
+        raise ValueError(
+            f"save_pretrained: the model has a multi-token-prediction module, which the "
+            f"{arch.name} layout has no place for ({deepseek_mtp.ARCHITECTURE}'s has); export "
+            "model.with_mtp(None) to write the model without it"
+        )
     directory = os.fspath(directory)
     _clear(directory, overwrite)
-    tensors: dict[str, np.ndarray] = {}
-    for group in arch.tensors(config):
-        for i in group.layers(config.n_layers):
-            arrays = [_layer_array(model, i, path) for path in group.zoo]
-            for name, array in zip(hf_names(group, i), group.to_hf(*arrays), strict=True):
-                tensors[name] = np.ascontiguousarray(array)
+    tensors = _tensors(model, arch)
+    hf = config_to_hf(arch, config, model.policy.param_dtype)
+    if model.mtp is not None:  # DeepSeek-V3's MTP module as the layer after the last
+        tensors |= deepseek_mtp.mtp_tensors(model.mtp, config, _tensors(model.mtp.body, arch))
+        hf["num_nextn_predict_layers"] = 1
     os.makedirs(directory, exist_ok=True)
     # transformers refuses safetensors files without the "format" metadata.
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config_to_hf(arch, config, model.policy.param_dtype), f, indent=2)
+        json.dump(hf, f, indent=2)
     if tokenizer is not None:
         save_tokenizer(tokenizer, directory)
         generation = {

@@ -4,7 +4,8 @@ import os
 
 from shard import Placement
 from zoo.policy import Policy
-from zoo.pretrained import gguf
+from zoo.pretrained import deepseek_mtp, gguf
+from zoo.pretrained.deepseek_mtp import load_mtp
 from zoo.pretrained.fill import load_weights
 from zoo.pretrained.hf_config import config_from_hf, declared_dtype, read_hf_config
 from zoo.pretrained.safetensors import SafetensorsSource
@@ -28,6 +29,10 @@ def load_pretrained(
     takes stacked layers: pass a policy with `storage="stacked"` (train.py does). Weights are
     read one tensor group at a time (no second copy of the checkpoint is held) and each goes
     straight into its sharding under `placement` (`shard.Placement(mesh, rules)`) as it is read.
+
+    A DeepSeek-V3 checkpoint's multi-token-prediction module (its layer `num_hidden_layers`)
+    becomes `model.mtp` (zoo/mtp.py: a self-drafter for speculative decoding), None where it has
+    none.
 
     A GGUF's quantized projections and token table stay in their blocks (`quantized`, default:
     on one device) as packed weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: layers/quantized), on
@@ -63,4 +68,8 @@ def load_pretrained(
     hf = read_hf_config(path)
     arch, config = config_from_hf(hf)
     policy = policy or Policy.inference(declared_dtype(hf))
-    return load_weights(SafetensorsSource(path), arch, config, policy=policy, placement=placement)
+    source = SafetensorsSource(path)
+    model = load_weights(source, arch, config, policy=policy, placement=placement)
+    if arch.name == deepseek_mtp.ARCHITECTURE:
+        model = load_mtp(source, arch, model, hf, policy=policy, placement=placement)
+    return model

@@ -1,0 +1,95 @@
+"""Adaptive speculation: each step the engine decides, from each row's running acceptance rate
+and the measured cost of a verification step, whether speculating pays (zoo.math's
+`speculative_speedup`, Leviathan et al. 2023, Theorem 3.8). It does not when drafts are rarely
+kept (free chat under prompt lookup): the step then runs the plain one-token program, without
+the verification's extra FLOPs and with the host one step behind the device again.
+
+Why the choice is per step, between k = 0 and the proposer's `k`: the engine has two compiled
+decode widths (one token per row, and `k + 1` per row; `k` is data, so nothing compiles as it
+varies), and a verification step's cost is its width's whatever drafts fill it. A row's drafts
+inside a verification step are free, so a row then drafts all it can; the step verifies when the
+rows' mean expected speedup at their rates exceeds 1.
+
+Each row's rate is estimated from Bernoulli trials, one per draft the target judged: `kept`
+successes and, when a draft was rejected, one failure (drafts after a rejection were never
+judged). Rows that do not speculate this step still observe: before each step's token is read,
+the proposer's first draft for it is compared with the token (a deterministic draft `d` stays
+with probability `p(d)`, the chance that the target's own token is `d`, greedy or sampled, so
+the comparison is an unbiased trial). Old trials decay, so a row that starts copying its input
+turns speculation on within a few steps, and one that stops turns it off."""
+
+import collections
+import dataclasses
+import statistics
+
+from zoo.math import speculative_speedup
+
+# A trial's weight decays by this factor per later trial: the estimate follows the last ~10.
+DECAY = 0.9
+# Before any trial: 9 drafts in 10 kept, worth two trials. Speculation is tried at once (an
+# input-grounded request wins from its first step), and a rejection or two turn it off where
+# verifying costs a few plain steps (free chat loses a step or two).
+PRIOR_KEPT, PRIOR_TRIED = 1.8, 2.0
+# Step times kept per program (the median of the last ones is the cost: robust to one slow step).
+TIMES_KEPT = 8
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """A row's running rate of kept drafts: decayed trial counts (module docstring)."""
+
+    kept: float = PRIOR_KEPT
+    tried: float = PRIOR_TRIED
+
+    def observe(self, kept: int, tried: int) -> None:
+        """`tried` trials of which the first `kept` succeeded (the rest: one rejection)."""
+        for success in [1.0] * kept + [0.0] * (tried - kept):
+            self.kept, self.tried = DECAY * self.kept + success, DECAY * self.tried + 1.0
+
+    def observe_verification(self, drafts: int, kept: int) -> None:
+        """A verification of `drafts` drafts that kept `kept`: a rejection is a trial only when
+        one happened (kept < drafts)."""
+        self.observe(kept, kept + (kept < drafts))
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
+
+
+class StepCosts:
+    """Wall seconds per decode-only step of each program ("plain": one token per row,
+    "verify": `k + 1`), as the engine sees them between reading consecutive steps: the cost of a
+    step including what the host cannot overlap. The first time of each program is dropped (it
+    may hold its compilation); warm-up seeds both."""
+
+    def __init__(self):
+        self.times = {kind: collections.deque(maxlen=TIMES_KEPT) for kind in ("plain", "verify")}
+        self._seen = set()
+
+    def add(self, kind: str, seconds: float, *, first_may_compile: bool = True) -> None:
+        if first_may_compile and kind not in self._seen:
+            self._seen.add(kind)
+            return
+        self._seen.add(kind)
+        self.times[kind].append(seconds)
+
+    def unmeasured(self) -> str | None:
+        """A program with no time yet (the engine runs it once to learn its cost)."""
+        return next((kind for kind, times in self.times.items() if not times), None)
+
+    def verify_cost(self) -> float:
+        """A verification step in plain steps (1 until both are measured; at least 1: a wider
+        step measured faster is noise)."""
+        if self.unmeasured() is not None:
+            return 1.0
+        ratio = statistics.median(self.times["verify"]) / statistics.median(self.times["plain"])
+        return max(ratio, 1.0)
+
+
+def speculation_pays(rates: list[float], k: int, verify_cost: float) -> bool:
+    """Whether a verification step of `k` drafts per row beats a plain step, for rows with
+    these acceptance rates: their mean expected speedup (zoo.math) above 1."""
+    if not rates:
+        return False
+    gains = [speculative_speedup(rate, k, verify_cost=verify_cost) for rate in rates]
+    return sum(gains) / len(gains) > 1.0
