@@ -267,16 +267,40 @@ def restore_state(directory: str | Path, templates: Mapping[str, PyTree]) -> dic
             restored[name] = template
             continue
         try:
-            _check_shapes(name, template, saved_arrays(directory, name))
             with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
-                restored[name] = reader.restore(
-                    directory / name, args=ocp.args.StandardRestore(template)
+                saved = reader.metadata(directory / name).item_metadata
+                _check_shapes(name, template, _by_name(saved))
+                restored[name] = _into_template(
+                    template,
+                    reader.restore(
+                        directory / name,
+                        args=ocp.args.StandardRestore(_as_saved(template, saved)),
+                    ),
                 )
         except MismatchedState:
             raise
         except Exception as error:
             raise CorruptState(f"{directory}: cannot read {name}/: {error}") from error
     return restored
+
+
+def _as_saved(template: PyTree, saved: PyTree) -> PyTree:
+    """The template's leaves arranged in the saved tree's structure. The two hold the same
+    arrays (`_check_shapes`) but may differ in empty entries: a field added to a module since
+    the checkpoint was written (`Transformer.mtp`, None in a model without it) is no array, yet
+    orbax refuses a template whose structure names it."""
+    want = _by_name(template)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(saved), [want[path] for path in _by_name(saved)]
+    )
+
+
+def _into_template(template: PyTree, restored: PyTree) -> PyTree:
+    """The restored arrays (in the saved structure) put back into the template's structure."""
+    by_path = _by_name(restored)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(template), [by_path[path] for path in _by_name(template)]
+    )
 
 
 def saved_arrays(directory: str | Path, name: str) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -134,6 +136,33 @@ def test_a_full_disk_is_reported_and_leaves_no_checkpoint(tmp_path, monkeypatch)
     ):
         writer.save(1, {"params": {"w": jnp.ones(3)}}, {"step": 1})
     assert runs.checkpoints(tmp_path) == []  # at most orbax's temporary directory is left
+
+
+class _Block(eqx.Module):
+    w: jax.Array
+
+
+class _BlockWithHead(eqx.Module):
+    """`_Block` after a release added an optional submodule (as `Transformer.mtp` was)."""
+
+    w: jax.Array
+    head: eqx.Module | None = None
+
+
+def test_a_checkpoint_from_before_a_new_optional_field_restores(tmp_path):
+    with state.Writer(tmp_path, keep=1, asynchronous=False) as writer:
+        writer.save(1, {"params": [_Block(jnp.arange(3.0))]}, {"step": 1})
+        step = writer.path(1)
+    template = [_BlockWithHead(jax.ShapeDtypeStruct((3,), jnp.float32))]
+    (restored,) = state.restore_state(step, {"params": template})["params"]
+    assert isinstance(restored, _BlockWithHead) and restored.head is None
+    assert restored.w.tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(state.MismatchedState, match=r"has no array 0\.v"):
+        state.restore_state(step, {"params": [_Renamed(template[0].w)]})
+
+
+class _Renamed(eqx.Module):
+    v: jax.Array
 
 
 def test_a_relative_out_directory_checkpoints_and_resumes(tmp_path, monkeypatch, tiny_argv):
