@@ -58,6 +58,7 @@ from layers.lora_bank import adapters_in, with_adapter_rows
 from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
 from shard import Placement
 from shard.rules import check_divisible
+from zoo import arguments
 from zoo.math import kv_cache_bytes_per_token
 from zoo.transformer import Transformer
 
@@ -454,7 +455,13 @@ class Engine:
         default_pages = max_batch * self.row_pages + 1
         n_pages = default_pages if n_pages is None else _check_count("n_pages", n_pages, low=2)
         self.pool = PagePool(n_pages, page_size)
-        self.placement = placement or Placement()
+        self.placement = (
+            Placement()
+            if placement is None
+            else arguments.instance(
+                placement, "Engine placement", Placement, "shard.Placement(mesh, rules)"
+            )
+        )
         if key is not None and not (
             isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
         ):

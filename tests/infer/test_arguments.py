@@ -60,3 +60,8 @@ def test_a_model_that_is_not_a_transformer(without_runtime_typechecks):
 def test_an_engine_of_something_else(without_runtime_typechecks):
     with pytest.raises(ValueError, match=r"Engine needs a zoo\.Transformer, got str"):
         infer.Engine("smollm2-135m", max_batch=1, max_len=32)
+
+
+def test_an_engine_placement_that_is_not_a_placement(llama, without_runtime_typechecks):
+    with pytest.raises(ValueError, match=r"Engine placement must be a Placement .*not a str"):
+        infer.Engine(llama, max_batch=1, max_len=32, placement="dp")
