@@ -1,8 +1,9 @@
 """The serving engine: continuous batching over a paged KV cache, decode rows and prompt chunks in
 one program per step, gives every request the tokens it would get alone (every family's tiny
-config, stacked and unrolled); nothing recompiles after the start; pages come and go with the
-requests, and a dry pool preempts the youngest request without losing a token; prefixes are
-shared; bad input is refused at submit without disturbing what is in flight."""
+config unrolled, and stacked where its stacks differ); nothing recompiles after the start; pages
+come and go with the requests, and a dry pool preempts the youngest request without losing a
+token; prefixes are shared; bad input is refused at submit without disturbing what is in
+flight."""
 
 import equinox as eqx
 import jax

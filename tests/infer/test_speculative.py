@@ -1,8 +1,9 @@
 """Speculative decoding in the engine: greedy output is each request's alone (the greedy
-specification of tests/infer/test_engine.py) on every family's tiny config,
-whatever the drafts (all kept, some, none), with rows of different k and rows without
-speculation in one batch; stop tokens and budgets inside an accepted run; nothing compiles as k
-or acceptance vary; prompt lookup finds its n-grams; bad input is refused."""
+specification of tests/infer/test_engine.py) on the tiny config of every family whose attention
+or cache verifies in its own way, whatever the drafts (all kept, some, none), with rows of
+different k and rows without speculation in one batch; stop tokens and budgets inside an
+accepted run; nothing compiles as k or acceptance vary; prompt lookup finds its n-grams; bad
+input is refused."""
 
 import dataclasses
 
