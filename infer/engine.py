@@ -233,17 +233,20 @@ def _step_program(model, state, params, plan, key, *, page_size, placement, keep
             tokens[:, None], valid=valid[:, None], cache=cache,
             logits_at=jnp.concatenate([jnp.arange(rows * group), last_of_chunk]),
         )  # fmt: skip
-    at = jnp.concatenate([jnp.arange(rows), plan.row])  # each sampled row's params
+
+    def sampled_rows(x):  # each sampled row's x: the decode rows', then the prompt chunks' rows'
+        return jnp.concatenate([x, x[plan.row]]) if chunks else x  # (no gather: fewer kernels)
+
     # Each row's allowed tokens (a constrained request's grammar; all ones otherwise), and its
     # keys: its i-th token is drawn from fold_in(fold_in(key, seed), i).
     allowed = _unpack_allowed(plan.allowed, out.logits.shape[-1])
     drawn = jnp.concatenate([state.count, plan.had])  # how many tokens each sampled row has
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(key, s), i))(
-        params.seed[at], drawn
+        sampled_rows(params.seed), drawn
     )
     if group == 1:
-        logits = jnp.where(allowed[at], out.logits, -jnp.inf)
-        sampled = sample(logits, jax.tree.map(lambda x: x[at], params.sampling), keys)
+        logits = jnp.where(sampled_rows(allowed), out.logits, -jnp.inf)
+        sampled = sample(logits, jax.tree.map(sampled_rows, params.sampling), keys)
         new, n, first = sampled[:rows, None], live.astype(jnp.int32), sampled[rows:]
     else:
         logits = out.logits[: rows * group].reshape(rows, group, -1)

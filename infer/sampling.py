@@ -260,24 +260,31 @@ def filter_logits(
     top = jnp.max(logits, axis=-1)
     off = jnp.full(top.shape, -jnp.inf)
     use_k, use_p = params.top_k > 0, params.top_p < 1
-    # Each search runs only when some row uses its filter (greedy and plain temperature batches
-    # skip both); the rows that do not use it ignore its result.
-    kth = jax.lax.cond(
-        jnp.any(use_k),
-        lambda: _search_threshold(
-            logits, jnp.ones_like(logits), jnp.maximum(params.top_k, 1).astype(jnp.float32)
-        ),
-        lambda: off,
-    )
-    kth = jnp.where(use_k, kth, off)
 
-    def nucleus_threshold():
-        # Top-p over the top-k survivors: unnormalised probabilities against p * their total.
+    def search(phase, found):
+        """Phase 0 finds the top-k threshold, phase 1 the top-p one over the top-k survivors
+        (unnormalised probabilities against p * their total); rows that do not use a phase's
+        filter get -inf from it."""
+        kth, nucleus = found
         mass = jnp.where(logits >= kth[:, None], jnp.exp(logits - top[:, None]), 0.0)
-        return _search_threshold(logits, mass, params.top_p * jnp.sum(mass, axis=-1))
+        k_phase = phase == 0
+        weights = jnp.where(k_phase, 1.0, mass)
+        limit = jnp.where(
+            k_phase,
+            jnp.maximum(params.top_k, 1).astype(jnp.float32),
+            params.top_p * jnp.sum(mass, axis=-1),
+        )
+        found = jnp.where(
+            k_phase & use_k | ~k_phase & use_p, _search_threshold(logits, weights, limit), off
+        )
+        return jnp.where(k_phase, found, kth), jnp.where(k_phase, nucleus, found)
 
-    nucleus = jax.lax.cond(jnp.any(use_p), nucleus_threshold, lambda: off)
-    nucleus = jnp.where(use_p, nucleus, off)
+    # Both searches are one loop over phases, so XLA compiles the search once (a loop per
+    # search, each under its own cond, cost twice the kernels to compile). A phase runs only
+    # when some row uses its filter: greedy and plain temperature batches run none.
+    first = jnp.where(jnp.any(use_k), 0, 1)
+    last = jnp.where(jnp.any(use_p), 2, 1)
+    kth, nucleus = jax.lax.fori_loop(first, last, search, (off, off))
     # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
     floor = top + jnp.log(params.min_p)
     threshold = jnp.maximum(jnp.maximum(kth, nucleus), floor)

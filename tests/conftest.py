@@ -25,6 +25,38 @@ import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
 
+def _xdist_group(item) -> str:
+    """The item's `xdist_group` name (joined as pytest-xdist joins several), else its module's."""
+    names = {
+        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+        for mark in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names)) if names else item.module.__name__
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs `-n 2 --dist loadgroup`: one worker runs each group whole. A test's
+    group is its `xdist_group` mark's, else its module: a worker then builds what a module's
+    tests share (module-scoped models and engines, programs an earlier test compiled) once, not
+    once per worker (tests/infer/test_cache.py split over both workers: 160 CPU-s; whole: 112).
+
+    pytest-xdist marks a test's group by appending `@group` to its node id in the worker; since
+    pytest 9.2 keeps node ids in `Node._id` (a NodeId), its write to `_nodeid` is lost and every
+    group was silently ignored, so the suffix is written here where it takes effect."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        suffix = f"@{_xdist_group(item)}"
+        if item.nodeid.endswith(suffix):
+            continue  # a pytest-xdist that works with this pytest wrote it already
+        nodeid = item.nodeid + suffix
+        if hasattr(item, "_id"):  # pytest >= 9.2
+            item._id = type(item._id).parse(nodeid)
+        else:
+            item._nodeid = nodeid
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():
     """Drop every compiled program after each test module. XLA's CPU executables each hold

@@ -34,15 +34,20 @@ def close(actual, expected):
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+# The prefill + decode tests on `model` share one shape (two rows, a cache of 16 tokens, a prompt
+# block of 6), so each storage's two programs compile once for all of them.
+ROWS, CACHE_LEN, BLOCK = 2, 16, 6
+
+
 @pytest.mark.parametrize("storage", STORAGE)
 def test_prefill_then_decode_equals_full_forward(model, storage):
-    tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, model.config.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (ROWS, 11), 0, model.config.vocab_size)
     full = model(tokens)
     cached_model = stored(model, storage)
-    cache = cached_model.init_cache(2, 16)
-    logits, cache = infer.prefill(cached_model, tokens[:, :6], cache)
-    close(logits, full[:, :6])
-    for t in range(6, 11):
+    cache = cached_model.init_cache(ROWS, CACHE_LEN)
+    logits, cache = infer.prefill(cached_model, tokens[:, :BLOCK], cache)
+    close(logits, full[:, :BLOCK])
+    for t in range(BLOCK, 11):
         logits, cache = infer.decode_step(cached_model, tokens[:, t], cache)
         close(logits, full[:, t])
     np.testing.assert_array_equal(cache.lengths, [11, 11])
@@ -77,11 +82,11 @@ def test_left_padded_prefill_matches_each_row_alone(model, storage):
     cached_model = stored(model, storage)
     short = jnp.array([[5, 6, 7]])
     long = jnp.array([[9, 8, 7, 6, 5]])
-    padded = jnp.concatenate([jnp.pad(short, ((0, 0), (2, 0))), long])
-    cache = cached_model.init_cache(2, 8)
+    padded = jnp.concatenate([jnp.pad(short, ((0, 0), (3, 0))), jnp.pad(long, ((0, 0), (1, 0)))])
+    cache = cached_model.init_cache(ROWS, CACHE_LEN)
     logits, cache = infer.prefill(cached_model, padded, cache, lengths=jnp.array([3, 5]))
-    close(logits[0, 2:], model(short)[0])
-    close(logits[1], model(long)[0])
+    close(logits[0, 3:], model(short)[0])
+    close(logits[1, 1:], model(long)[0])
     # The next token continues each row at its own position.
     step, _ = infer.decode_step(cached_model, jnp.array([4, 4]), cache)
     close(step[0], model(jnp.array([[5, 6, 7, 4]]))[0, -1])
@@ -105,10 +110,10 @@ def test_valid_is_the_only_mark_of_padding_with_a_cache(model):
 @pytest.mark.parametrize("storage", STORAGE)
 def test_prefill_and_decode_step_donate_the_cache(model, storage):
     cached_model = stored(model, storage)
-    cache = cached_model.init_cache(1, 4)
-    _, filled = infer.prefill(cached_model, jnp.array([[1, 2]]), cache)
+    cache = cached_model.init_cache(ROWS, CACHE_LEN)
+    _, filled = infer.prefill(cached_model, jnp.ones((ROWS, BLOCK), jnp.int32), cache)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
-    _, new_cache = infer.decode_step(cached_model, jnp.array([1]), filled)
+    _, new_cache = infer.decode_step(cached_model, jnp.ones(ROWS, jnp.int32), filled)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(filled))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_cache))
 

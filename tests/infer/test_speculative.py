@@ -1,8 +1,9 @@
 """Speculative decoding in the engine: greedy output is each request's alone (the greedy
-specification of tests/infer/test_engine.py) on every family's tiny config,
-whatever the drafts (all kept, some, none), with rows of different k and rows without
-speculation in one batch; stop tokens and budgets inside an accepted run; nothing compiles as k
-or acceptance vary; prompt lookup finds its n-grams; bad input is refused."""
+specification of tests/infer/test_engine.py) on the tiny config of every family whose attention
+or cache verifies in its own way, whatever the drafts (all kept, some, none), with rows of
+different k and rows without speculation in one batch; stop tokens and budgets inside an
+accepted run; nothing compiles as k or acceptance vary; prompt lookup finds its n-grams; bad
+input is refused."""
 
 import dataclasses
 
@@ -53,8 +54,13 @@ class Oracle(Proposer):
         return np.zeros(0, np.int64)
 
 
+# One engine shape and k = 4 for the tests on `llama`: their programs (plain, verifying k = 4,
+# with and without prompt chunks) compile once per module.
+SHAPE = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
+
+
 def greedy(model, cases, **kwargs):
-    engine = Engine(model, max_batch=2, max_len=64, page_size=8, chunk=16, **kwargs)
+    engine = Engine(model, **SHAPE, **kwargs)
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     return [r.tokens for r in requests]
@@ -65,7 +71,15 @@ def llama():
     return zoo.Transformer(LLAMA, key=jax.random.key(0))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# What a family changes in verification is how its attention and caches take a group of new
+# positions and a rollback: positions (gpt2, llama's rope), rings and window patterns (mistral,
+# gemma2, gemma3), latent caches (deepseek-v3), each token's experts (mixtral, qwen3-moe,
+# deepseek-moe). Qwen2's q/k/v biases and Qwen3's q/k norms act on each token alone, on llama's
+# path (test_engine runs them in ragged steps).
+VERIFIED = [family for family in FAMILIES if family not in ("qwen2", "qwen3")]
+
+
+@pytest.mark.parametrize("family", VERIFIED)
 def test_speculative_greedy_equals_greedy_on_every_family(family):
     """Drafts kept, partly kept and rejected, rows asking for k = 3, 1 and 0 (no speculation)
     in one batch, more requests than rows: every request gets the non-speculative tokens."""
@@ -92,8 +106,7 @@ def test_good_drafts_emit_k_plus_one_tokens_per_step_and_stop_inside_a_run(llama
     cases = [(prompts([6])[0], 13)]
     (expected,) = greedy(llama, cases)
     answers = (cases[0][0] + expected,)
-    engine = Engine(llama, max_batch=1, max_len=64, page_size=8, chunk=16,
-                    speculative=Oracle(k=4, answers=answers, corrupt=False))  # fmt: skip
+    engine = Engine(llama, **SHAPE, speculative=Oracle(k=4, answers=answers, corrupt=False))
     request = engine.submit(cases[0][0], max_new_tokens=13)
     engine.run()
     # One prefill step gives the first token, then 12 tokens in steps of 5, 5 and 2 (the
@@ -110,11 +123,10 @@ def test_nothing_compiles_as_k_acceptance_or_samplers_vary(llama):
     cases = list(zip(prompts([4, 30, 11, 17], seed=3), [12, 5, 9, 3], strict=True))
     expected = greedy(llama, cases)
     answers = tuple(p + t for (p, _), t in zip(cases, expected, strict=True))
-    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
-    Engine(llama, speculative=Oracle(k=4, answers=answers), **kwargs)  # compiles both programs
+    Engine(llama, speculative=Oracle(k=4, answers=answers), **SHAPE)  # compiles both programs
     before = dict(TRACES)
     for corrupt in (True, False):
-        engine = Engine(llama, speculative=Oracle(k=4, answers=answers, corrupt=corrupt), **kwargs)
+        engine = Engine(llama, speculative=Oracle(k=4, answers=answers, corrupt=corrupt), **SHAPE)
         requests = [
             engine.submit(p, max_new_tokens=n, draft_tokens=d)
             for (p, n), d in zip(cases, [4, 2, 0, 1], strict=True)
@@ -142,8 +154,7 @@ def test_prompt_lookup_in_the_engine_equals_greedy(llama):
     chunk = rng.integers(0, 256, 10).tolist()
     cases = [(chunk * 3, 12), (rng.integers(0, 256, 9).tolist(), 8)]
     expected = greedy(llama, cases)
-    engine = Engine(llama, max_batch=2, max_len=64, page_size=8, chunk=16,
-                    speculative=PromptLookup(k=3, adaptive=False))  # fmt: skip
+    engine = Engine(llama, **SHAPE, speculative=PromptLookup(k=4, adaptive=False))
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     assert [r.tokens for r in requests] == expected
@@ -225,15 +236,14 @@ def test_a_draft_model_proposes_in_its_own_cache(llama):
     small = zoo.Transformer(dataclasses.replace(LLAMA, n_layers=1), key=jax.random.key(3))
     cases = list(zip(prompts([4, 30, 11, 17], seed=3), [12, 5, 9, 3], strict=True))
     expected = [alone(llama, p, n) for p, n in cases]
-    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
     for draft in (small, llama):
-        engine = Engine(llama, speculative=DraftModel(draft, k=3), **kwargs)
+        engine = Engine(llama, speculative=DraftModel(draft, k=4), **SHAPE)
         requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
         engine.run()
         assert [r.tokens for r in requests] == expected
     assert all(r.accepted == r.drafted > 0 for r in requests[:3])
     before = dict(TRACES), dict(DRAFT_TRACES)
-    engine = Engine(llama, speculative=DraftModel(llama, k=3), key=jax.random.key(2), **kwargs)
+    engine = Engine(llama, speculative=DraftModel(llama, k=4), key=jax.random.key(2), **SHAPE)
     hot = [engine.submit(p, max_new_tokens=12, sampler=infer.Temperature(1.5)) for p, _ in cases]
     engine.run()
     assert sum(r.accepted for r in hot) >= 0.9 * sum(r.drafted for r in hot) > 0
@@ -348,7 +358,7 @@ def test_adaptive_speculation_follows_the_acceptance_rate(llama):
     expected = alone(llama, prompt, new)
     until = len(prompt) + 16
     proposer = TurnsWrong(k=4, answer=tuple(prompt + expected), until=until)
-    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16, speculative=proposer)
+    kwargs = dict(SHAPE, speculative=proposer)
     Engine(llama, **kwargs)  # compiles the four programs (the tests above compiled them)
     before = dict(TRACES)
     engine = Engine(llama, **kwargs)
