@@ -244,7 +244,7 @@ def test_bad_requests_are_refused_at_submit(
         ({"max_len": 300}, r"Engine max_len \(300 tokens\) exceeds Config.max_seq_len=256"),
         ({"page_size": True}, "page_size must be an int >= 1, got True"),
         ({"chunk": 0}, "chunk must be an int >= 1, got 0"),
-        ({"prefill_rows": 3}, "prefill_rows=3 exceeds max_batch=2"),
+        ({"token_budget": 17}, "token_budget=17 leaves no room for a prompt chunk: .* 2 tokens"),
         ({"key": 3}, r"key must be a jax.random.key\(...\), got 3"),
     ],
 )
