@@ -53,10 +53,10 @@ def generate(
     row's positions start at 0 at its first token. `on_tokens(new_tokens_per_row)` is called
     once every row has its first token, then whenever every running row has `chunk_size` more,
     and once at the end for the rest (the engine's token budget may finish some prompts a step
-    before others: those rows are a token or so ahead). The engine's cache spans `max_len` tokens per row (default: the longest prompt +
-    max_new_tokens, rounded up to a multiple of 256, at most the model's max_seq_len), its
-    pages in `kv_dtype` (the `Engine`'s: None, the compute dtype, or "int8"). Bad input is a
-    ValueError before anything runs.
+    before others: those rows are a token or so ahead). The engine's cache spans `max_len`
+    tokens per row (default: the longest prompt + max_new_tokens, rounded up to a multiple of
+    256, at most the model's max_seq_len), its pages in `kv_dtype` (the `Engine`'s: None, the
+    compute dtype, or "int8"). Bad input is a ValueError before anything runs.
 
     Decode runs as the model's policy says: `zoo.load_pretrained` gives one array per layer,
     the fastest decode (`Policy.inference`); a model built for training (stacked layers) works
