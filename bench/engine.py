@@ -154,15 +154,28 @@ def latency(model, table: Table, gguf: Path, ceilings: Ceilings) -> None:
         })  # fmt: skip
 
 
+def decode_step_ms(engine: Engine, rows: int) -> float:
+    """Run the engine's requests; the median wall ms of a step while all `rows` decode. Timed
+    per `engine.step()` call: a call dispatches one step and waits for the one before (the host
+    runs one step behind), so it lasts one step once the device is the bound; a step's own
+    record spans two (from its dispatch to its read after the next dispatch)."""
+    times = []
+    while engine.busy:
+        start = time.perf_counter()
+        engine.step()
+        read = engine.records[-1] if engine.records else None
+        if read is not None and read.chunks == 0 and read.decode_rows == rows:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:])
+
+
 def step_ms(model, max_len: int, rows: int) -> float:
-    """Median ms of the engine's decode-only steps with every row decoding, rows holding
-    ~25-90 tokens (25-token prompts, 64 new)."""
+    """Median ms of the engine's decode steps with every row decoding, rows holding ~25-90
+    tokens (25-token prompts, 64 new)."""
     engine = Engine(model, max_batch=rows, max_len=max_len)
     for i in range(rows):
         engine.submit(prompt(25, 300 + i), max_new_tokens=64)
-    engine.run()
-    steps = [r.ms for r in engine.records if r.chunks == 0 and r.decode_rows == rows]
-    return statistics.median(steps[2:])  # the host runs one step behind: skip the first
+    return decode_step_ms(engine, rows)
 
 
 def max_len_independence(model, table: Table, ceilings: Ceilings) -> None:
@@ -294,11 +307,12 @@ def window_rings(table: Table, ceilings: Ceilings) -> None:
         engine = Engine(model, max_batch=WINDOW_ROWS, max_len=WINDOW_PROMPT + WINDOW_NEW,
                         window_cache=rings)  # fmt: skip
         requests = [engine.submit(p, max_new_tokens=WINDOW_NEW) for p in cases]
-        engine.run()
-        decode_s = max(r.decode_s for r in requests)
+        # Steps with every row decoding: the budget prefills the prompts oldest first, so the
+        # first rows decode beside the later ones' prompts.
+        step = decode_step_ms(engine, WINDOW_ROWS)
         step_bytes = zmath.weight_bytes(config) + WINDOW_ROWS * predicted[rings]
         results[rings] = (
-            engine.peak_kv_bytes(), WINDOW_ROWS * (WINDOW_NEW - 1) / decode_s,
+            engine.peak_kv_bytes(), WINDOW_ROWS * 1e3 / step,
             WINDOW_ROWS * ceilings.bandwidth() / step_bytes, [r.tokens for r in requests],
         )  # fmt: skip
     (ring_kv, ring_tps, ring_pred, a), (full_kv, full_tps, full_pred, b) = (
