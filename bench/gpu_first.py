@@ -42,12 +42,10 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 import zoo
-from bench import attention, flash_errors, hlo_count, trace_reading
+from bench import attention, flash_errors, gpu_inference, hlo_count, trace_reading
 from bench import train as train_bench
 from bench.harness import (
     Ceilings,
@@ -86,32 +84,6 @@ def decode_case(gpu: bool) -> tuple[str, zoo.Config, zoo.Policy, tuple[int, ...]
         policy = zoo.Policy(compute_dtype="bfloat16", param_dtype="bfloat16")
         return "llama3-1b", zoo.preset("llama3-1b"), policy, (1, 32), 512, 65, 5
     return "tiny-llama", zoo.preset("tiny-llama", n_layers=2), zoo.Policy(), (1, 4), 32, 33, 3
-
-
-def decode_program(
-    config: zoo.Config, policy: zoo.Policy, batch: int, context: int, steps: int, *, fused: bool
-):
-    """(run, hlo): `run(n)` runs n greedy decode steps of a random model in one jitted loop (n is
-    a runtime argument: one compile serves every n) on a KV cache already holding `context` tokens
-    per row, and returns the last tokens; `hlo` is the compiled loop's optimized HLO. `fused`:
-    q/k/v and gate/up as one matmul each (`Policy.fused`)."""
-    policy = policy.replace(storage="unrolled", fused=fused)
-    model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
-    empty = model.init_cache(batch, context + steps)
-    # Rows that hold `context` tokens already (zeros: the step reads them all the same).
-    cache = eqx.tree_at(lambda c: c.lengths, empty, jnp.full((batch,), context, jnp.int32))
-
-    def loop(model, cache, token, n):
-        def step(_, carry):
-            token, cache = carry
-            out = model.forward(token[:, None], cache=cache)
-            return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
-
-        return jax.lax.fori_loop(0, n, step, (token, cache))[0]
-
-    token = jnp.ones((batch,), jnp.int32)
-    compiled = jax.jit(loop).lower(model, cache, token, 1).compile()
-    return (lambda n: compiled(model, cache, token, n)), compiled.as_text()
 
 
 # --- The run: shared state, the files, the stages.
@@ -428,10 +400,10 @@ def decode_stage(run: Run, deadline: float) -> None:
         if time.monotonic() > deadline:
             print(f"decode batch {batch} (fused={fused}): not run, the stage's budget is spent")
             continue
-        step_n, hlo = decode_program(config, policy, batch, context, steps, fused=fused)
-        t1 = median_seconds(lambda step_n=step_n: step_n(1), repeats=repeats)
-        tn = median_seconds(lambda step_n=step_n: step_n(steps), repeats=repeats)
-        step_s = (tn - t1) / (steps - 1)
+        step_n, hlo = gpu_inference.decode_program(
+            config, policy, batch, context, steps, fused=fused
+        )
+        step_s = gpu_inference.decode_step_s(step_n, steps, repeats)
         mid = context + steps // 2
         hardware = run.ceilings.hardware(policy.compute_dtype)
         predicted = zoo.math.decode_step_roofline(config, batch, mid, hardware, policy)
@@ -475,14 +447,22 @@ STAGES: list[tuple[str, float, Callable[[Run, float], None]]] = [
     ("train", 0.25, train_stage),
     ("decode", 0.17, decode_stage),
     ("train-profile", 0.08, train_profile),
+    ("quantized", 0.25, gpu_inference.quantized_stage),
+    ("quantized-sweep", 0.25, gpu_inference.quantized_sweep_stage),
+    ("kv-int8", 0.10, gpu_inference.kv_int8_stage),
+    ("engine", 0.25, gpu_inference.engine_stage),
+    ("paged-check", 0.05, gpu_inference.paged_check_stage),
+    ("engine-profile", 0.08, gpu_inference.engine_profile_stage),
 ]
 
 
 def run_stages(run: Run, names: list[str]) -> None:
-    for name, share, stage in STAGES:
-        if name not in names:
-            continue
-        budget = share * run.budget_s
+    """The chosen stages in STAGES' order, each given its share of the budget (shares scaled
+    to sum to 1 over the chosen stages)."""
+    chosen = [(name, share, stage) for name, share, stage in STAGES if name in names]
+    total = sum(share for _, share, _ in chosen)
+    for name, share, stage in chosen:
+        budget = share / total * run.budget_s
         left = run.start + run.budget_s - time.monotonic()
         record = {"stage": name, "status": "ok", "seconds": 0.0, "budget_s": budget, "note": ""}
         run.stages.append(record)

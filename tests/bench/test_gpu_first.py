@@ -11,6 +11,11 @@ import pytest
 
 from bench import flash_errors, gpu_first
 
+INFERENCE_TABLES = {
+    "quantized-kernel-errors", "quantized-decode", "quantized-plans", "kv-int8", "engine",
+    "paged-check",
+}  # fmt: skip
+
 
 def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
     gpu_first.main(["--budget", "600", "--out", str(tmp_path)])
@@ -21,7 +26,9 @@ def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
     )
     assert data["info"]["jax"] and data["info"]["nvidia-smi"]
     tables = {t["name"]: t["rows"] for t in data["tables"]}
-    assert set(tables) == {"flash-errors", "ceilings", "attention", "train", "decode"}
+    assert set(tables) == {
+        "flash-errors", "ceilings", "attention", "train", "decode", *INFERENCE_TABLES
+    }  # fmt: skip
     assert len(tables["flash-errors"]) == len(flash_errors.error_cases(gpu=False))
     assert all(math.isfinite(r["measured ms"]) for r in tables["attention"])
     assert {r["kernel"] for r in tables["attention"]} == {"flash", "xla"}  # no cuDNN on a CPU
@@ -38,6 +45,17 @@ def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
     assert data["profile"] and "| matmul/fusion |" in data["profile"][0]
     goals = {g["goal"].split(",")[0]: g for g in data["goals"]}
     assert goals["flash == naive (out"]["passed"] is True
+    # The inference stages (bench/gpu_inference.py): the quantized kernel within its derived
+    # bound, every paged path near its float32 reference (the interpreter on a CPU), the engine's
+    # rows and the profile of its steps.
+    assert all(r["within"] for r in tables["quantized-kernel-errors"])
+    assert [r["weights"] for r in tables["quantized-decode"]] == ["float32", "int8", "int4"]
+    assert {r["plan"] for r in tables["quantized-plans"]} >= {"plan_for (the default)"}
+    assert all(r["error (eps)"] < 2 for r in tables["paged-check"])
+    assert len(tables["paged-check"]) == 4
+    assert [r["KV pages"] for r in tables["kv-int8"]] == ["float32", "int8"]
+    assert len(tables["engine"]) == 3 and "verification" in tables["engine"][-1]["what"]
+    assert "engine steps profiled" in data["info"] and len(data["profile"]) == 2
     assert all(g["passed"] is None for name, g in goals.items() if "naive" not in name)
     markdown = (tmp_path / "results.md").read_text()
     assert "### Goals" in markdown and markdown.count("| n/a |") == 3

@@ -1,12 +1,19 @@
 """The Pallas GPU kernel (through Triton): `x · W^T` for a packed weight, the codes dequantized in
 registers tile by tile, never written out in float.
 
-Grid (rows / block_rows,): one program owns `block_rows` output rows and walks the inputs in
-tiles of `block_cols`: it loads the tile's codes (int8, or bytes of two 4-bit codes) and the
-tile's scales (and minimums), scales them in registers and multiplies them into its `[tokens,
-block_rows]` accumulator with Triton's matrix product (float32 accumulation). Triton's product
-needs every side >= 16 and every shape a power of two, so the tokens are padded with zero rows
-to max(16, next power of two) and the tiles are the largest powers of two dividing the weight.
+Grid (rows / block_rows, splits): one program owns `block_rows` output rows and 1/splits of the
+inputs, which it walks in tiles of `block_cols`: it loads the tile's codes (int8, or bytes of
+two 4-bit codes) and the tile's scales (and minimums), scales them in registers, rounds them to
+x's dtype (the specification's `weight.dequantize(x.dtype)`) and multiplies them into its
+`[tokens, block_rows]` float32 accumulator with Triton's matrix product. The splits' partial sums
+are added after the kernel (split-K): a decode product has few output rows (2048 rows are 32
+programs of 64), too few to keep an H100's 132 SMs reading, so the inputs are divided too.
+Triton's product needs every side >= 16 and every shape a power of two, so the tokens are padded
+with zero rows to max(16, next power of two) and the tiles are the largest powers of two dividing
+the weight.
+
+The defaults (64-row blocks, 256-weight tiles, up to 8 splits, 8 warps) are the fastest of a sweep
+on an H100 (bench/RESULTS.md, "GPU: NVIDIA H100 80GB HBM3, 2026-11-27").
 
 4-bit codes stay in their bytes: byte b of a chunk holds weight b (low nibble) and b + 16 (high
 nibble), so x is split once, outside the kernel, into the inputs the low and the high nibbles
@@ -33,6 +40,7 @@ from layers.quantized.formats import Int4Weight, Int8Weight, PackedWeight
 
 MAX_BLOCK_ROWS = 64
 MAX_BLOCK_COLS = 256
+MAX_SPLITS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +53,8 @@ class Plan:
     has_min: bool
     block_rows: int
     block_cols: int  # weights of a tile along the input (bytes: half that for 4-bit)
-    num_warps: int = 4
+    splits: int = 1  # programs along the input, each a partial sum (summed after the kernel)
+    num_warps: int = 8
     num_stages: int = 2
     interpret: bool = False
 
@@ -67,6 +76,7 @@ def supports(weight: PackedWeight) -> bool:
 def plan_for(weight: PackedWeight, *, interpret: bool = False) -> Plan:
     rows, cols = weight.shape
     block_cols = _power_of_two_dividing(cols, MAX_BLOCK_COLS)
+    tiles = cols // block_cols
     return Plan(
         four_bit=isinstance(weight, Int4Weight),
         offset=weight.kernel_attrs()["offset"],
@@ -74,6 +84,7 @@ def plan_for(weight: PackedWeight, *, interpret: bool = False) -> Plan:
         has_min=isinstance(weight, Int4Weight) and weight.mins is not None,
         block_rows=_power_of_two_dividing(rows, MAX_BLOCK_ROWS),
         block_cols=block_cols,
+        splits=_power_of_two_dividing(tiles, MAX_SPLITS),
         interpret=interpret,
     )
 
@@ -108,35 +119,42 @@ def _kernel(*refs, plan: Plan):
     (o_ref,) = rest
     tokens, rows = o_ref.shape
     tile_cols = plan.block_cols // 2 if plan.four_bit else plan.block_cols
-    n_tiles = codes_ref.shape[1] // tile_cols
+    per_split = codes_ref.shape[1] // tile_cols // plan.splits
+    first = pl.program_id(1) * per_split
+    # Both factors in x's dtype: the weight as the specification dequantizes it.
+    product = lambda x, w: dot_nt(x, w.astype(x.dtype))  # noqa: E731
 
     def step(tile, acc):
         cols = pl.ds(pl.multiple_of(tile * tile_cols, tile_cols), tile_cols)
         codes = codes_ref[:, cols]
         if not plan.four_bit:
             w = _scaled(codes, scales_ref, mins_ref, tile, plan, tile_cols)
-            return acc + dot_nt(x_ref[:, cols].astype(jnp.float32), w)
+            return acc + product(x_ref[:, cols], w)
         codes = codes.astype(jnp.int32)
         lo = _scaled(codes & 15, scales_ref, mins_ref, tile, plan, tile_cols)
         hi = _scaled(codes >> 4, scales_ref, mins_ref, tile, plan, tile_cols)
-        acc = acc + dot_nt(x_lo_ref[:, cols].astype(jnp.float32), lo)
-        return acc + dot_nt(x_hi_ref[:, cols].astype(jnp.float32), hi)
+        acc = acc + product(x_lo_ref[:, cols], lo)
+        return acc + product(x_hi_ref[:, cols], hi)
 
-    acc = jax.lax.fori_loop(0, n_tiles, step, jnp.zeros((tokens, rows), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    zero = jnp.zeros((tokens, rows), jnp.float32)
+    o_ref[...] = jax.lax.fori_loop(first, first + per_split, step, zero)
 
 
 def pallas_matmul(
-    x: Float[Array, "tokens cols"], weight: PackedWeight, *, interpret: bool = False
+    x: Float[Array, "tokens cols"],
+    weight: PackedWeight,
+    *,
+    interpret: bool = False,
+    plan: Plan | None = None,
 ) -> Float[Array, "tokens rows"]:
     """`x · W^T` in x's dtype for a weight `supports` takes (`interpret`: the Pallas
-    interpreter, for tests on CPU)."""
+    interpreter, for tests on CPU; `plan`: instead of `plan_for`'s, for sweeps)."""
     if not supports(weight):
         raise ValueError(
             f"the Pallas quantized matmul does not take a {weight.name} weight of shape "
             f"{weight.lead + weight.shape}; see layers/kernels/quantized/pallas.py for what it does"
         )
-    plan = plan_for(weight, interpret=interpret)
+    plan = plan or plan_for(weight, interpret=interpret)
     tokens = x.shape[0]
     padded = max(16, 1 << (tokens - 1).bit_length())
     x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
@@ -147,16 +165,16 @@ def pallas_matmul(
     else:
         xs = (x,)
     arrays = weight.kernel_arrays()[: 3 if plan.has_min else 2]  # codes, scales (, mins)
-    by_rows = lambda a: pl.BlockSpec((plan.block_rows, a.shape[1]), lambda i: (i, 0))  # noqa: E731
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0, 0))  # noqa: E731
+    by_rows = lambda a: pl.BlockSpec((plan.block_rows, a.shape[1]), lambda i, s: (i, 0))  # noqa: E731
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0, 0))  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_kernel, plan=plan),
-        grid=(rows // plan.block_rows,),
+        grid=(rows // plan.block_rows, plan.splits),
         in_specs=[*(whole(a) for a in xs), *(by_rows(a) for a in arrays)],
-        out_specs=pl.BlockSpec((padded, plan.block_rows), lambda i: (0, i)),
-        out_shape=jax.ShapeDtypeStruct((padded, rows), x.dtype),
+        out_specs=pl.BlockSpec((None, padded, plan.block_rows), lambda i, s: (s, 0, i)),
+        out_shape=jax.ShapeDtypeStruct((plan.splits, padded, rows), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         interpret=plan.interpret,
         name="quantized_matmul",
     )(*xs, *arrays)
-    return out[:tokens]
+    return out.sum(0)[:tokens].astype(x.dtype)
