@@ -225,15 +225,16 @@ def engine_stage(run, deadline: float) -> None:
         "engine",
         "Engine with every default on the device (random weights, greedy)",
         [f"{name} {policy.param_dtype}, max_len {max_len}. Decode: the run's wall time per step, "
-         f"every row decoding after one prompt step (25-token prompts, {new} new); predicted = bytes / measured bandwidth "
-         f"{bandwidth / 1e9:.3g} GB/s. Mixed: 24 requests (prompts 4-160, 4-48 new) on 8 rows; "
-         "predicted = prompts' FLOPs at the measured matmul rate + the fewest 8-row decode steps."],
+         f"every row decoding after the prompt steps (25-token prompts, {new} new); predicted = "
+         f"bytes / measured bandwidth {bandwidth / 1e9:.3g} GB/s. Mixed: 24 requests (prompts "
+         "4-160, 4-48 new) on 8 rows; predicted = prompts' FLOPs at the measured matmul rate + "
+         "the fewest 8-row decode steps."],
     )  # fmt: skip
     vocab = config.vocab_size
     for rows in (1, 8, 32) if run.gpu else (1,):
         if time.monotonic() > deadline:
             return
-        engine = Engine(model, max_batch=rows, max_len=max_len, prefill_rows=rows)
+        engine = Engine(model, max_batch=rows, max_len=max_len)
         for i in range(rows):
             engine.submit(_prompt(25, 300 + i, vocab), max_new_tokens=new)
         before, start = engine.steps, time.perf_counter()

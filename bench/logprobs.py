@@ -44,7 +44,9 @@ def run(ceilings: Ceilings) -> Table:
     config = zoo.preset("smollm2-135m")
     policy = zoo.Policy.inference()
     model = zoo.Transformer(config, policy=policy, key=jax.random.key(0))
-    engine = Engine(model, max_batch=BATCH, prefill_rows=BATCH, chunk=PROMPT, max_len=MAX_LEN)
+    engine = Engine(
+        model, max_batch=BATCH, chunk=PROMPT, token_budget=BATCH * (1 + PROMPT), max_len=MAX_LEN
+    )
     bandwidth = ceilings.bandwidth()
     step_bytes = zmath.decode_step_bytes(config, BATCH, PROMPT + NEW_TOKENS // 2, policy)
     extra_bytes = 4 * BATCH * config.vocab_size * 4

@@ -71,8 +71,14 @@ def parser(prog: str = "eqx-zoo serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk",
         type=POSITIVE_INT.flag_type(),
-        default=64,
-        help="prompt tokens per request per engine step",
+        help="prompts are computed in chunks of this many tokens, as many per engine step as "
+        "--token-budget leaves (default: the engine's, infer.engine.CHUNK)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=POSITIVE_INT.flag_type(),
+        help="the most tokens one engine step runs: every decoding request's next token, then "
+        "prompt chunks (default: --max-batch + infer.engine.PROMPT_TOKENS)",
     )
     flags.add_kv_dtype(p)
     flags.add_placement(p)
@@ -110,7 +116,8 @@ def build(argv: list[str] | None = None, prog: str = "eqx-zoo serve"):
         model = zoo.bank_adapters(model, adapted)
     engine = Engine(
         model, max_batch=args.max_batch, max_len=flags.max_len(args.max_len, model.config),
-        page_size=args.page_size, chunk=args.chunk, placement=placement, kv_dtype=args.kv_dtype,
+        page_size=args.page_size, chunk=args.chunk, token_budget=args.token_budget,
+        placement=placement, kv_dtype=args.kv_dtype,
     )  # fmt: skip
     name = args.name or os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
     app = make_app(

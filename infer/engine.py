@@ -5,12 +5,16 @@ one step behind, streaming, prefix reuse, preemption.
 - A fixed batch of `max_batch` rows. A request takes a free row when the page pool holds its
   prompt; a finished row is freed and a waiting request joins at the next step. Requests submitted
   while `run()` is going join too.
-- One program per step: a ragged batch of tokens, the next token of every decoding row and, when
-  prompts are waiting, a chunk of `chunk` prompt tokens of each of up to `prefill_rows` requests
-  (the token budget), run as one forward over the paged cache (layers/token_groups.py), so the
-  weights are read once per step. Attention reads only the pages each row holds. Two shapes, so
-  two compiled programs (with and without prompt chunks), both compiled when the engine starts;
-  no prompt length, batch mix or sampler setting compiles anything new.
+- One program per step: a ragged batch of tokens run as one forward over the paged cache
+  (layers/token_groups.py), so the weights are read once per step. A step holds at most
+  `token_budget` tokens (vLLM's scheduler): every decoding row's next token first, then prompt
+  chunks of `chunk` tokens, oldest request first, as many as fit: several prompts' chunks, and
+  several consecutive chunks of one prompt, in one step. Attention reads only the pages each row
+  holds. The prompt part comes in a few fixed sizes (`Engine.prompt_shapes`: 1, 4, 16, ...
+  chunks up to the budget; a step takes the largest size its waiting chunks fill, so padding is
+  at most each prompt's last chunk), each one compiled program, all compiled when the engine
+  starts beside the decode-only one; no prompt length, batch mix or sampler setting compiles
+  anything new.
 - The device keeps what the next step needs: each row's last token, how many it generated and
   whether it is done (a stop token or its budget). Sampling, stop checks and the per-row sampler
   settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
@@ -70,6 +74,12 @@ Count = int | np.integer  # numpy's integers count too
 # The most alternatives per token a request may ask for (`submit(logprobs=)`, OpenAI's limit on
 # top_logprobs): the step always has room for this many, so no request's setting compiles anything.
 MAX_LOGPROBS = 20
+# The step's defaults (token budget and prompt shapes), measured on the mixed-requests bench
+# (bench/engine.py, bench/RESULTS.md): prompt tokens of a step beside the decode rows, tokens per
+# prompt chunk, and the ratio of one prompt-part size to the next.
+PROMPT_TOKENS = 256
+CHUNK = 16
+SHAPE_STEP = 4
 
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
@@ -103,11 +113,12 @@ class RowParams(eqx.Module):
 
 class StepPlan(eqx.Module):
     """What the host decided for one step. Decode part: `decoding` rows, each row's `lengths`
-    (tokens it holds before the step) and `table`. Prompt part (`[prefill_rows]`, empty in a
-    decode-only step): each chunk's engine `row`, its `tokens` `[prefill_rows, chunk]`, how many
-    are real (`n`), where it starts (`start`), whether it ends the prompt (`final`, so its last
-    logits give the request's next token) and how many tokens the request had (`had`: more than 0
-    after a preemption). Speculation: each decoding row's proposed `drafts` (`[rows, k_max]`,
+    (tokens it holds before the step) and `table`. Prompt part (`[chunks]`, one of the engine's
+    `prompt_shapes`, empty in a decode-only step): each chunk's engine `row` (a row's consecutive
+    chunks continue one another), its `tokens` `[chunks, chunk]`, how many are real (`n`), where
+    it starts (`start`), whether it ends the prompt (`final`, so its last logits give the
+    request's next token) and how many tokens the request had (`had`: more than 0 after a
+    preemption). Speculation: each decoding row's proposed `drafts` (`[rows, k_max]`,
     `[rows, 0]` in an engine that does not speculate), of which the first `k` are real, and
     the distributions they were drawn from (`q`; None: deterministic drafts)."""
 
@@ -205,7 +216,8 @@ def _step_program(model, state, params, plan, key, *, page_size, placement, keep
     DeepSeek's MTP module drafts from; None otherwise)."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
-    TRACES[("mixed" if chunks else "decode") + (f" k={group - 1}" if group > 1 else "")] += 1
+    kind = f"mixed {chunks}x{width}" if chunks else "decode"
+    TRACES[kind + (f" k={group - 1}" if group > 1 else "")] += 1
     live = plan.decoding & ~state.done
     k = jnp.where(live, plan.k, 0)
     in_chunk = jnp.arange(width)[None, :] < plan.n[:, None]
@@ -347,21 +359,24 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """What one step did: decode rows, prompt chunks and their real tokens, pages held after
-    it, and the wall time from dispatching it to reading its tokens (the host one step
+    """What one step did: decode rows, prompt chunks and their real tokens, the prompt part's
+    size in chunks (its program: one of `Engine.prompt_shapes`, 0 for decode only), pages held
+    after it, and the wall time from dispatching it to reading its tokens (the host one step
     behind: consecutive records overlap)."""
 
     step: int
     decode_rows: int
     chunks: int
     prompt_tokens: int
+    shape: int
     pages_in_use: int
     ms: float
 
     def __str__(self) -> str:
         return (
             f"step {self.step}: {self.decode_rows} decoding, {self.chunks} prompt chunk(s) "
-            f"({self.prompt_tokens} tokens), {self.pages_in_use} pages held, {self.ms:.1f} ms"
+            f"({self.prompt_tokens} tokens) in a prompt part of {self.shape}, "
+            f"{self.pages_in_use} pages held, {self.ms:.1f} ms"
         )
 
 
@@ -376,6 +391,16 @@ class _Launched:
     drafts: dict[int, int]  # each verified row's drafts (empty: a plain step)
 
 
+def prompt_shapes(most: int) -> tuple[int, ...]:
+    """The prompt part's sizes in chunks: 1, then `SHAPE_STEP` times the one before while below
+    `most`, then `most`: few programs to compile, and a step that takes the largest size its
+    waiting chunks fill leaves less than `SHAPE_STEP` times its chunks for the next."""
+    shapes = [1]
+    while shapes[-1] * SHAPE_STEP < most:
+        shapes.append(shapes[-1] * SHAPE_STEP)
+    return tuple(shapes) + ((most,) if most > shapes[-1] else ())
+
+
 def _check_count(name: str, value, *, low: int = 1) -> int:
     """A count argument: an int (numpy's included, bool not) of at least `low`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
@@ -388,8 +413,12 @@ class Engine:
     returns a `Request`; `engine.run()` steps until every request is done.
 
     `page_size` tokens per page; `n_pages` in the pool (default: enough for `max_batch` rows of
-    `max_len`, plus the scratch page); `chunk` prompt tokens per request per step and
-    `prefill_rows` requests prefilled per step (together the step's prompt budget); `placement`
+    `max_len`, plus the scratch page); `token_budget` the most tokens one step runs (vLLM's
+    `max_num_batched_tokens`): every decoding row's token first (`max_batch` of them, times
+    `k + 1` when speculating), then chunks of `chunk` prompt tokens (None: `CHUNK`), oldest
+    request first, as many as fit (None: the decode rows plus `PROMPT_TOKENS`); the prompt part
+    comes in the sizes `engine.prompt_shapes` (in chunks), a compiled program each, so a larger
+    budget means fewer steps for long prompts and more programs to compile; `placement`
     where the model lives (pools and batches follow it); `window_cache` gives each sliding layer
     whose window is shorter than `max_len` a ring of its window per row instead of pages
     (layers/window_cache.py: Gemma's local layers, Mistral's window); `prefix_sharing` reuses
@@ -429,8 +458,8 @@ class Engine:
         max_len: Count,
         page_size: Count = 16,
         n_pages: Count | None = None,
-        chunk: Count = 64,
-        prefill_rows: Count = 1,
+        chunk: Count | None = None,
+        token_budget: Count | None = None,
         placement: Placement | None = None,
         window_cache: bool = True,
         prefix_sharing: bool | None = None,
@@ -445,15 +474,13 @@ class Engine:
         if not isinstance(model, Transformer):
             raise ValueError(f"Engine needs a zoo.Transformer, got {type(model).__name__}")
         max_batch, max_len = _check_count("max_batch", max_batch), _check_count("max_len", max_len)
-        page_size, chunk = _check_count("page_size", page_size), _check_count("chunk", chunk)
-        prefill_rows = _check_count("prefill_rows", prefill_rows)
+        page_size = _check_count("page_size", page_size)
+        chunk = _check_count("chunk", CHUNK if chunk is None else chunk)
         max_stop_tokens = _check_count("max_stop_tokens", max_stop_tokens)
-        if prefill_rows > max_batch:
-            raise ValueError(f"Engine prefill_rows={prefill_rows} exceeds max_batch={max_batch}")
         model.config.check_length(max_len, "Engine max_len")
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.page_size, self.chunk, self.prefill_rows = page_size, chunk, prefill_rows
+        self.page_size, self.chunk = page_size, chunk
         self.row_pages = -(-max_len // page_size)
         default_pages = max_batch * self.row_pages + 1
         n_pages = default_pages if n_pages is None else _check_count("n_pages", n_pages, low=2)
@@ -483,6 +510,19 @@ class Engine:
             speculative.check_target(model)
         self.proposer = speculative
         self.max_drafts = 0 if speculative is None else speculative.k
+        decode_tokens = max_batch * (self.max_drafts + 1)
+        if token_budget is None:
+            token_budget = decode_tokens + PROMPT_TOKENS
+        self.token_budget = _check_count("token_budget", token_budget)
+        if self.token_budget < decode_tokens + chunk:
+            raise ValueError(
+                f"Engine token_budget={self.token_budget} leaves no room for a prompt chunk: the "
+                f"decoding rows take {decode_tokens} tokens (max_batch x (k + 1)) and a chunk "
+                f"{chunk}; give at least {decode_tokens + chunk}"
+            )
+        # A step never needs more chunks than every row's whole prompt.
+        most = max_batch * -(-max_len // chunk)
+        self.prompt_shapes = prompt_shapes(min((self.token_budget - decode_tokens) // chunk, most))
         # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
         self.adaptive = isinstance(speculative, Proposer) and speculative.adaptive
         self.costs = StepCosts()
@@ -514,12 +554,10 @@ class Engine:
         if self.placement.sharded:
             spec = self.placement.batch_sharding("batch").spec
             mesh = dict(self.placement.mesh.shape)
-            mixed = max_batch + prefill_rows * chunk
-            for rows, what in (
-                (max_batch, "max_batch"),
-                (mixed, "max_batch + prefill_rows * chunk"),
-            ):
-                check_divisible(f"Engine {what}", (rows,), ("batch",), spec, mesh)
+            check_divisible("Engine max_batch", (max_batch,), ("batch",), spec, mesh)
+            for chunks in self.prompt_shapes:
+                what = f"Engine step of max_batch + {chunks} x chunk tokens"
+                check_divisible(what, (max_batch + chunks * chunk,), ("batch",), spec, mesh)
         self.table = np.zeros((max_batch, self.row_pages), np.int32)
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: collections.deque[Request] = collections.deque()
@@ -566,10 +604,12 @@ class Engine:
                 max_len=max_len, window_rows=max_batch if window_cache else 0,
                 placement=self.placement, key=jax.random.split(self.key)[1],
             )  # fmt: skip
-        self._program = functools.partial(
-            _step_program, page_size=page_size, placement=self.placement,
+        self._static = dict(
+            page_size=page_size, placement=self.placement,
             keep_hidden=isinstance(speculative, MTPDraft),
         )  # fmt: skip
+        # Each step shape's compiled program, by (prompt chunks, drafts per row).
+        self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
         if warm_up:
             self._warm_up()
 
@@ -782,17 +822,20 @@ class Engine:
         return speculation_pays(rates, self.max_drafts, self.costs.verify_cost())
 
     def _warm_up(self) -> None:
-        """Compile the programs now (every row idle: nothing written, nothing emitted): with
-        and without prompt chunks, each at one token per row and, speculating, at `k + 1` (an
-        adaptive engine uses both widths, and times each decode-only one once compiled)."""
+        """Compile the programs now: without prompt chunks and with each of `prompt_shapes`,
+        each at one token per row and, speculating, at `k + 1` (an adaptive engine uses both
+        widths, and times each decode-only one once compiled). A draft model's or MTP module's
+        programs compile by running, every row idle (nothing written, nothing emitted)."""
         widths = [None] if self.proposer is None else [{}]
         if self.adaptive:
             widths = [None, {}]
         for drafts in widths:
-            for chunks in (0, self.prefill_rows):
+            for chunks in (0, *self.prompt_shapes):
                 plan = self._plan([], [], chunks, {}, drafts)
-                if self.drafter is not None:
-                    plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
+                if self.drafter is None:
+                    self._compiled(plan)
+                    continue
+                plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
                 self._launch(plan, [])
             self.state.last.block_until_ready()
             if self.adaptive:
@@ -802,11 +845,23 @@ class Engine:
                 kind = "plain" if drafts is None else "verify"
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
 
+    def _compiled(self, plan: StepPlan) -> jax.stages.Compiled:
+        """The step program of `plan`'s shape, compiled ahead of its first run (JAX keeps what
+        it lowered and compiled: engines of one configuration share the programs, and a later
+        engine's warm-up only looks them up)."""
+        shape = (plan.tokens.shape[0], plan.drafts.shape[1])
+        if shape not in self._programs:
+            self._programs[shape] = _step_program.lower(
+                self.model, self.state, self._row_params(), plan, self.key, **self._static
+            ).compile()
+        return self._programs[shape]
+
     def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
-        step's prompt chunks as `(sequence, start, n)`); the step's report and logprobs."""
+        step's prompt chunks as `(sequence, start, n)`, in the plan's order); the step's report
+        and logprobs."""
         params = self._row_params()
-        self.state, report, logprobs, hidden = self._program(
+        self.state, report, logprobs, hidden = self._compiled(plan)(
             self.model, self.state, params, plan, self.key
         )
         if hidden is not None:
@@ -922,17 +977,24 @@ class Engine:
         self.waiting.appendleft(request)
 
     def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
-        """This step's decode rows and prompt chunks, with their pages: oldest requests first;
-        when the pool is dry the youngest running request is preempted."""
+        """This step's decode rows and prompt tokens (each prompting request's next `n`), with
+        their pages: oldest requests first; every decoding row, then prompt chunks within the
+        largest of `prompt_shapes` that the waiting chunks fill (a request cut short by it
+        ends on a whole chunk, so only a prompt's last chunk is ever padded); when the pool is
+        dry the youngest running request is preempted."""
         running = sorted((r for r in self.rows if r is not None), key=lambda r: r.order)
+        waiting = sum(-(-(len(r.sequence) - r.cached) // self.chunk)
+                      for r in running if r.prefilling)  # fmt: skip
+        room = max((c for c in self.prompt_shapes if c <= waiting), default=0) * self.chunk
         decode, chunks = [], []
         for request in running:
             if request.row < 0:  # preempted below for an older request
                 continue
             if request.prefilling:
-                if len(chunks) == self.prefill_rows:
+                if not room:
                     continue
-                n = min(self.chunk, len(request.sequence) - request.cached)
+                n = min(room, len(request.sequence) - request.cached)
+                room -= -(-n // self.chunk) * self.chunk
                 need = request.cached + n
             elif request.scheduled < request.max_new_tokens:
                 n, need = 0, request.cached + 1
@@ -953,14 +1015,25 @@ class Engine:
         # was scheduled before it.
         return decode, chunks
 
+    def _pieces(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, int, int]]:
+        """The step's prompt tokens (`(request, n)`, from each request's `cached`) cut into
+        chunks `(request, start, n)`, in order."""
+        return [
+            (r, r.cached + at, min(self.chunk, n - at))
+            for r, n in chunks
+            for at in range(0, n, self.chunk)
+        ]
+
     def _plan(
         self,
         decode: list[Request],
-        chunks: list[tuple[Request, int]],
+        pieces: list[tuple[Request, int, int]],
         width: int,
         masks: dict[int, np.ndarray] | None = None,
         drafts: dict[int, np.ndarray] | None = None,
     ) -> StepPlan:
+        """The step's `StepPlan`: `pieces` the prompt chunks (`_pieces`) in a prompt part of
+        `width` chunks."""
         rows, size = self.max_batch, self.chunk
         plan = {
             "decoding": np.zeros(rows, bool),
@@ -985,10 +1058,10 @@ class Engine:
             plan["allowed"] = jnp.asarray(allowed)  # as the default is: no new compilation
         for r in decode:
             plan["decoding"][r.row], plan["lengths"][r.row] = True, r.cached
-        for i, (r, n) in enumerate(chunks):
-            plan["row"][i], plan["n"][i], plan["start"][i] = r.row, n, r.cached
-            plan["tokens"][i, :n] = r.sequence[r.cached : r.cached + n]
-            plan["final"][i] = r.cached + n == len(r.sequence)
+        for i, (r, start, n) in enumerate(pieces):
+            plan["row"][i], plan["n"][i], plan["start"][i] = r.row, n, start
+            plan["tokens"][i, :n] = r.sequence[start : start + n]
+            plan["final"][i] = start + n == len(r.sequence)
             plan["had"][i] = len(r.sequence) - len(r.prompt)
         return StepPlan(**plan)
 
@@ -1023,11 +1096,13 @@ class Engine:
         drafts = self._propose(decode) if speculating else None
         if self.adaptive and drafts is not None and not any(d.size for d in drafts.values()):
             drafts = None  # nothing to verify: the one-token program is the cheaper one
-        plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, masks, drafts)
+        pieces = self._pieces(chunks)
+        width = min((c for c in self.prompt_shapes if c >= len(pieces)), default=0) if pieces else 0
+        plan = self._plan(decode, pieces, width, masks, drafts)
         if self.drafter is not None:
             sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
             plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
-        report, logprobs = self._launch(plan, [(r.sequence, r.cached, n) for r, n in chunks])
+        report, logprobs = self._launch(plan, [(r.sequence, start, n) for r, start, n in pieces])
         owners = list(self.rows)
         for r in decode:
             r.cached += 1
@@ -1039,8 +1114,9 @@ class Engine:
                 r.scheduled += 1
                 self._share_pages(r, r.sequence)
         record = StepRecord(
-            self.steps, len(decode), len(chunks), sum(n for _, n in chunks), self.pool.in_use, 0.0
-        )
+            self.steps, len(decode), len(pieces), sum(n for _, n in chunks), width,
+            self.pool.in_use, 0.0,
+        )  # fmt: skip
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
         verified = {row: d.size for row, d in (drafts or {}).items()}

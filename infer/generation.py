@@ -51,11 +51,12 @@ def generate(
 
     `prompts` is a list of prompts (each a list or 1-D array of token ids) or a 2-D array; each
     row's positions start at 0 at its first token. `on_tokens(new_tokens_per_row)` is called
-    with each row's first token, then every `chunk_size` tokens, and once at the end for the
-    rest. The engine's cache spans `max_len` tokens per row (default: the longest prompt +
-    max_new_tokens, rounded up to a multiple of 256, at most the model's max_seq_len), its
-    pages in `kv_dtype` (the `Engine`'s: None, the compute dtype, or "int8"). Bad input is a
-    ValueError before anything runs.
+    once every row has its first token, then whenever every running row has `chunk_size` more,
+    and once at the end for the rest (the engine's token budget may finish some prompts a step
+    before others: those rows are a token or so ahead). The engine's cache spans `max_len`
+    tokens per row (default: the longest prompt + max_new_tokens, rounded up to a multiple of
+    256, at most the model's max_seq_len), its pages in `kv_dtype` (the `Engine`'s: None, the
+    compute dtype, or "int8"). Bad input is a ValueError before anything runs.
 
     Decode runs as the model's policy says: `zoo.load_pretrained` gives one array per layer,
     the fastest decode (`Policy.inference`); a model built for training (stacked layers) works
@@ -91,18 +92,16 @@ def generate(
         )
     config.check_length(needed, "the longest prompt + max_new_tokens")
     span = max_len or min(-(-needed // SPAN) * SPAN, config.max_seq_len)
-    # Every row prefills in the same steps, so rows decode in lockstep; no warm-up run: the
-    # programs are compiled on first use and shared by later calls.
+    # The engine compiles every step shape when it starts (the first call of a configuration;
+    # later calls look them up), so no prompt length compiles anything later.
     batch = _bucket_rows(len(rows))
     engine = Engine(
         model,
         max_batch=batch,
-        prefill_rows=batch,
         max_len=span,
         placement=placement,
         kv_dtype=kv_dtype,
         key=key,
-        warm_up=False,
         stop_tokens=stops.tolist(),
         speculative=speculative,
     )
@@ -112,8 +111,7 @@ def generate(
     sent, next_emit = [0] * len(requests), 1
     while not all(r.done for r in requests):
         engine.step()
-        # Rows advance together once prefilled: stream when every running row has the next
-        # chunk (a finished row holds nobody up), as a lockstep decode loop would.
+        # Stream when every running row has the next chunk (a finished row holds nobody up).
         running = [len(r.tokens) for r in requests if not r.done] or [max_new_tokens]
         if on_tokens is not None and min(running) >= next_emit:
             on_tokens([r.tokens[s:] for r, s in zip(requests, sent, strict=True)])

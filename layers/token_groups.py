@@ -7,7 +7,9 @@ serving step (infer/engine.py) lays out `[tokens, 1]` as a run of decode groups 
 a run of prompt chunks of `C` tokens, so one forward serves both and reads the weights once.
 
 Within a group, the real tokens (`valid`) take the positions after the row's length in order;
-the others get position -1 (they write nothing and see nothing).
+the others get position -1 (they write nothing and see nothing). A row may own several groups of
+one run (the engine puts a prompt's consecutive chunks in one step): each continues where the one
+before ends, and `ring_span` gives the row's length around the whole call.
 """
 
 import equinox as eqx
@@ -32,9 +34,11 @@ def check_segments(segments: Segments, batch: int, seq: int, groups: int) -> Non
 class TokenGroups(eqx.Module):
     """One call's layout: `positions` and `valid` per token `[tokens]` (flattened), `group` the
     page-table row of each token, `before`/`after` each group's length around the call, `rows`
-    each group's ring row."""
+    each group's ring row; `shared` whether groups may share a ring row (the caller named the
+    rows; one group per batch row otherwise)."""
 
     segments: Segments = eqx.field(static=True)
+    shared: bool = eqx.field(static=True)
     positions: Int[Array, " tokens"]
     valid: Bool[Array, " tokens"]
     group: Int[Array, " tokens"]
@@ -60,6 +64,7 @@ class TokenGroups(eqx.Module):
             start, first = start + n * s, first + n
         return TokenGroups(
             segments=segments,
+            shared=rows is not None,
             positions=jnp.concatenate(positions),
             valid=flat > 0,
             group=jnp.asarray(np.concatenate(group), jnp.int32),
@@ -67,6 +72,16 @@ class TokenGroups(eqx.Module):
             after=lengths + jnp.concatenate(counts),
             rows=jnp.arange(lengths.shape[0]) if rows is None else rows,
         )
+
+    def ring_span(self) -> tuple[Int[Array, " groups"], Int[Array, " groups"]]:
+        """Each group's ring row's length before and after the whole call: the fewest tokens
+        before and the most after among the groups that own the row and hold a real token (a
+        group without any, such as an unused prompt slot, speaks only for itself)."""
+        real = self.after > self.before
+        peers = (self.rows[:, None] == self.rows[None, :]) & real[None, :]
+        peers |= jnp.eye(self.rows.shape[0], dtype=bool)
+        before = jnp.min(jnp.where(peers, self.before[None, :], jnp.iinfo(jnp.int32).max), 1)
+        return before, jnp.max(jnp.where(peers, self.after[None, :], 0), axis=1)
 
     def runs(self):
         """(first token, first group, groups, tokens per group) of each run."""

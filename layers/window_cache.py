@@ -71,11 +71,23 @@ class WindowSlot(eqx.Module):
     ) -> Float[Array, "n ring kv_heads head_dim"]:
         return ring[rows] if self.layer is None else ring[self.layer, rows]
 
+    def _ring_and_run(
+        self, ring: Array, rows: Int[Array, " n"], run: Float[Array, "run kv_heads head_dim"], seen
+    ) -> Float[Array, "n keys kv_heads head_dim"]:
+        """Each of the run's `n` groups' keys (or values): its ring row as it was before the
+        call, then the run's new ones it may see (`run` laid out as `seen`: `(1, n * s)` all of
+        them for every group, `(n, s)` each group its own)."""
+        new = run.astype(ring.dtype).reshape(*seen, *run.shape[1:])
+        new = jnp.broadcast_to(new, (rows.shape[0], seen[1], *run.shape[1:]))
+        return jnp.concatenate([self._read(ring, rows), new], axis=1)
+
     def _write(self, ring: Array, new: Float[Array, "tokens kv_heads head_dim"]) -> Array:
-        """Each group's last `R` new tokens into slots position mod R of its ring row; the rest
-        (padding, tokens a later one of the same call overwrites) are dropped."""
+        """Each ring row's last `R` new tokens (over all the groups that own it) into slots
+        position mod R; the rest (padding, tokens a later one of the same call overwrites) are
+        dropped, so no two tokens of a call write one slot."""
         size, call = ring.shape[-3], self.call
-        keep = call.valid & (call.positions >= call.after[call.group] - size)
+        _, after = call.ring_span()
+        keep = call.valid & (call.positions >= after[call.group] - size)
         slot = jnp.where(keep, jnp.mod(call.positions, size), size)  # out of bounds: dropped
         rows = call.rows[call.group]
         index = (rows, slot) if self.layer is None else (self.layer, rows, slot)
@@ -90,27 +102,37 @@ class WindowSlot(eqx.Module):
         window: Int[Array, ""] | int | None,
         softcap: float | None = None,
     ) -> tuple[Float[Array, "batch seq heads head_dim"], "WindowSlot"]:
-        """Each run of groups attends over [its rings before this call, its own k and v] (the
-        window applies), then the rings get this call's tokens."""
+        """Each run of groups attends over [its rings before this call, the run's k and v] (the
+        window applies), then the rings get this call's tokens. A row may own several groups of
+        a run (a prompt's chunks in one step): a group sees the run's tokens of its own ring row
+        (the segment ids are ring rows), so a later chunk sees the earlier ones."""
         call = self.call
         flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+        ring_before, _ = call.ring_span()
         outs = []
         for start, first, n, s in call.runs():
-            q_run, k_run, v_run = (x[start : start + n * s].reshape(n, s, *x.shape[1:])
-                                   for x in flat)  # fmt: skip
+            q_run = flat[0][start : start + n * s].reshape(n, s, *flat[0].shape[1:])
             rows = call.rows[first : first + n]
-            old = ring_positions(call.before[first : first + n], self.kv.ring)
+            old = ring_positions(ring_before[first : first + n], self.kv.ring)
             positions = call.positions[start : start + n * s].reshape(n, s)
-            keys = jnp.concatenate([self._read(self.kv.k, rows), k_run.astype(self.kv.k.dtype)], 1)
-            values = jnp.concatenate(
-                [self._read(self.kv.v, rows), v_run.astype(self.kv.v.dtype)], 1
+
+            # The new keys a group may see: the whole run's when groups may share a ring row,
+            # its own otherwise (a plain call: the run's others belong to other rows).
+            seen = (1, n * s) if call.shared else (n, s)
+            keys, values = (
+                self._ring_and_run(ring, rows, x[start : start + n * s], seen)
+                for ring, x in ((self.kv.k, flat[1]), (self.kv.v, flat[2]))
             )
-            kv_positions = jnp.concatenate([old, positions], axis=1)
+            owner = rows[:, None] + 1  # segment ids: ring row + 1, 0 for nothing
+            run_owner = jnp.broadcast_to(jnp.repeat(rows, s).reshape(seen) + 1, (n, seen[1]))
+            run_positions = jnp.broadcast_to(positions.reshape(seen), (n, seen[1]))
+            kv_positions = jnp.concatenate([old, run_positions], axis=1)
+            kv_owner = jnp.concatenate([jnp.broadcast_to(owner, old.shape), run_owner], axis=1)
             mask = AttentionMask(
                 q_positions=positions,
                 kv_positions=kv_positions,
-                q_segment_ids=(positions >= 0).astype(jnp.int32),
-                kv_segment_ids=(kv_positions >= 0).astype(jnp.int32),
+                q_segment_ids=jnp.where(positions >= 0, owner, 0),
+                kv_segment_ids=jnp.where(kv_positions >= 0, kv_owner, 0),
                 causal=True,
                 sliding_window=window,
             )

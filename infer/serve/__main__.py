@@ -32,7 +32,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048, help="prompt + new tokens per request")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=64, help="prompt tokens per request per step")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        help="prompt tokens per chunk, several chunks per step (default: the engine's)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        help="the most tokens one engine step runs: the decoding requests' next tokens, then "
+        "prompt chunks (default: the engine's)",
+    )
     p.add_argument("--chat-template", help="a Jinja chat template, if the checkpoint has none")
     p.add_argument(
         "--special-in-content",
@@ -69,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             model = zoo.bank_adapters(model, adapted)
         engine = Engine(model, max_batch=args.max_batch,
                         max_len=min(args.max_len, model.config.max_seq_len),
-                        page_size=args.page_size, chunk=args.chunk)  # fmt: skip
+                        page_size=args.page_size, chunk=args.chunk,
+                        token_budget=args.token_budget)  # fmt: skip
     except ValueError as error:
         sys.exit(f"error: {error}")
     name = args.name or os.path.splitext(os.path.basename(os.path.normpath(args.checkpoint)))[0]

@@ -137,6 +137,24 @@ def test_the_pallas_decode_kernel_equals_the_xla_path(llama):
         Engine(stacked, max_batch=1, max_len=64, chunk=16)
 
 
+def test_a_step_takes_the_waiting_prompts_chunks_its_budget_holds(llama):
+    """A budget of 3 decode rows + 4 chunks of 8: the prompt part comes in 1 or 4 chunks. Five
+    chunks wait: the oldest prompt's 3 and the next one's share step 0's part of 4; the third
+    prompt's chunk rides along with those two rows' decoding in step 1. Every request gets its
+    tokens alone, and nothing compiles after the start."""
+    engine = Engine(llama, max_batch=3, max_len=64, page_size=8, chunk=8, token_budget=3 + 32)
+    assert engine.prompt_shapes == (1, 4)
+    before = dict(TRACES)
+    cases = prompts([20, 5, 3], seed=9)
+    requests = [engine.submit(p, max_new_tokens=4) for p in cases]
+    engine.run()
+    first, second = engine.records[:2]
+    assert (first.chunks, first.prompt_tokens, first.shape, first.decode_rows) == (4, 25, 4, 0)
+    assert (second.chunks, second.prompt_tokens, second.shape, second.decode_rows) == (1, 3, 1, 2)
+    assert [r.tokens for r in requests] == [alone(llama, p, 4) for p in cases]
+    assert dict(TRACES) == before
+
+
 def test_pages_follow_the_tokens_and_come_back(llama):
     engine = Engine(llama, **SHAPE, prefix_sharing=False)
     request = engine.submit(list(range(1, 20)), max_new_tokens=6)
@@ -258,7 +276,7 @@ def test_bad_requests_are_refused_at_submit(
         ({"max_len": 300}, r"Engine max_len \(300 tokens\) exceeds Config.max_seq_len=256"),
         ({"page_size": True}, "page_size must be an int >= 1, got True"),
         ({"chunk": 0}, "chunk must be an int >= 1, got 0"),
-        ({"prefill_rows": 3}, "prefill_rows=3 exceeds max_batch=2"),
+        ({"token_budget": 17}, "token_budget=17 leaves no room for a prompt chunk: .* 2 tokens"),
         ({"key": 3}, r"key must be a jax.random.key\(...\), got 3"),
     ],
 )

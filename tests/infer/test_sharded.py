@@ -29,9 +29,8 @@ def test_sharded_greedy_equals_unsharded(model, preset, sizes):
     # The pools (the rings, for the windowed Llama) are split as the rules split K/V heads (tp)
     # or rows (dp), and the weights stay where they are.
     engine = infer.Engine(
-        sharded, max_batch=len(prompts), max_len=64, prefill_rows=len(prompts),
-        placement=placement, warm_up=False,
-    )  # fmt: skip
+        sharded, max_batch=len(prompts), max_len=64, placement=placement, warm_up=False
+    )
     pool = engine.state.pages[0][0].k
     expected_sharding = placement.array_shardings(engine.state.pages)[0][0].k
     assert pool.sharding.is_equivalent_to(expected_sharding, pool.ndim)
