@@ -48,7 +48,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
-from infer.speculative.adaptive import Acceptance, StepCosts, speculation_pays
+from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, speculation_pays
 from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
 from infer.speculative.proposer import Proposer
@@ -301,8 +301,11 @@ class Request:
     others go on); `cancelled` once `Engine.cancel` ended it. `ttft_s` and `decode_s` time it:
     submit to first token, first to last (as the host sees them); `preemptions` counts how often
     the pool ran dry and it was recomputed. `seed` fixes its draws, `allowed` constrains them.
-    Speculation: up to `draft_tokens` drafts per step, `drafted` of them verified and
-    `accepted` kept (`accepted / drafted`: the acceptance rate). `logprobs` (None: not asked)
+    Speculation: up to `draft_tokens` drafts per step (set to 0 by an adaptive draft model's
+    engine once they are rarely kept: `infer.speculative.adaptive.GIVE_UP`), `drafted` of them
+    verified and `accepted` kept, `rejected` verifications that rejected one (`accepted /
+    (accepted + rejected)`: the rate at which the target keeps a draft it judges, the
+    acceptance rate of Leviathan et al. and zoo.math). `logprobs` (None: not asked)
     alternatives per token: `token_logprobs` then holds one `TokenLogprob` per token."""
 
     prompt: list[int]
@@ -326,6 +329,7 @@ class Request:
     draft_tokens: int = 0  # drafts proposed per step at most (0: no speculation)
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts the target kept
+    rejected: int = 0  # verifications that rejected a draft (the drafts after it: never judged)
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # running rate
     # Engine bookkeeping.
     order: int = 0  # submission order: the youngest is preempted first
@@ -371,6 +375,7 @@ class _Launched:
     record: StepRecord
     started: float
     drafts: dict[int, int]  # each verified row's drafts (empty: a plain step)
+    guesses: Array | None = None  # an adaptive draft model's first draft per row (plain steps)
 
 
 def _check_count(name: str, value, *, low: int = 1) -> int:
@@ -481,7 +486,7 @@ class Engine:
         self.proposer = speculative
         self.max_drafts = 0 if speculative is None else speculative.k
         # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
-        self.adaptive = isinstance(speculative, Proposer) and speculative.adaptive
+        self.adaptive = isinstance(speculative, Proposer | DraftModel) and speculative.adaptive
         self.costs = StepCosts()
         self._consumed: tuple[int, float] | None = None  # the last step read, and when
         self.steps = 0
@@ -788,16 +793,35 @@ class Engine:
         for drafts in widths:
             for chunks in (0, self.prefill_rows):
                 plan = self._plan([], [], chunks, {}, drafts)
-                if self.drafter is not None:
-                    plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
-                self._launch(plan, [])
+                self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self.state.last.block_until_ready()
             if self.adaptive:
-                plan = self._plan([], [], 0, {}, drafts)
                 started = time.perf_counter()
+                plan = self._plan([], [], 0, {}, drafts)
+                plan, _ = self._with_drafter(plan, [], [], warm_up=True)
                 self._launch(plan, [])[0].block_until_ready()
                 kind = "plain" if drafts is None else "verify"
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
+
+    def _with_drafter(
+        self, plan: StepPlan, decode: list[Request], chunks: list[tuple[Request, int]], *,
+        warm_up: bool = False,
+    ) -> tuple[StepPlan, Array | None]:  # fmt: skip
+        """The plan with a draft model's drafts (or an MTP module's), and, for a step that
+        verifies nothing in an adaptive draft model's engine, the draft's guess at each row's
+        token instead (infer/speculative/draft.py); the draft takes in only the rows that still
+        draft (none: it does not run, except to compile at `warm_up`)."""
+        if self.drafter is None:
+            return plan, None
+        sampling = self._row_params().sampling
+        sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode if r.draft_tokens}
+        if self.adaptive and plan.drafts.shape[1] == 0:
+            if not (warm_up or sequences or any(r.draft_tokens for r, _ in chunks)):
+                return plan, None
+            return plan, self.drafter.observe(
+                plan, sequences, self.state.last, sampling, self.steps
+            )
+        return self.drafter.propose(plan, sequences, self.state.last, sampling, self.steps), None
 
     def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
@@ -1021,9 +1045,7 @@ class Engine:
         if self.adaptive and drafts is not None and not any(d.size for d in drafts.values()):
             drafts = None  # nothing to verify: the one-token program is the cheaper one
         plan = self._plan(decode, chunks, self.prefill_rows if chunks else 0, masks, drafts)
-        if self.drafter is not None:
-            sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
-            plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
+        plan, guesses = self._with_drafter(plan, decode, chunks)
         report, logprobs = self._launch(plan, [(r.sequence, r.cached, n) for r, n in chunks])
         owners = list(self.rows)
         for r in decode:
@@ -1042,7 +1064,7 @@ class Engine:
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
         verified = {row: d.size for row, d in (drafts or {}).items()}
         return _Launched(
-            record.step, report, logprobs, owners, record, time.perf_counter(), verified
+            record.step, report, logprobs, owners, record, time.perf_counter(), verified, guesses
         )
 
     def _consume(self, launched: _Launched) -> None:
@@ -1059,14 +1081,20 @@ class Engine:
             print(record, flush=True)
         asked = any(r is not None and r.logprobs is not None for r in launched.owners)
         scores = jax.device_get(launched.logprobs) if asked else None  # read only when asked
+        guesses = None if launched.guesses is None else np.asarray(launched.guesses)
         for row, request in enumerate(launched.owners):
             if request is None or request.done or not emitted[row]:
                 continue
             extra = int(emitted[row]) - 1  # accepted drafts: past the one token dispatch counted
             request.cached, request.scheduled = request.cached + extra, request.scheduled + extra
             request.accepted += extra
+            # A run cut short by a stop or the budget is not a rejection.
+            request.rejected += extra < launched.drafts.get(row, 0) and not done[row]
             if self.adaptive and request.draft_tokens:
-                self._observe(request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]))
+                guess = None if guesses is None else int(guesses[row])
+                self._observe(
+                    request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]), guess
+                )
             if self.drafter is not None:
                 self.drafter.kept(row, request.cached)
             new = tokens[row, : emitted[row]].tolist()
@@ -1081,16 +1109,22 @@ class Engine:
         if previous is not None and previous[0] == launched.step - 1 and not launched.record.chunks:
             self.costs.add("verify" if launched.drafts else "plain", now - previous[1])
 
-    def _observe(self, request: Request, drafts: int, kept: int, first: int) -> None:
+    def _observe(
+        self, request: Request, drafts: int, kept: int, first: int, guess: int | None
+    ) -> None:
         """The row's acceptance trials from this step (infer/speculative/adaptive.py): the
-        verification's, or whether the proposer's first draft, asked now, is the token the step
-        gave."""
+        verification's, or whether the first draft is the token the step gave (a draft model's
+        `guess`, drawn beside the step; a proposer's, asked now)."""
         if drafts:
             request.acceptance.observe_verification(drafts, kept)
             return
-        guess = self.proposer.propose(np.asarray(request.prompt + request.tokens), 1)
-        if guess.size:
-            request.acceptance.observe(int(guess[0] == first), 1)
+        if guess is None and isinstance(self.proposer, Proposer):
+            proposed = self.proposer.propose(np.asarray(request.prompt + request.tokens), 1)
+            guess = int(proposed[0]) if proposed.size else None
+        if guess is not None:
+            request.acceptance.observe(int(guess == first), 1)
+        if self.drafter is not None and request.acceptance.rate < GIVE_UP:
+            request.draft_tokens = 0  # its draft's forwards would be pure cost (GIVE_UP)
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""

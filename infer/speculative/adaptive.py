@@ -30,6 +30,11 @@ DECAY = 0.9
 # input-grounded request wins from its first step), and a rejection or two turn it off where
 # verifying costs a few plain steps (free chat loses a step or two).
 PRIOR_KEPT, PRIOR_TRIED = 1.8, 2.0
+# A draft model's request stops drafting once its running rate falls below this (about ten
+# misses in a row from the prior): its verifications would keep fewer than 1 draft in 10, which
+# repays no verification, and the draft's forward beside each plain step is pure cost. So a
+# draft that does not fit the text costs a request about ten draft forwards, then nothing.
+GIVE_UP = 0.1
 # Step times kept per program (the median of the last ones is the cost: robust to one slow step).
 TIMES_KEPT = 8
 
