@@ -15,22 +15,22 @@ without speculation:
   over the whole vocabulary), on both tasks, and on free chat verifying every step.
 
 Each row prints the drafts kept of those verified, the acceptance rate (kept over judged: the
-drafts after a rejection are never judged, so a verification of k with a kept is a trials and,
-when a < k, one rejection; Leviathan et al.'s rate, which zoo.math takes), the tokens one
-target forward emitted (decode steps only), the decode speed of both engines (median of interleaved
-repeats) and their CPU-seconds per token (the process's, both cores; robust to the other jobs
-on a shared machine), beside the prediction of zoo.math: the expected tokens per step at the
-measured acceptance rate (`speculative_tokens_per_step`) and the speedup once the costs are
-counted (`speculative_speedup`), the costs both on paper and measured in this run:
-- a draft forward's cost in target steps: on paper the bytes of its weights over the target's
-  (decode reads every weight once per token); measured, one draft forward over one target
-  forward (each one token at a prefilled cache, median of repeats);
+drafts after a rejection are never judged, so a verification of k drafts that keeps a of them
+is a trials and, when a < k, one rejection: Leviathan et al.'s rate, which zoo.math takes), the
+tokens one target forward emitted (decode steps only), the decode speed of both engines
+(median of interleaved repeats) and their CPU-seconds per token (the process's, both cores;
+steadier than wall time on a shared machine), beside the prediction of zoo.math: the expected
+tokens per step at the measured acceptance rate (`speculative_tokens_per_step`) and the speedup
+once the costs are counted (`speculative_speedup`), with the costs on paper and measured here:
+- a draft's cost in one-token target steps: on paper the bytes of its weights over the
+  target's (decode reads every weight once per token); measured, what the drafts add to a
+  verifying step, per draft, as the engine times its own programs (`Engine.time_steps`);
 - the verification's cost (a `k + 1`-token target step over a one-token one): on paper by the
-  roofline of the ceilings measured in this run; measured as the draft's;
+  roofline of the ceilings measured in this run; measured likewise, for every k up to K;
 and the acceptance rate a draft needs for the issue's 1.3x at those measured costs
-(`speculative_acceptance_needed`). An adaptive row's predicted speedup is at least 1x less
-the observation's cost (its plain steps run one draft forward each). Every speculative run's
-tokens are checked against the plain engine's.
+(`speculative_acceptance_needed`). An adaptive row's predicted speedup is at least that of
+plain decoding with the draft's one forward beside each step (its observation). Every
+speculative run's tokens are checked against the plain engine's.
 
     python -m bench speculative
 """
@@ -41,17 +41,16 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 import zoo
-from bench.harness import Ceilings, Table, median_seconds
+from bench.harness import Ceilings, Table
 from cli.flags import default_chat_model as smollm2_gguf
 from infer.engine import Engine
 from infer.speculative import DraftModel, PromptLookup, truncated_draft
 from zoo import math as zmath
 
 K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
-DRAFT_K, CONTEXT, SPEEDUP_GOAL = 4, 256, 1.3
+DRAFT_K, TIMINGS, SPEEDUP_GOAL = 4, 7, 1.3
 DRAFT = Path(os.environ.get("EQX_ZOO_DRAFT", "runs/draft/model"))
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
@@ -80,18 +79,33 @@ def weight_bytes(model) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(model) if isinstance(leaf, jax.Array))
 
 
-@jax.jit
-def _forward(model, cache, tokens):
-    return model.forward(tokens, cache=cache).logits
+def verify_costs(model) -> dict[int, float]:
+    """A verification of k drafts (k = 1..K) in one-token target steps, as the engine times its
+    own programs (`Engine.time_steps`: the plain and the verifying step of an adaptive
+    `PromptLookup(k)` engine on idle rows), the engines timed in turn, medians."""
+    engines = {
+        k: Engine(model, max_batch=1, max_len=MAX_LEN, speculative=PromptLookup(k=k))
+        for k in range(1, K + 1)
+    }
+    for _ in range(TIMINGS):
+        for engine in engines.values():
+            engine.time_steps(1)
+    return {k: engine.costs.verify_cost() for k, engine in engines.items()}
 
 
-def forward_s(model, tokens: int) -> float:
-    """Median seconds of one forward of `tokens` tokens at one row after CONTEXT cached ones
-    (the cache is read, not kept: each repeat sees the same context)."""
-    cache = model.init_cache(batch=1, max_len=MAX_LEN)
-    cache = model.forward(jnp.ones((1, CONTEXT), jnp.int32), cache=cache).cache
-    new = jnp.ones((1, tokens), jnp.int32)
-    return median_seconds(lambda: _forward(model, cache, new), repeats=7)
+def draft_costs(model, draft, k: int) -> tuple[float, float]:
+    """One draft forward beside a plain step, and one draft of a verifying step's `k`, in
+    one-token target steps: an adaptive `DraftModel` engine's step times against the same
+    target programs without a draft (a `PromptLookup(k)` engine), timed in turn, medians."""
+    drafting = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=DraftModel(draft, k=k))
+    plain = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=PromptLookup(k=k))
+    for _ in range(TIMINGS):
+        drafting.time_steps(1)
+        plain.time_steps(1)
+    step = plain.costs.median("plain")
+    beside = drafting.costs.median("plain") / step - 1
+    per_draft = (drafting.costs.median("verify") - plain.costs.median("verify")) / step / k
+    return max(beside, 0.0), max(per_draft, 0.0)
 
 
 def decode_run(engine: Engine, prompt: list[int], stops) -> tuple:
@@ -108,9 +122,9 @@ def decode_run(engine: Engine, prompt: list[int], stops) -> tuple:
     return request.tokens, rate, cpu, forwards, request.drafted, request.accepted, request.rejected
 
 
-def draft_rows(model, target_s: float, notes: list[str]) -> list[tuple]:
+def draft_rows(model, notes: list[str]) -> list[tuple]:
     """(name, proposer, paper draft cost, measured draft cost, tasks) of each draft model, in
-    int8; `target_s` the target's one-token forward."""
+    int8."""
     target_bytes = weight_bytes(model)
     untrained = zoo.quantize(truncated_draft(model, 2), "int8")
     drafts = [("first 2 layers, untrained, int8", untrained, (True,), ("free chat",))]
@@ -124,14 +138,16 @@ def draft_rows(model, target_s: float, notes: list[str]) -> list[tuple]:
     rows = []
     for name, draft, modes, tasks in drafts:
         paper = weight_bytes(draft) / target_bytes
-        measured = forward_s(draft, 1) / target_s
+        beside, measured = draft_costs(model, draft, DRAFT_K)
         notes.append(f"Draft {name}: {weight_bytes(draft) / 1e6:.0f} MB of weights "
-                     f"({paper:.3f} of the target's), one forward {measured:.3f} of the "
-                     "target's, measured.")  # fmt: skip
+                     f"({paper:.3f} of the target's); measured in target steps: a draft of a "
+                     f"verifying step's {DRAFT_K} {measured:.3f}, one forward beside a plain "
+                     f"step {beside:.3f}.")  # fmt: skip
         for adaptive in modes:
             how = "adaptive" if adaptive else "every step"
             proposer = DraftModel(draft, k=DRAFT_K, adaptive=adaptive)
-            rows.append((f"draft: {name}, k={DRAFT_K}, {how}", proposer, paper, measured, tasks))
+            row = (f"draft: {name}, k={DRAFT_K}, {how}", proposer, paper, measured, beside, tasks)
+            rows.append(row)
     return rows
 
 
@@ -143,17 +159,16 @@ def run(ceilings: Ceilings) -> Table:
         f"Engine: 1 row, max_len {MAX_LEN}, {NEW_TOKENS} new tokens at most; the plain engine "
         f"beside the speculating one, {REPEATS} interleaved repeats, medians. Predicted: "
         "zoo.math at the measured acceptance rate, with the costs on paper (draft: weight bytes; "
-        "verification: roofline) and measured (one forward of each at a prefilled cache).",
+        "verification: roofline) and measured (the engine timing its own programs).",
         f"Load average at the start: {os.getloadavg()[0]:.1f}.",
     ]
-    target_s = forward_s(model, 1)
-    verify_measured = {k: forward_s(model, k + 1) / target_s for k in sorted({K, DRAFT_K})}
+    verify_measured = verify_costs(model)
     notes.append("A verification of k drafts in one-token target steps, measured: "
                  + ", ".join(f"k={k}: {v:.2f}" for k, v in verify_measured.items()))  # fmt: skip
     proposers = [
-        (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0.0, 0.0, TASKS),
-        (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0.0, 0.0, TASKS),
-        *draft_rows(model, target_s, notes),
+        (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0, 0, 0, TASKS),
+        (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0, 0, 0, TASKS),
+        *draft_rows(model, notes),
     ]
     table = Table("speculative", "Speculative decoding, SmolLM2-135M-Instruct float32, batch 1, "
                   "greedy", notes)  # fmt: skip
@@ -162,7 +177,7 @@ def run(ceilings: Ceilings) -> Table:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
-        for name, proposer, paper_draft, measured_draft, tasks in proposers:
+        for name, proposer, paper_draft, measured_draft, beside, tasks in proposers:
             if task not in tasks:
                 continue
             k = proposer.k
@@ -198,7 +213,7 @@ def run(ceilings: Ceilings) -> Table:
                 )
             }
             if proposer.adaptive:  # it decodes plainly where speculating would lose
-                floor = 1 / (1 + measured_draft)  # a plain step with the draft's observation
+                floor = 1 / (1 + beside)  # a plain step with the draft's observation
                 predicted = {how: max(gain, floor) for how, gain in predicted.items()}
             table.add({
                 "task": task,

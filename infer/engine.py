@@ -71,6 +71,9 @@ Count = int | np.integer  # numpy's integers count too
 # top_logprobs): the step always has room for this many, so no request's setting compiles anything.
 MAX_LOGPROBS = 20
 
+# Times each decode-only program is timed at an adaptive engine's warm-up (the median counts:
+# one slow step on a shared machine does not decide).
+WARM_UP_TIMINGS = 3
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
 TRACES = collections.Counter()
@@ -783,19 +786,32 @@ class Engine:
         rates = [r.acceptance.rate for r in rows]
         return speculation_pays(rates, self.max_drafts, self.costs.verify_cost())
 
+    def _widths(self) -> list[dict | None]:
+        """The decode widths this engine runs: one token per row (None) and, speculating, the
+        verification's `k + 1` (`{}`: no drafts yet); an adaptive engine runs both."""
+        if self.adaptive:
+            return [None, {}]
+        return [None] if self.proposer is None else [{}]
+
     def _warm_up(self) -> None:
         """Compile the programs now (every row idle: nothing written, nothing emitted): with
-        and without prompt chunks, each at one token per row and, speculating, at `k + 1` (an
-        adaptive engine uses both widths, and times each decode-only one once compiled)."""
-        widths = [None] if self.proposer is None else [{}]
-        if self.adaptive:
-            widths = [None, {}]
-        for drafts in widths:
+        and without prompt chunks, at each width; an adaptive engine then times its
+        decode-only programs (`time_steps`)."""
+        for drafts in self._widths():
             for chunks in (0, self.prefill_rows):
                 plan = self._plan([], [], chunks, {}, drafts)
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self.state.last.block_until_ready()
-            if self.adaptive:
+        if self.adaptive:
+            self.time_steps(WARM_UP_TIMINGS)
+
+    def time_steps(self, repeats: int) -> None:
+        """Run each compiled decode-only program `repeats` times on idle rows (nothing written)
+        and add the wall times, with the draft model's work beside each, to `costs`: what one
+        plain and one verifying step cost here (an adaptive engine's warm-up does it; a
+        benchmark may ask for more). Call it between runs, not while requests are running."""
+        for drafts in self._widths():
+            for _ in range(repeats):
                 started = time.perf_counter()
                 plan = self._plan([], [], 0, {}, drafts)
                 plan, _ = self._with_drafter(plan, [], [], warm_up=True)

@@ -82,13 +82,16 @@ class StepCosts:
         """A program with no time yet (the engine runs it once to learn its cost)."""
         return next((kind for kind, times in self.times.items() if not times), None)
 
+    def median(self, kind: str) -> float:
+        """The median of the times kept for `kind` ("plain" or "verify"), in seconds."""
+        return statistics.median(self.times[kind])
+
     def verify_cost(self) -> float:
         """A verification step in plain steps (1 until both are measured; at least 1: a wider
         step measured faster is noise)."""
         if self.unmeasured() is not None:
             return 1.0
-        ratio = statistics.median(self.times["verify"]) / statistics.median(self.times["plain"])
-        return max(ratio, 1.0)
+        return max(self.median("verify") / self.median("plain"), 1.0)
 
 
 def speculation_pays(rates: list[float], k: int, verify_cost: float) -> bool:

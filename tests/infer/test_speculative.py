@@ -13,7 +13,7 @@ import pytest
 
 import infer
 import zoo
-from infer.engine import TRACES, Engine
+from infer.engine import TRACES, WARM_UP_TIMINGS, Engine
 from infer.speculative import (
     DraftModel,
     PromptLookup,
@@ -398,6 +398,8 @@ def test_adaptive_draft_rows_verify_only_while_their_drafts_are_kept(llama):
         verifications += 1
     for draft, cost in ((wrong, 2.0), (llama, 4.5)):
         engine = Engine(llama, speculative=DraftModel(draft, k=k), **kwargs)
+        engine.time_steps(2)  # timed at warm-up and now, the draft's work beside each step
+        assert [len(t) for t in engine.costs.times.values()] == [WARM_UP_TIMINGS + 2] * 2
         engine.costs = FixedCosts(cost)
         request = engine.submit(prompt, max_new_tokens=new)
         engine.run()
