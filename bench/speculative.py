@@ -7,21 +7,40 @@ without speculation:
   every step that has a draft (`adaptive=False`) and adaptive (the engine verifies only in steps
   where the rows' running acceptance and the measured step costs make it pay,
   infer/speculative/adaptive.py);
-- a draft model on both: the target's first 2 layers (`truncated_draft`, untrained), k = 2.
+- draft models, adaptive: the target's first 2 layers untrained (`truncated_draft`: its drafts
+  are rarely kept, so the engine should decode plainly), and the draft distilled by
+  `python -m examples.train_draft` (read from `EQX_ZOO_DRAFT`, default runs/draft/model; its
+  rows are left out, with a note, when it is not there), in int8 (`zoo.quantize`: a draft's
+  weights are read once per draft, so it reads a quarter of the bytes; q stays a distribution
+  over the whole vocabulary), on both tasks, and on free chat verifying every step.
 
-Each row prints the acceptance rate (drafts kept / drafts verified), the tokens one target
-forward emitted (decode steps only) and the decode speed of both engines (median of interleaved
-repeats), beside the prediction of zoo.math: the expected tokens per step at the measured
-acceptance rate (`speculative_tokens_per_step`) and the speedup once the verification's cost is
-counted (`speculative_speedup`; a `k + 1`-token target step over a one-token one, both by the
-roofline of the ceilings measured in this run; an adaptive row's at least 1x), and for adaptive
-rows the verification's cost the engine measured itself (in plain steps), which it decides by.
-Every speculative run's tokens are checked against the plain engine's.
+Each row prints the drafts kept of those verified, the acceptance rate (kept over judged: the
+drafts after a rejection are never judged, so a verification of k drafts that keeps a of them
+is a trials and, when a < k, one rejection: Leviathan et al.'s rate, which zoo.math takes), the
+tokens one target forward emitted (decode steps only), the decode speed of both engines
+(median of interleaved repeats) and their CPU-seconds per token (the process's, both cores;
+steadier than wall time on a shared machine), beside the prediction of zoo.math: the expected
+tokens per step at the measured acceptance rate (`speculative_tokens_per_step`) and the speedup
+once the costs are counted (`speculative_speedup`), with the costs on paper and measured here:
+- a draft's cost in one-token target steps: on paper the bytes of its weights over the
+  target's (decode reads every weight once per token); measured, what the drafts add to a
+  verifying step, per draft, as the engine times its own programs (`Engine.time_steps`);
+- the verification's cost (a `k + 1`-token target step over a one-token one): on paper by the
+  roofline of the ceilings measured in this run; measured likewise, for every k up to K;
+and the acceptance rate a draft needs for the issue's 1.3x at those measured costs
+(`speculative_acceptance_needed`). An adaptive row's predicted speedup is at least that of
+plain decoding with the draft's one forward beside each step (its observation). Every
+speculative run's tokens are checked against the plain engine's.
 
     python -m bench speculative
 """
 
+import os
 import statistics
+import time
+from pathlib import Path
+
+import jax
 
 import zoo
 from bench.harness import Ceilings, Table
@@ -31,7 +50,8 @@ from infer.speculative import DraftModel, PromptLookup, truncated_draft
 from zoo import math as zmath
 
 K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
-DRAFT_LAYERS, DRAFT_K = 2, 2
+DRAFT_K, TIMINGS, SPEEDUP_GOAL = 4, 7, 1.3
+DRAFT = Path(os.environ.get("EQX_ZOO_DRAFT", "runs/draft/model"))
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
     "brass lamp, a notebook with a cracked leather cover, and a thermos of black tea. From the "
@@ -54,45 +74,112 @@ def roofline_s(config, tokens: int, context: int, ceilings: Ceilings) -> float:
     return max(read, flops / ceilings.matmul_flops("float32"))
 
 
-def decode_run(engine: Engine, prompt: list[int], stops) -> tuple[list[int], float, int, int, int]:
-    """One request: its tokens, decode tokens/s (after the first token), decode forwards, and
-    the drafts verified and kept."""
+def weight_bytes(model) -> int:
+    """The bytes of a model's arrays (packed weights as packed): what one decode forward reads."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(model) if isinstance(leaf, jax.Array))
+
+
+def verify_costs(model) -> dict[int, float]:
+    """A verification of k drafts (k = 1..K) in one-token target steps, as the engine times its
+    own programs (`Engine.time_steps`: the plain and the verifying step of an adaptive
+    `PromptLookup(k)` engine on idle rows), the engines timed in turn, medians."""
+    engines = {
+        k: Engine(model, max_batch=1, max_len=MAX_LEN, speculative=PromptLookup(k=k))
+        for k in range(1, K + 1)
+    }
+    for _ in range(TIMINGS):
+        for engine in engines.values():
+            engine.time_steps(1)
+    return {k: engine.costs.verify_cost() for k, engine in engines.items()}
+
+
+def draft_costs(model, draft, k: int) -> tuple[float, float]:
+    """One draft forward beside a plain step, and one draft of a verifying step's `k`, in
+    one-token target steps: an adaptive `DraftModel` engine's step times against the same
+    target programs without a draft (a `PromptLookup(k)` engine), timed in turn, medians."""
+    drafting = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=DraftModel(draft, k=k))
+    plain = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=PromptLookup(k=k))
+    for _ in range(TIMINGS):
+        drafting.time_steps(1)
+        plain.time_steps(1)
+    step = plain.costs.median("plain")
+    beside = drafting.costs.median("plain") / step - 1
+    per_draft = (drafting.costs.median("verify") - plain.costs.median("verify")) / step / k
+    return max(beside, 0.0), max(per_draft, 0.0)
+
+
+def decode_run(engine: Engine, prompt: list[int], stops) -> tuple:
+    """One request: its tokens, decode tokens/s (after the first token), CPU-seconds per new
+    token (the whole request), decode forwards, the drafts verified and kept, and the
+    verifications that rejected one."""
     first = len(engine.records)
+    cpu = time.process_time()
     request = engine.submit(prompt, max_new_tokens=NEW_TOKENS, stop_tokens=stops)
     engine.run()
+    cpu = (time.process_time() - cpu) / len(request.tokens)
     forwards = sum(r.decode_rows > 0 for r in engine.records[first:])
     rate = (len(request.tokens) - 1) / request.decode_s
-    return request.tokens, rate, forwards, request.drafted, request.accepted
+    return request.tokens, rate, cpu, forwards, request.drafted, request.accepted, request.rejected
+
+
+def draft_rows(model, notes: list[str]) -> list[tuple]:
+    """(name, proposer, paper draft cost, measured draft cost, tasks) of each draft model, in
+    int8."""
+    target_bytes = weight_bytes(model)
+    untrained = zoo.quantize(truncated_draft(model, 2), "int8")
+    drafts = [("first 2 layers, untrained, int8", untrained, (True,), ("free chat",))]
+    if DRAFT.exists():
+        trained = zoo.quantize(zoo.load_pretrained(DRAFT), "int8")
+        layers = trained.config.n_layers
+        drafts.append((f"{layers} layers distilled, int8", trained, (True, False), tuple(TASKS)))
+    else:
+        notes.append(f"No distilled draft at {DRAFT} (EQX_ZOO_DRAFT): its rows are left out; "
+                     "`python -m examples.train_draft` writes one.")  # fmt: skip
+    rows = []
+    for name, draft, modes, tasks in drafts:
+        paper = weight_bytes(draft) / target_bytes
+        beside, measured = draft_costs(model, draft, DRAFT_K)
+        notes.append(f"Draft {name}: {weight_bytes(draft) / 1e6:.0f} MB of weights "
+                     f"({paper:.3f} of the target's); measured in target steps: a draft of a "
+                     f"verifying step's {DRAFT_K} {measured:.3f}, one forward beside a plain "
+                     f"step {beside:.3f}.")  # fmt: skip
+        for adaptive in modes:
+            how = "adaptive" if adaptive else "every step"
+            proposer = DraftModel(draft, k=DRAFT_K, adaptive=adaptive)
+            row = (f"draft: {name}, k={DRAFT_K}, {how}", proposer, paper, measured, beside, tasks)
+            rows.append(row)
+    return rows
 
 
 def run(ceilings: Ceilings) -> Table:
     gguf = smollm2_gguf()
     tokenizer = zoo.load_tokenizer(gguf)
     model = zoo.load_pretrained(gguf, quantized=False)
-    table = Table(
-        "speculative",
-        "Speculative decoding, SmolLM2-135M-Instruct float32, batch 1, greedy",
-        [f"Engine: 1 row, max_len {MAX_LEN}, {NEW_TOKENS} new tokens at most; the plain engine "
-         f"beside the speculating one, {REPEATS} interleaved repeats, medians. Predicted: "
-         "zoo.math at the measured acceptance rate and the roofline's verification cost."],
-    )  # fmt: skip
+    notes = [
+        f"Engine: 1 row, max_len {MAX_LEN}, {NEW_TOKENS} new tokens at most; the plain engine "
+        f"beside the speculating one, {REPEATS} interleaved repeats, medians. Predicted: "
+        "zoo.math at the measured acceptance rate, with the costs on paper (draft: weight bytes; "
+        "verification: roofline) and measured (the engine timing its own programs).",
+        f"Load average at the start: {os.getloadavg()[0]:.1f}.",
+    ]
+    verify_measured = verify_costs(model)
+    notes.append("A verification of k drafts in one-token target steps, measured: "
+                 + ", ".join(f"k={k}: {v:.2f}" for k, v in verify_measured.items()))  # fmt: skip
+    proposers = [
+        (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0, 0, 0, TASKS),
+        (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0, 0, 0, TASKS),
+        *draft_rows(model, notes),
+    ]
+    table = Table("speculative", "Speculative decoding, SmolLM2-135M-Instruct float32, batch 1, "
+                  "greedy", notes)  # fmt: skip
     stops = tokenizer.end_of_turn_ids
-    draft = truncated_draft(model, DRAFT_LAYERS)
-    # A draft step's cost in target steps: one token through each, by the roofline.
-    draft_cost = roofline_s(draft.config, 1, MAX_LEN // 2, ceilings) / roofline_s(
-        model.config, 1, MAX_LEN // 2, ceilings
-    )
     for task, text in TASKS.items():
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
-        proposers = [
-            (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0.0),
-            (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0.0),
-            (f"draft: first {DRAFT_LAYERS} of {model.config.n_layers} layers, k={DRAFT_K}",
-             DraftModel(draft, k=DRAFT_K), draft_cost),
-        ]  # fmt: skip
-        for name, proposer, cost in proposers:
+        for name, proposer, paper_draft, measured_draft, beside, tasks in proposers:
+            if task not in tasks:
+                continue
             k = proposer.k
             plain = Engine(model, max_batch=1, max_len=MAX_LEN)
             speculating = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=proposer)
@@ -100,35 +187,54 @@ def run(ceilings: Ceilings) -> Table:
             for _ in range(REPEATS):
                 runs["plain"].append(decode_run(plain, prompt, stops))
                 runs["spec"].append(decode_run(speculating, prompt, stops))
-            tokens, _, forwards, drafted, accepted = runs["spec"][-1]
+            tokens, _, _, forwards, drafted, accepted, rejected = runs["spec"][-1]
             same = all(r[0] == runs["plain"][0][0] for r in runs["plain"] + runs["spec"])
-            plain_rate = statistics.median(r[1] for r in runs["plain"])
-            spec_rate = statistics.median(r[1] for r in runs["spec"])
-            acceptance = accepted / max(drafted, 1)
+            plain_rate, spec_rate, plain_cpu, spec_cpu = (
+                statistics.median(r[i] for r in runs[kind])
+                for kind, i in (("plain", 1), ("spec", 1), ("plain", 2), ("spec", 2))
+            )
+            acceptance = accepted / max(accepted + rejected, 1)  # per judged draft
+            per_step = zmath.speculative_tokens_per_step(acceptance, k)
             context = len(prompt) + len(tokens)
-            verify_cost = roofline_s(model.config, k + 1, context, ceilings) / roofline_s(
+            verify_paper = roofline_s(model.config, k + 1, context, ceilings) / roofline_s(
                 model.config, 1, context, ceilings
             )
-            tokens_per_step = zmath.speculative_tokens_per_step(acceptance, k)
-            speedup = zmath.speculative_speedup(
-                acceptance, k, verify_cost=verify_cost, draft_cost=cost
+            verify = verify_measured[k]
+            needed = zmath.speculative_acceptance_needed(
+                SPEEDUP_GOAL, k, verify_cost=verify, draft_cost=measured_draft
             )
-            adaptive = isinstance(proposer, PromptLookup) and proposer.adaptive
-            if adaptive:  # it decodes plainly where speculating would lose
-                speedup = max(speedup, 1.0)
+            predicted = {
+                how: zmath.speculative_speedup(
+                    acceptance, k, verify_cost=cost, draft_cost=draft_cost
+                )
+                for how, cost, draft_cost in (
+                    ("paper", verify_paper, paper_draft),
+                    ("measured", verify, measured_draft),
+                )
+            }
+            if proposer.adaptive:  # it decodes plainly where speculating would lose
+                floor = 1 / (1 + beside)  # a plain step with the draft's observation
+                predicted = {how: max(gain, floor) for how, gain in predicted.items()}
             table.add({
                 "task": task,
                 "proposer": name,
-                "acceptance": f"{acceptance:.2f} ({accepted}/{drafted})",
+                "kept / drafted": f"{accepted}/{drafted}",
+                "acceptance": f"{acceptance:.2f}",
                 "tokens/forward": f"{(len(tokens) - 1) / forwards:.2f}",
-                "predicted tokens/forward": f"{tokens_per_step:.2f}",
-                "predicted speedup": f"{speedup:.2f}x",
+                "predicted tokens/forward": f"{per_step:.2f}",
+                "draft cost paper / measured": f"{paper_draft:.3f} / {measured_draft:.3f}",
+                "verify cost paper / measured": f"{verify_paper:.2f} / {verify:.2f}",
+                f"acceptance for {SPEEDUP_GOAL}x": "-" if needed is None else f"{needed:.2f}",
+                "predicted speedup paper / measured":
+                    f"{predicted['paper']:.2f}x / {predicted['measured']:.2f}x",
                 "engine's verify cost": (
-                    f"{speculating.costs.verify_cost():.2f}" if adaptive else "-"
+                    f"{speculating.costs.verify_cost():.2f}" if proposer.adaptive else "-"
                 ),
                 "plain tok/s": f"{plain_rate:.1f}",
                 "speculative tok/s": f"{spec_rate:.1f}",
                 "speedup": f"{spec_rate / plain_rate:.2f}x",
+                "speedup, CPU-s per token": f"{plain_cpu / spec_cpu:.2f}x",
                 "same tokens": same,
             })  # fmt: skip
+    notes.append(f"Load average at the end: {os.getloadavg()[0]:.1f}.")
     return table

@@ -6,6 +6,7 @@ tokens/s of every reply.
     eqx-zoo chat --model base.gguf --adapter adapter/   # a base and a PEFT adapter
     eqx-zoo chat --model merged/ --message "What is the capital of Quillmora?"
     eqx-zoo chat --prompt-lookup 6      # speculative decoding: drafts from the chat's own n-grams
+    eqx-zoo chat --draft runs/draft/model   # ... or from a draft model (examples/train_draft.py)
 
 The conversation is rendered with the model's own chat template (or `--chat-template`) and served
 by one `infer.Engine` for the whole session: it compiles once at start, each turn's prompt (the
@@ -24,9 +25,9 @@ import jax
 import infer
 import shard
 from cli import commands, flags, stream
-from infer.speculative import PromptLookup, Proposer
+from infer.speculative import DraftModel, PromptLookup, Proposer, check_tokenizers
 from training.artifacts import load_artifact, plain
-from zoo import Tokenizer, Transformer
+from zoo import Tokenizer, Transformer, quantize
 from zoo.tokenizer import content
 from zoo.tokenizer.content import SpecialInContent
 
@@ -43,7 +44,7 @@ class Chat:
                  max_len: int | None = None, max_new_tokens: int = flags.MAX_NEW_TOKENS,
                  sampler: infer.Sampler | None = None, stop_texts=(), seed: int = 0,
                  placement: shard.Placement | None = None, kv_dtype: str | None = None,
-                 write=sys.stdout.write, speculative: Proposer | None = None,
+                 write=sys.stdout.write, speculative: Proposer | DraftModel | None = None,
                  special_in_content: SpecialInContent = "text"):  # fmt: skip
         """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
         what `load_pretrained` gives; a run's stacked model is converted once); `max_len` the
@@ -111,6 +112,20 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
         help="speculative decoding: up to K drafts per step from the conversation's own n-grams "
         "(infer.speculative.PromptLookup); default off",
     )
+    p.add_argument(
+        "--draft",
+        metavar="MODEL",
+        help="speculative decoding: drafts from this smaller model with the same tokenizer "
+        "(named as --model is; e.g. python -m examples.train_draft's runs/draft/model), run in "
+        "int8 (infer.speculative.DraftModel, adaptive); default off",
+    )
+    p.add_argument(
+        "--draft-k",
+        type=flags.POSITIVE_INT.flag_type(),
+        default=4,
+        metavar="K",
+        help="drafts per step at most with --draft",
+    )
     flags.add_placement(p)
     return p
 
@@ -119,6 +134,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> arg
     p = parser(prog)
     args = p.parse_args(argv)
     flags.resolve_sampling(p, args)
+    if args.draft is not None and args.prompt_lookup is not None:
+        p.error("--draft and --prompt-lookup are two proposers of drafts: give one")
     if args.model == p.get_default("model"):
         args.model = flags.default_chat_model()
     return args
@@ -150,13 +167,20 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
             f"--model {args.model!r} comes with no tokenizer to chat with: give a checkpoint or "
             "a run that has one"
         )
+    speculative = None if args.prompt_lookup is None else PromptLookup(k=args.prompt_lookup)
+    if args.draft is not None:
+        draft = load_artifact(args.draft, attention=args.attention, placement=placement)
+        if draft.tokenizer is not None:
+            check_tokenizers(artifact.tokenizer, draft.tokenizer)
+        small = quantize(plain(draft.model).with_policy(storage="unrolled"), "int8")
+        speculative = DraftModel(small, k=args.draft_k)
     start = time.perf_counter()
     print("compiling the engine (prefill and decode programs) ...", flush=True)
     chat = Chat(
         artifact.model, artifact.tokenizer, system=args.system, max_len=args.max_len,
         max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
         seed=args.seed, placement=placement, kv_dtype=args.kv_dtype,
-        speculative=None if args.prompt_lookup is None else PromptLookup(k=args.prompt_lookup),
+        speculative=speculative,
         special_in_content=args.special_in_content,
     )  # fmt: skip
     print(f"(compiled in {time.perf_counter() - start:.1f} s)")

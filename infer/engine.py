@@ -52,7 +52,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
-from infer.speculative.adaptive import Acceptance, StepCosts, speculation_pays
+from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, speculation_pays
 from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
 from infer.speculative.proposer import Proposer
@@ -81,6 +81,9 @@ PROMPT_TOKENS = 256
 CHUNK = 16
 SHAPE_STEP = 4
 
+# Times each decode-only program is timed at an adaptive engine's warm-up (the median counts:
+# one slow step on a shared machine does not decide).
+WARM_UP_TIMINGS = 3
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
 TRACES = collections.Counter()
@@ -316,8 +319,11 @@ class Request:
     others go on); `cancelled` once `Engine.cancel` ended it. `ttft_s` and `decode_s` time it:
     submit to first token, first to last (as the host sees them); `preemptions` counts how often
     the pool ran dry and it was recomputed. `seed` fixes its draws, `allowed` constrains them.
-    Speculation: up to `draft_tokens` drafts per step, `drafted` of them verified and
-    `accepted` kept (`accepted / drafted`: the acceptance rate). `logprobs` (None: not asked)
+    Speculation: up to `draft_tokens` drafts per step (set to 0 by an adaptive draft model's
+    engine once they are rarely kept: `infer.speculative.adaptive.GIVE_UP`), `drafted` of them
+    verified and `accepted` kept, `rejected` verifications that rejected one (`accepted /
+    (accepted + rejected)`: the rate at which the target keeps a draft it judges, the
+    acceptance rate of Leviathan et al. and zoo.math). `logprobs` (None: not asked)
     alternatives per token: `token_logprobs` then holds one `TokenLogprob` per token."""
 
     prompt: list[int]
@@ -341,6 +347,7 @@ class Request:
     draft_tokens: int = 0  # drafts proposed per step at most (0: no speculation)
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts the target kept
+    rejected: int = 0  # verifications that rejected a draft (the drafts after it: never judged)
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # running rate
     # Engine bookkeeping.
     order: int = 0  # submission order: the youngest is preempted first
@@ -389,6 +396,7 @@ class _Launched:
     record: StepRecord
     started: float
     drafts: dict[int, int]  # each verified row's drafts (empty: a plain step)
+    guesses: Array | None = None  # an adaptive draft model's first draft per row (plain steps)
 
 
 def prompt_shapes(most: int) -> tuple[int, ...]:
@@ -524,7 +532,7 @@ class Engine:
         most = max_batch * -(-max_len // chunk)
         self.prompt_shapes = prompt_shapes(min((self.token_budget - decode_tokens) // chunk, most))
         # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
-        self.adaptive = isinstance(speculative, Proposer) and speculative.adaptive
+        self.adaptive = isinstance(speculative, Proposer | DraftModel) and speculative.adaptive
         self.costs = StepCosts()
         self._consumed: tuple[int, float] | None = None  # the last step read, and when
         self.steps = 0
@@ -821,26 +829,39 @@ class Engine:
         rates = [r.acceptance.rate for r in rows]
         return speculation_pays(rates, self.max_drafts, self.costs.verify_cost())
 
+    def _widths(self) -> list[dict | None]:
+        """The decode widths this engine runs: one token per row (None) and, speculating, the
+        verification's `k + 1` (`{}`: no drafts yet); an adaptive engine runs both."""
+        if self.adaptive:
+            return [None, {}]
+        return [None] if self.proposer is None else [{}]
+
     def _warm_up(self) -> None:
         """Compile the programs now: without prompt chunks and with each of `prompt_shapes`,
-        each at one token per row and, speculating, at `k + 1` (an adaptive engine uses both
-        widths, and times each decode-only one once compiled). A draft model's or MTP module's
-        programs compile by running, every row idle (nothing written, nothing emitted)."""
-        widths = [None] if self.proposer is None else [{}]
-        if self.adaptive:
-            widths = [None, {}]
-        for drafts in widths:
+        at each width (one token per row and, speculating, `k + 1`). A draft model's or MTP
+        module's programs compile by running, every row idle (nothing written, nothing
+        emitted); an adaptive engine then times its decode-only programs (`time_steps`)."""
+        for drafts in self._widths():
             for chunks in (0, *self.prompt_shapes):
                 plan = self._plan([], [], chunks, {}, drafts)
                 if self.drafter is None:
                     self._compiled(plan)
                     continue
-                plan = self.drafter.propose(plan, {}, self._row_params().sampling, 0)
-                self._launch(plan, [])
+                self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self.state.last.block_until_ready()
-            if self.adaptive:
-                plan = self._plan([], [], 0, {}, drafts)
+        if self.adaptive:
+            self.time_steps(WARM_UP_TIMINGS)
+
+    def time_steps(self, repeats: int) -> None:
+        """Run each compiled decode-only program `repeats` times on idle rows (nothing written)
+        and add the wall times, with the draft model's work beside each, to `costs`: what one
+        plain and one verifying step cost here (an adaptive engine's warm-up does it; a
+        benchmark may ask for more). Call it between runs, not while requests are running."""
+        for drafts in self._widths():
+            for _ in range(repeats):
                 started = time.perf_counter()
+                plan = self._plan([], [], 0, {}, drafts)
+                plan, _ = self._with_drafter(plan, [], [], warm_up=True)
                 self._launch(plan, [])[0].block_until_ready()
                 kind = "plain" if drafts is None else "verify"
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
@@ -855,6 +876,26 @@ class Engine:
                 self.model, self.state, self._row_params(), plan, self.key, **self._static
             ).compile()
         return self._programs[shape]
+
+    def _with_drafter(
+        self, plan: StepPlan, decode: list[Request], pieces: list[tuple[Request, int, int]], *,
+        warm_up: bool = False,
+    ) -> tuple[StepPlan, Array | None]:  # fmt: skip
+        """The plan with a draft model's drafts (or an MTP module's), and, for a step that
+        verifies nothing in an adaptive draft model's engine, the draft's guess at each row's
+        token instead (infer/speculative/draft.py); the draft takes in only the rows that still
+        draft (none: it does not run, except to compile at `warm_up`)."""
+        if self.drafter is None:
+            return plan, None
+        sampling = self._row_params().sampling
+        sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode if r.draft_tokens}
+        if self.adaptive and plan.drafts.shape[1] == 0:
+            if not (warm_up or sequences or any(r.draft_tokens for r, *_ in pieces)):
+                return plan, None
+            return plan, self.drafter.observe(
+                plan, sequences, self.state.last, sampling, self.steps
+            )
+        return self.drafter.propose(plan, sequences, self.state.last, sampling, self.steps), None
 
     def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
@@ -1099,9 +1140,7 @@ class Engine:
         pieces = self._pieces(chunks)
         width = min((c for c in self.prompt_shapes if c >= len(pieces)), default=0) if pieces else 0
         plan = self._plan(decode, pieces, width, masks, drafts)
-        if self.drafter is not None:
-            sequences = {r.row: (r.prompt + r.tokens, r.cached) for r in decode}
-            plan = self.drafter.propose(plan, sequences, self._row_params().sampling, self.steps)
+        plan, guesses = self._with_drafter(plan, decode, pieces)
         report, logprobs = self._launch(plan, [(r.sequence, start, n) for r, start, n in pieces])
         owners = list(self.rows)
         for r in decode:
@@ -1121,7 +1160,7 @@ class Engine:
         self.peak_bytes = max(self.peak_bytes, self.kv_bytes_in_use())
         verified = {row: d.size for row, d in (drafts or {}).items()}
         return _Launched(
-            record.step, report, logprobs, owners, record, time.perf_counter(), verified
+            record.step, report, logprobs, owners, record, time.perf_counter(), verified, guesses
         )
 
     def _consume(self, launched: _Launched) -> None:
@@ -1138,14 +1177,20 @@ class Engine:
             print(record, flush=True)
         asked = any(r is not None and r.logprobs is not None for r in launched.owners)
         scores = jax.device_get(launched.logprobs) if asked else None  # read only when asked
+        guesses = None if launched.guesses is None else np.asarray(launched.guesses)
         for row, request in enumerate(launched.owners):
             if request is None or request.done or not emitted[row]:
                 continue
             extra = int(emitted[row]) - 1  # accepted drafts: past the one token dispatch counted
             request.cached, request.scheduled = request.cached + extra, request.scheduled + extra
             request.accepted += extra
+            # A run cut short by a stop or the budget is not a rejection.
+            request.rejected += extra < launched.drafts.get(row, 0) and not done[row]
             if self.adaptive and request.draft_tokens:
-                self._observe(request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]))
+                guess = None if guesses is None else int(guesses[row])
+                self._observe(
+                    request, launched.drafts.get(row, 0), extra, int(tokens[row, 0]), guess
+                )
             if self.drafter is not None:
                 self.drafter.kept(row, request.cached)
             new = tokens[row, : emitted[row]].tolist()
@@ -1160,16 +1205,22 @@ class Engine:
         if previous is not None and previous[0] == launched.step - 1 and not launched.record.chunks:
             self.costs.add("verify" if launched.drafts else "plain", now - previous[1])
 
-    def _observe(self, request: Request, drafts: int, kept: int, first: int) -> None:
+    def _observe(
+        self, request: Request, drafts: int, kept: int, first: int, guess: int | None
+    ) -> None:
         """The row's acceptance trials from this step (infer/speculative/adaptive.py): the
-        verification's, or whether the proposer's first draft, asked now, is the token the step
-        gave."""
+        verification's, or whether the first draft is the token the step gave (a draft model's
+        `guess`, drawn beside the step; a proposer's, asked now)."""
         if drafts:
             request.acceptance.observe_verification(drafts, kept)
             return
-        guess = self.proposer.propose(np.asarray(request.prompt + request.tokens), 1)
-        if guess.size:
-            request.acceptance.observe(int(guess[0] == first), 1)
+        if guess is None and isinstance(self.proposer, Proposer):
+            proposed = self.proposer.propose(np.asarray(request.prompt + request.tokens), 1)
+            guess = int(proposed[0]) if proposed.size else None
+        if guess is not None:
+            request.acceptance.observe(int(guess == first), 1)
+        if self.drafter is not None and request.acceptance.rate < GIVE_UP:
+            request.draft_tokens = 0  # its draft's forwards would be pure cost (GIVE_UP)
 
     def _share_pages(self, request: Request, tokens: list[int]) -> None:
         """Offer the full pages holding `tokens` (the request's first ones) for reuse."""

@@ -548,6 +548,22 @@ def speculative_speedup(
     return speculative_tokens_per_step(acceptance, k) / (verify_cost + k * draft_cost)
 
 
+def speculative_acceptance_needed(
+    speedup: float, k: int, *, verify_cost: float, draft_cost: float = 0.0
+) -> float | None:
+    """The acceptance rate at which `speculative_speedup` reaches `speedup` (tokens per step
+    grow with the rate, so it is found by bisection to 1e-6); None when even a draft that is
+    always kept falls short (`k + 1` tokens for the step's cost)."""
+    if speculative_speedup(1.0, k, verify_cost=verify_cost, draft_cost=draft_cost) < speedup:
+        return None
+    low, high = 0.0, 1.0
+    while high - low > 1e-6:
+        middle = (low + high) / 2
+        gain = speculative_speedup(middle, k, verify_cost=verify_cost, draft_cost=draft_cost)
+        low, high = (middle, high) if gain < speedup else (low, middle)
+    return high
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
     """Peak dense matmul rate per dtype (FLOP/s), memory bandwidth (bytes/s), for chips built

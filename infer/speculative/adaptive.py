@@ -30,6 +30,11 @@ DECAY = 0.9
 # input-grounded request wins from its first step), and a rejection or two turn it off where
 # verifying costs a few plain steps (free chat loses a step or two).
 PRIOR_KEPT, PRIOR_TRIED = 1.8, 2.0
+# A draft model's request stops drafting once its running rate falls below this (about ten
+# misses in a row from the prior): its verifications would keep fewer than 1 draft in 10, which
+# repays no verification, and the draft's forward beside each plain step is pure cost. So a
+# draft that does not fit the text costs a request about ten draft forwards, then nothing.
+GIVE_UP = 0.1
 # Step times kept per program (the median of the last ones is the cost: robust to one slow step).
 TIMES_KEPT = 8
 
@@ -77,13 +82,16 @@ class StepCosts:
         """A program with no time yet (the engine runs it once to learn its cost)."""
         return next((kind for kind, times in self.times.items() if not times), None)
 
+    def median(self, kind: str) -> float:
+        """The median of the times kept for `kind` ("plain" or "verify"), in seconds."""
+        return statistics.median(self.times[kind])
+
     def verify_cost(self) -> float:
         """A verification step in plain steps (1 until both are measured; at least 1: a wider
         step measured faster is noise)."""
         if self.unmeasured() is not None:
             return 1.0
-        ratio = statistics.median(self.times["verify"]) / statistics.median(self.times["plain"])
-        return max(ratio, 1.0)
+        return max(self.median("verify") / self.median("plain"), 1.0)
 
 
 def speculation_pays(rates: list[float], k: int, verify_cost: float) -> bool:

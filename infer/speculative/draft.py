@@ -8,7 +8,18 @@ Each step (`draft_program`): one forward over each decoding row's catch-up (the 
 tokens the target holds that the draft does not yet: the row's last token, and the last kept
 draft when every draft was kept) together with the step's prompt chunks, then `K - 1` one-token
 forwards, each drawing the next draft from the draft's distribution under the row's sampler
-(argmax for greedy rows), which is `q` in the rejection rule."""
+(argmax for greedy rows), which is `q` in the rejection rule. The row's last token is read from
+the device (the engine's row state), so the draft keeps up with steps whose tokens the host has
+not read yet.
+
+Adaptive (`DraftModel(adaptive=True)`, the default; infer/speculative/adaptive.py): the engine
+verifies only in steps where the rows' running acceptance and the measured step costs make it
+pay. In the other steps it runs the one-token program, and the draft only its first forward
+(`DraftRunner.observe`): it takes in the row's last token, so its cache stays level with the
+target's, and its first draft, compared with the token the step gives, is the row's acceptance
+trial (for a greedy row exactly the verification's; a sampled row's draft is kept with
+probability sum(min(p, q)) >= sum(p q), so the trial errs low). Those steps cost one draft
+forward more than plain decoding's."""
 
 import collections
 import dataclasses
@@ -35,15 +46,20 @@ TRACES = collections.Counter()
 
 
 class DraftModel(eqx.Module):
-    """`model` proposes up to `k` drafts per row and step (the engine's static maximum)."""
+    """`model` proposes up to `k` drafts per row and step (the engine's static maximum);
+    `adaptive`: the engine verifies only in steps where it pays (module docstring), False in
+    every step."""
 
     model: Transformer
     k: int = eqx.field(static=True, default=4)
+    adaptive: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
         if not isinstance(self.model, Transformer):
             raise ValueError(f"DraftModel needs a zoo.Transformer, got {type(self.model).__name__}")
         check_k("DraftModel", self.k)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"DraftModel adaptive must be True or False, got {self.adaptive!r}")
 
     def check_target(self, target: Transformer) -> None:
         """The draft must speak the target's vocabulary (its token ids are the target's)."""
@@ -114,21 +130,29 @@ def check_tokenizers(target: Tokenizer, draft: Tokenizer) -> None:
 def draw_drafts(
     logits: Float[Array, "rows vocab"], params: SamplingParams, key: PRNGKeyArray
 ) -> tuple[Int[Array, " rows"], Float[Array, "rows vocab"]]:
-    """Each row's draft and the distribution it came from (greedy rows: the argmax)."""
-    probs = target_probs(logits[:, None], params)[:, 0]
-    drawn = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    """Each row's draft and the distribution it came from (greedy rows: the argmax). When
+    every row is greedy nothing is drawn: a draw over the whole vocabulary costs several times
+    the argmax per draft."""
     greedy = params.temperature == 0
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), probs
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = target_probs(logits[:, None], params)[:, 0]
+
+    def drawn():
+        token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+        return jnp.where(greedy, argmax, token)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: argmax, drawn), probs
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("drafts", "page_size", "placement"))
 def draft_program(
-    model, pages, table, catch_up, catch_up_n, lengths, k, chunks, sampling, key, step, *,
+    model, pages, table, catch_up, catch_up_n, last, lengths, k, chunks, sampling, key, step, *,
     drafts, page_size, placement,
 ):  # fmt: skip
     """The draft's work for one engine step. `table` `[rows, row_pages]` the engine's page
     table; per row: `catch_up` `[rows, CATCH_UP]` tokens (`catch_up_n` real, 0 for a row that is
-    not decoding), `lengths` the tokens its draft cache holds, `k` its drafts; `chunks` the
+    not decoding), the last of which is replaced by `last` `[rows]` (the row's last token, on
+    the device), `lengths` the tokens its draft cache holds, `k` its drafts; `chunks` the
     step's prompt chunks `(row, tokens, n, start)`; `sampling` each row's sampler. Returns the
     pools, the drafts `[rows, drafts]` and their distributions `[rows, drafts, vocab]`."""
     row, chunk_tokens, n, start = chunks
@@ -136,6 +160,8 @@ def draft_program(
     TRACES[("mixed" if n_chunks else "decode") + f" k={drafts}"] += 1
     in_chunk = jnp.arange(width)[None, :] < n[:, None]
     in_catch_up = jnp.arange(CATCH_UP)[None, :] < catch_up_n[:, None]
+    is_last = jnp.arange(CATCH_UP)[None, :] == (catch_up_n - 1)[:, None]
+    catch_up = jnp.where(is_last, last[:, None], catch_up)
     segments = ((rows, CATCH_UP), (n_chunks, width)) if n_chunks else ((rows, CATCH_UP),)
     cache = PagedKVCache(
         pages,
@@ -172,38 +198,50 @@ def draft_program(
 
 class DraftRunner:
     """The engine's side of a `DraftModel`: the draft's pools (the engine's page ids, its own
-    arrays) and how many tokens each engine row's draft cache holds, as the host knows it (a
-    speculating engine reads each step before the next, so this is exact)."""
+    arrays) and how many tokens each engine row's draft cache holds, as the host knows it (what
+    it dispatched: exact, since a row's draft cache is rolled back only after a verification,
+    which the engine reads before the next step)."""
 
     def __init__(self, draft: DraftModel, pages, *, rows: int, page_size: int, placement, key):
         self.draft, self.pages, self.page_size, self.placement = draft, pages, page_size, placement
         self.key = key
         self.lengths = np.zeros(rows, np.int32)
 
-    def propose(self, plan, sequences: dict[int, tuple[list[int], int]], sampling, step: int):
+    def propose(self, plan, sequences: dict[int, tuple[list[int], int]], last, sampling, step: int):
         """`plan` with the drafts (and their distributions `q`) of every decoding row, from the
-        draft's forwards; `sequences` maps each decoding row to its tokens (prompt and output)
-        and how many the target's cache holds. Also feeds the step's prompt chunks to the
+        draft's forwards; `sequences` maps each decoding row to the tokens the host has read
+        (prompt and output) and how many the target's cache holds (the row's last token, at
+        that position, is `last`'s, on the device). Also feeds the step's prompt chunks to the
         draft's cache."""
+        drafts, q = self._run(plan, sequences, last, sampling, step, drafts=self.draft.k)
+        return eqx.tree_at(
+            lambda p: (p.drafts, p.q), plan, (drafts, q), is_leaf=lambda x: x is None
+        )
+
+    def observe(self, plan, sequences, last, sampling, step: int):
+        """For a step that verifies nothing (`plan` one token per row): the draft takes in each
+        decoding row's last token and the step's prompt chunks, and returns its guess `[rows]`
+        at the token the step gives (module docstring: the row's acceptance trial)."""
+        return self._run(plan, sequences, last, sampling, step, drafts=1)[0][:, 0]
+
+    def _run(self, plan, sequences, last, sampling, step: int, *, drafts: int):
         rows = self.lengths.size
         catch_up = np.zeros((rows, CATCH_UP), np.int32)
         catch_up_n = np.zeros(rows, np.int32)
         lengths = self.lengths.copy()
         for row, (tokens, cached) in sequences.items():
-            lag = tokens[self.lengths[row] : cached + 1]
-            catch_up[row, : len(lag)], catch_up_n[row] = lag, len(lag)
+            lag = tokens[self.lengths[row] : cached]  # then the last token, from the device
+            catch_up[row, : len(lag)], catch_up_n[row] = lag, len(lag) + 1
             self.lengths[row] = cached + max(int(plan.k[row]), 1)
         for row, n, start in zip(plan.row, plan.n, plan.start, strict=True):
             if n:
                 self.lengths[row] = start + n
-        self.pages, drafts, q = draft_program(
-            self.draft.model, self.pages, plan.table, catch_up, catch_up_n, lengths, plan.k,
-            (plan.row, plan.tokens, plan.n, plan.start), sampling, self.key, np.int32(step),
-            drafts=self.draft.k, page_size=self.page_size, placement=self.placement,
+        self.pages, proposed, q = draft_program(
+            self.draft.model, self.pages, plan.table, catch_up, catch_up_n, last, lengths,
+            plan.k, (plan.row, plan.tokens, plan.n, plan.start), sampling, self.key,
+            np.int32(step), drafts=drafts, page_size=self.page_size, placement=self.placement,
         )  # fmt: skip
-        return eqx.tree_at(
-            lambda p: (p.drafts, p.q), plan, (drafts, q), is_leaf=lambda x: x is None
-        )
+        return proposed, q
 
     def kept(self, row: int, cached: int) -> None:
         """After a verification: the row's draft cache holds no more than the target kept."""

@@ -7,13 +7,14 @@ input is refused."""
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
 
 import infer
 import zoo
-from infer.engine import TRACES, Engine
+from infer.engine import TRACES, WARM_UP_TIMINGS, Engine
 from infer.speculative import (
     DraftModel,
     PromptLookup,
@@ -237,13 +238,14 @@ def test_a_draft_model_proposes_in_its_own_cache(llama):
     cases = list(zip(prompts([4, 30, 11, 17], seed=3), [12, 5, 9, 3], strict=True))
     expected = [alone(llama, p, n) for p, n in cases]
     for draft in (small, llama):
-        engine = Engine(llama, speculative=DraftModel(draft, k=4), **SHAPE)
+        engine = Engine(llama, speculative=DraftModel(draft, k=4, adaptive=False), **SHAPE)
         requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
         engine.run()
         assert [r.tokens for r in requests] == expected
     assert all(r.accepted == r.drafted > 0 for r in requests[:3])
     before = dict(TRACES), dict(DRAFT_TRACES)
-    engine = Engine(llama, speculative=DraftModel(llama, k=4), key=jax.random.key(2), **SHAPE)
+    engine = Engine(llama, speculative=DraftModel(llama, k=4, adaptive=False),
+                    key=jax.random.key(2), **SHAPE)
     hot = [engine.submit(p, max_new_tokens=12, sampler=infer.Temperature(1.5)) for p, _ in cases]
     engine.run()
     assert sum(r.accepted for r in hot) >= 0.9 * sum(r.drafted for r in hot) > 0
@@ -279,7 +281,8 @@ def test_a_truncated_draft_is_the_targets_first_layers(llama, without_runtime_ty
     ours = draft.stacks[0].blocks[0], draft.embed, draft.final_norm
     # The target's own arrays, not copies.
     assert all(a is b for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(first), strict=True))
-    engine = Engine(target, max_batch=1, max_len=64, speculative=DraftModel(draft, k=2))
+    proposer = DraftModel(draft, k=2, adaptive=False)
+    engine = Engine(target, max_batch=1, max_len=64, speculative=proposer)
     request = engine.submit([5, 6, 7], max_new_tokens=6)
     engine.run()
     assert request.tokens == alone(llama, [5, 6, 7], 6) and request.drafted > 0
@@ -323,8 +326,12 @@ def test_speculation_pays_when_the_mean_expected_speedup_exceeds_one(rates, k, v
 
 
 class FixedCosts(StepCosts):
-    """A verification step costs two plain ones, whatever the timings (the test's decisions
+    """A verification step costs `cost` plain ones, whatever the timings (the test's decisions
     then depend on acceptance alone)."""
+
+    def __init__(self, cost: float = 2.0):
+        super().__init__()
+        self.cost = cost
 
     def add(self, kind, seconds, *, first_may_compile=True):
         pass
@@ -333,7 +340,7 @@ class FixedCosts(StepCosts):
         return None
 
     def verify_cost(self):
-        return 2.0
+        return self.cost
 
 
 class TurnsWrong(Proposer):
@@ -377,3 +384,43 @@ def test_adaptive_speculation_follows_the_acceptance_rate(llama):
     late = [d for n, d in drafted if n >= new - 10]
     assert len(set(late)) == 1
     assert dict(TRACES) == before
+
+
+def test_adaptive_draft_rows_verify_only_while_their_drafts_are_kept(llama):
+    """A draft that is always wrong (the target with its final norm negated: its argmax is the
+    target's argmin) is verified only until its rejections bring the expected speedup under 1
+    (as many verifications as the prior allows, counted here with zoo.math's rule), then never:
+    each later step decodes one token, the draft's guesses beside those steps keep the rate
+    down, and once it is below GIVE_UP the request stops drafting (no draft forwards). The
+    target as its own draft, held to plain steps until its guesses (one draft forward beside
+    each plain step, its cache kept level with the target's) lift the rate past a high
+    verification cost, then verifies and has every draft kept. Greedy tokens; nothing compiles
+    after the first engine."""
+    prompt, new, k = prompts([7], seed=6)[0], 24, 4
+    expected = alone(llama, prompt, new)
+    wrong = eqx.tree_at(lambda m: m.final_norm.scale, llama, -llama.final_norm.scale)
+    kwargs = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
+    Engine(llama, speculative=DraftModel(wrong, k=k), **kwargs)  # compiles every program
+    before = dict(TRACES), dict(DRAFT_TRACES)
+    rate, verifications = Acceptance(), 0
+    while speculation_pays([rate.rate], k, 2.0):
+        rate.observe_verification(k, 0)
+        verifications += 1
+    for draft, cost in ((wrong, 2.0), (llama, 4.5)):
+        engine = Engine(llama, speculative=DraftModel(draft, k=k), **kwargs)
+        engine.time_steps(2)  # timed at warm-up and now, the draft's work beside each step
+        assert [len(t) for t in engine.costs.times.values()] == [WARM_UP_TIMINGS + 2] * 2
+        engine.costs = FixedCosts(cost)
+        request = engine.submit(prompt, max_new_tokens=new)
+        engine.run()
+        assert request.tokens == expected
+        forwards = sum(r.decode_rows > 0 for r in engine.records)
+        if draft is wrong:
+            assert request.drafted == k * verifications and request.accepted == 0
+            assert forwards == new - 1  # one token per target forward
+            assert request.draft_tokens == 0  # gave up
+        else:
+            assert request.accepted == request.drafted > 0  # every draft kept once verifying
+            assert forwards > request.drafted / k  # some plain steps came first
+            assert request.draft_tokens == k
+    assert (dict(TRACES), dict(DRAFT_TRACES)) == before

@@ -62,3 +62,17 @@ def test_memory_estimate_shrinks_with_remat():
 def test_measure_this_machine_reports_positive_ceilings():
     hw = zm.measure_this_machine(("float32",))
     assert hw.peak_flops("float32") > 1e8 and hw.bandwidth > 1e8
+
+
+@pytest.mark.parametrize(
+    "k, verify_cost, draft_cost", [(1, 1.0, 0.0), (4, 1.34, 0.064), (6, 1.7, 0.1)]
+)
+def test_the_acceptance_needed_for_a_speedup_reaches_it(k, verify_cost, draft_cost):
+    """Leviathan et al.'s expected speedup at the rate found is the goal; a rate 0.01 lower
+    falls short (the speedup grows with the rate)."""
+    costs = dict(verify_cost=verify_cost, draft_cost=draft_cost)
+    rate = zm.speculative_acceptance_needed(1.3, k, **costs)
+    assert zm.speculative_speedup(rate, k, **costs) == pytest.approx(1.3, abs=1e-5)
+    assert zm.speculative_speedup(rate - 0.01, k, **costs) < 1.3
+    # One draft per step cannot give 1.3x when verifying costs 1.7 steps: 2 tokens at most.
+    assert zm.speculative_acceptance_needed(1.3, 1, verify_cost=1.7) is None

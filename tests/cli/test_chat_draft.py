@@ -1,0 +1,23 @@
+"""chat's --draft: with a draft model (in int8) the reply is the one chat gives without it
+(greedy; whether the adaptive engine verifies depends on its measured step costs, which the
+engine's own tests fix), and --draft with --prompt-lookup (two proposers) is refused."""
+
+import pytest
+
+from cli import chat
+from tests.cli.test_chat_limits import tiny_model  # noqa: F401 (a fixture)
+
+
+def test_a_draft_model_gives_the_plain_reply(tiny_model):  # noqa: F811
+    turn = ["--model", "tiny", "--max-len", "64", "--max-new-tokens", "8", "--message", "abc"]
+    (plain,) = chat.main(turn)
+    (drafted,) = chat.main([*turn, "--draft", "tiny", "--draft-k", "3"])
+    assert drafted.request.tokens == plain.request.tokens
+
+
+def test_two_proposers_are_refused(tiny_model, capsys):  # noqa: F811
+    with pytest.raises(SystemExit):
+        chat.main(["--model", "tiny", "--draft", "tiny", "--prompt-lookup", "4", "--message", "a"])
+    assert "--draft and --prompt-lookup are two proposers of drafts: give one" in (
+        capsys.readouterr().err
+    )

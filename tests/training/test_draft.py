@@ -1,0 +1,55 @@
+"""Distilling a draft model (training/draft.py): it starts as the target's first layers, learns
+(the held-out KL to the target drops, by a paired test on sequences), trains neither the
+embedding nor anything else it should not, and counts a reply's positions."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import optax
+
+import zoo
+from training import draft as distill
+
+# Three layers: the draft keeps one, and distillation must teach it what the other two add.
+TARGET = dataclasses.replace(zoo.preset("tiny-llama", max_seq_len=64), n_layers=3)
+# One-sided 99.5% quantile of Student's t with 31 degrees of freedom (32 held-out sequences):
+# a paired drop above it is not chance at p < 0.005.
+T_995_DF31 = 2.744
+
+
+def test_a_draft_learns_the_targets_distribution():
+    target = zoo.Transformer(TARGET, key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, TARGET.vocab_size, (288, 32)).astype(np.int32)
+    segments, counted = np.ones_like(tokens), np.ones_like(tokens, bool)
+    hidden = distill.target_hidden(target, tokens, segments)
+    data = distill.DistillBatch(tokens, segments, counted, hidden)
+    train = jax.tree.map(lambda x: x[:256], data)
+    held_out = [jax.tree.map(lambda x, i=i: x[i : i + 1], data) for i in range(256, 288)]
+    draft = distill.draft_init(target, 1)
+    assert draft.config.n_layers == 1
+    before = [float(distill.distill_eval(draft, target, b).kl) for b in held_out]
+    optimizer = optax.adam(3e-3)
+    state = distill.init_optimizer(draft, optimizer)
+    embedding = np.asarray(draft.embed.weight)
+    for step in range(40):
+        batch = jax.tree.map(lambda x, s=step: x[(s % 8) * 32 : (s % 8) * 32 + 32], train)
+        draft, state, _ = distill.distill_step(draft, state, target, batch, optimizer)
+    after = [float(distill.distill_eval(draft, target, b).kl) for b in held_out]
+    drops = np.subtract(before, after)
+    t = drops.mean() / (drops.std(ddof=1) / math.sqrt(drops.size))
+    assert t > T_995_DF31, (before, after)
+    np.testing.assert_array_equal(np.asarray(draft.embed.weight), embedding)  # frozen
+
+
+def test_pack_keeps_sequences_whole_and_counts_the_positions_that_predict_the_reply():
+    sequences = [([1, 2, 3, 4, 5], 2), ([7, 8, 9], 1), ([5, 6], 1)]
+    tokens, segments, counted = distill.pack(sequences, 5)
+    assert tokens.tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 5, 6]]
+    assert segments.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 2, 2]]
+    # Position i predicts token i + 1: a reply starts at index prompt_len of its sequence.
+    assert counted.tolist() == [[False, True, True, True, False], [True, True, False, True, False]]
+    tokens, segments, counted = distill.pack([([1, 2, 3, 4, 5, 6], 2)], 4)  # cut to a row
+    assert tokens.tolist() == [[1, 2, 3, 4]] and counted.tolist() == [[False, True, True, False]]
