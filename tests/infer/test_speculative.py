@@ -244,8 +244,9 @@ def test_a_draft_model_proposes_in_its_own_cache(llama):
         assert [r.tokens for r in requests] == expected
     assert all(r.accepted == r.drafted > 0 for r in requests[:3])
     before = dict(TRACES), dict(DRAFT_TRACES)
-    engine = Engine(llama, speculative=DraftModel(llama, k=4, adaptive=False),
-                    key=jax.random.key(2), **SHAPE)
+    engine = Engine(
+        llama, speculative=DraftModel(llama, k=4, adaptive=False), key=jax.random.key(2), **SHAPE
+    )
     hot = [engine.submit(p, max_new_tokens=12, sampler=infer.Temperature(1.5)) for p, _ in cases]
     engine.run()
     assert sum(r.accepted for r in hot) >= 0.9 * sum(r.drafted for r in hot) > 0
