@@ -54,6 +54,8 @@ def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
     assert all(r["error (eps)"] < 2 for r in tables["paged-check"])
     assert len(tables["paged-check"]) == 4
     assert [r["KV pages"] for r in tables["kv-int8"]] == ["float32", "int8"]
+    first = [r["logits error (first step)"] for r in tables["kv-int8"]]
+    assert first[0] == 0 and 0 < first[1] < math.inf  # the int8 pools are in use
     assert len(tables["engine"]) == 3 and "verification" in tables["engine"][-1]["what"]
     assert "engine steps profiled" in data["info"] and len(data["profile"]) == 2
     assert all(g["passed"] is None for name, g in goals.items() if "naive" not in name)

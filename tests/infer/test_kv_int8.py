@@ -185,3 +185,56 @@ def test_unknown_kv_dtypes_are_refused_with_the_choices(llama, kv_dtype):
     with pytest.raises(ValueError, match=message):
         infer.generate(llama, [[1, 2]], max_new_tokens=2, sampler=infer.Greedy(),
                        key=jax.random.key(0), kv_dtype=kv_dtype)  # fmt: skip
+
+
+def dequantized_writes(pool, table, groups, positions, new, valid, *, layer=None):
+    """write_pages into a float pool of what an int8 pool stands for: each new token's
+    `numbers * scales` (int8.py's quantize), so the pools differ only in how they are stored."""
+    numbers, scales = quantize(new)
+    new = numbers.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
+    return paged_cache_write(pool, table, groups, positions, new, valid, layer=layer)
+
+
+@pytest.mark.parametrize("context", [0, 40, 100], ids=["empty", "short", "long"])
+def test_int8_cache_decodes_as_float_pools_of_its_dequantized_values(context):
+    """Greedy decode through int8 pools against float32 pools holding the same dequantized
+    numbers, from rows that already "hold" `context` zero tokens (bench/gpu_inference.py's
+    decode_program: all-zero pools with preset lengths, so every zero token has scale 0): the
+    pools store the same values, and the readers fold the scales into the scores and weights
+    (`(q . n) s` for `q . (n s)`: one float32 rounding apart per product), so the logits agree to
+    float32 rounding and the greedy tokens are equal; nothing is NaN or infinite."""
+    model = zoo.Transformer(LLAMA, policy=UNROLLED, key=jax.random.key(2))
+    batch, steps = 3, 6
+    first = jax.random.randint(jax.random.key(3), (batch,), 0, LLAMA.vocab_size)
+
+    @eqx.filter_jit
+    def decode(model, kv_dtype, dequantized=False):
+        if dequantized:  # traced with write_pages storing what the int8 pools stand for
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(paged_cache, "write_pages", dequantized_writes)
+                return greedy(model, kv_dtype)
+        return greedy(model, kv_dtype)
+
+    def greedy(model, kv_dtype):
+        cache = model.init_cache(batch, context + steps, page_size=8, kv_dtype=kv_dtype)
+        cache = eqx.tree_at(lambda c: c.lengths, cache, jnp.full((batch,), context, jnp.int32))
+
+        def step(carry, _):
+            token, cache = carry
+            out = model.forward(token[:, None], cache=cache)
+            new = jnp.argmax(out.logits[:, 0], axis=-1).astype(token.dtype)
+            return (new, out.cache), (new, out.logits[:, 0])
+
+        (_, cache), (tokens, logits) = jax.lax.scan(step, (first, cache), None, length=steps)
+        return tokens, logits, cache
+
+    tokens, logits, cache = decode(model, "int8")
+    want_tokens, want, _ = decode(model, "float32", dequantized=True)
+    pools = jax.tree.leaves(cache.layers)
+    assert all(bool(jnp.isfinite(p.astype(jnp.float32)).all()) for p in pools)
+    assert bool(jnp.isfinite(logits).all())
+    assert (tokens == want_tokens).all()
+    # Float32 rounds each operation by 2^-24; a stored number differing in bfloat16's last
+    # place (2^-8) would show as more. 2^-16 sits 256x from each.
+    err = jnp.max(jnp.abs(logits - want)) / jnp.max(jnp.abs(want))
+    assert float(err) <= 2.0**-16, f"int8 vs dequantized float pools: {float(err):.3g}"

@@ -139,18 +139,6 @@ def _pallas_refusal(q, k_pages) -> str | None:
     return None
 
 
-# Why the compiled Pallas kernel does not read int8 pools on a GPU (yet): the one GPU run of it
-# disagreed with the same model over bfloat16 pools, while the interpreter agrees with the XLA
-# path on every test case (tests/layers/test_paged_int8.py). Until a GPU run finds the cause
-# (bench gpu-first's paged-check stage compares every path to a float32 reference), int8 pools
-# are read by the XLA path there.
-INT8_ON_GPU = (
-    "the compiled Pallas decode kernel over int8 pools disagreed with bfloat16 pools on an H100 "
-    "(logits off by more than their largest value; bench/RESULTS.md, 2026-11-27) and is not used "
-    "on a GPU until a GPU run verifies it; use XlaPagedKernel() (the default for int8 pools)"
-)
-
-
 def _compiled_on_gpu(interpret: bool) -> bool:
     return jax.default_backend() == "gpu" and not interpret
 
@@ -158,11 +146,10 @@ def _compiled_on_gpu(interpret: bool) -> bool:
 def default_decode_kernel(q, k_pages, layer) -> PagedKernel:
     """The kernel of a call whose cache names none: on a GPU the Pallas decode kernel wherever
     it serves the call (one token per row, one layer's pool, a head_dim, page_size and dtype it
-    tiles, float pools; it measured twice the XLA path's tokens/s on an H100, bench/RESULTS.md),
-    the XLA path everywhere else (int8 pools on a GPU too: `INT8_ON_GPU`). An explicitly chosen
-    kernel is never replaced."""
+    tiles, in q's dtype or int8; faster than the XLA path on an H100, bench/RESULTS.md), the XLA
+    path everywhere else. An explicitly chosen kernel is never replaced."""
     serves = layer is None and _pallas_refusal(q, k_pages) is None
-    if _compiled_on_gpu(False) and serves and not isinstance(k_pages, Int8Pages):
+    if _compiled_on_gpu(False) and serves:
         return PallasDecodeKernel()
     return XlaPagedKernel()
 
@@ -226,8 +213,6 @@ def paged_attention(
     if refusal is not None:
         raise ValueError(f"paged attention: {refusal}")
     interpret = jax.default_backend() == "cpu" if kernel.interpret is None else kernel.interpret
-    if isinstance(k_pages, Int8Pages) and _compiled_on_gpu(interpret):
-        raise ValueError(f"paged attention: {INT8_ON_GPU}")
     ppb = max(1, kernel.keys_per_block // page_size)
     blocks = -(-page_table.shape[1] // ppb)
     plan = DecodePlan(
