@@ -184,23 +184,24 @@ def _cut_at_stops(tokens, n, stops, count, budget):
 @functools.partial(
     jax.jit,
     donate_argnums=1,
-    static_argnames=("model_def", "layout", "page_size", "placement", "keep_hidden"),
+    static_argnames=("model_def", "state_def", "layout", "page_size", "placement", "keep_hidden"),
 )
 def _step_program(
-    weights, state, params, ints, drafts, allowed, q, key, *, model_def, layout: PlanLayout,
-    page_size, placement, keep_hidden=False,
+    weights, state, params, ints, drafts, allowed, q, key, *, model_def, state_def,
+    layout: PlanLayout, page_size, placement, keep_hidden=False,
 ):  # fmt: skip
     """`_step` as the engine calls it, on arguments that cost the host little per call: the
-    model as its flat list of `weights` (`model_def` its structure: flattening the model's
-    modules on every call costs the host more than the step itself at small batches) and the
-    plan packed into one int32 vector `ints` beside its `drafts`, `allowed` and `q`
-    (infer/step_plan.py)."""
+    model and the `RowState` as flat lists of leaves (`weights` and `state`; `model_def` and
+    `state_def` their structures: flattening the layers' modules on every call costs the host
+    more than a small step) and the plan packed into one int32 vector `ints` beside its
+    `drafts`, `allowed` and `q` (infer/step_plan.py). Returns the state's leaves."""
     model = jax.tree.unflatten(model_def, weights)
     plan = layout.unpack(ints, drafts, allowed, q)
-    return _step(
-        model, state, params, plan, key, page_size=page_size, placement=placement,
-        keep_hidden=keep_hidden,
+    state, *out = _step(
+        model, jax.tree.unflatten(state_def, state), params, plan, key, page_size=page_size,
+        placement=placement, keep_hidden=keep_hidden,
     )  # fmt: skip
+    return jax.tree.leaves(state), *out
 
 
 def _step(model, state, params, plan, key, *, page_size, placement, keep_hidden=False):
@@ -875,11 +876,30 @@ class Engine:
 
     def _lower(self, plan: StepPlan, state: RowState) -> jax.stages.Lowered:
         """The step program lowered for `plan`'s shape and `state` (real or abstract)."""
-        weights, model_def = self._weights()
+        args = self._arguments(plan)
+        args[1], state_def = jax.tree.flatten(state)
         return _step_program.lower(
-            weights, state, self._row_params(), pack(plan), plan.drafts, plan.allowed, plan.q,
-            self.key, model_def=model_def, layout=PlanLayout.of(plan), **self._static,
+            *args, model_def=self._weights()[1], state_def=state_def, layout=PlanLayout.of(plan),
+            **self._static,
         )  # fmt: skip
+
+    def _arguments(self, plan: StepPlan) -> list:
+        """The step program's arguments for `plan`, in order (`_step_program`): one host array
+        (the packed plan) beside what already lives on the device."""
+        return [
+            self._weights()[0], self._state, self._row_params(), pack(plan), plan.drafts,
+            plan.allowed, plan.q, self.key,
+        ]  # fmt: skip
+
+    @property
+    def state(self) -> RowState:
+        """What the device carries from step to step. The engine holds its leaves (what the
+        step program takes and returns: no modules to flatten per step)."""
+        return jax.tree.unflatten(self._state_def, self._state)
+
+    @state.setter
+    def state(self, state: RowState) -> None:
+        self._state, self._state_def = jax.tree.flatten(state)
 
     def _weights(self) -> tuple[list, jax.tree_util.PyTreeDef]:
         """`self.model`'s leaves and structure, flattened when the model was replaced (new
@@ -918,14 +938,17 @@ class Engine:
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
         step's prompt chunks as `(sequence, start, n)`, in the plan's order); the step's report
         and logprobs."""
-        params, (weights, _) = self._row_params(), self._weights()
-        self.state, report, logprobs, hidden = self._compiled(plan)(
-            weights, self.state, params, pack(plan), plan.drafts, plan.allowed, plan.q, self.key
-        )
+        self._state, report, logprobs, hidden = self._compiled(plan)(*self._arguments(plan))
         if hidden is not None:
             following = chunk_next_tokens(chunks, plan.tokens.shape[0], self.chunk)
             self.drafter.after_step(
-                self.model, plan, report, hidden, following, params.sampling, self.steps
+                self.model,
+                plan,
+                report,
+                hidden,
+                following,
+                self._row_params().sampling,
+                self.steps,
             )
         return report, logprobs
 
