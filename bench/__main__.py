@@ -1,8 +1,9 @@
 """One entry point for every benchmark: `python -m bench all --out RESULTS_DIR` runs them all
 (train step, attention kernels, prefill/decode, decode layouts, MoE, flash block sizes,
-samplers, the serving engine, the HTTP server, speculative decoding, LoRA/QLoRA vs full
-fine-tuning, the pipeline bubble, asynchronous vs synchronous checkpoint saves, quantized
-inference and its kernels, GRPO rollout vs update, the int8 KV cache, logprobs) with sizes for
+samplers, the serving engine and its host cost per step, the HTTP server, speculative
+decoding, LoRA/QLoRA vs full fine-tuning, the pipeline bubble, asynchronous vs synchronous
+checkpoint saves, quantized inference and its kernels, GRPO rollout vs update, the int8 KV
+cache, logprobs) with sizes for
 the device found, each printing predicted (zoo.math roofline) vs measured beside the ceilings
 measured once in this run, and writes `results.json` and `results.md` to RESULTS_DIR.
 
@@ -30,6 +31,7 @@ BENCHMARKS = {
     "flash-blocks": "bench.flash_blocks",
     "sampling": "bench.sampling",
     "engine": "bench.engine",
+    "engine-host": "bench.engine_host",
     "speculative": "bench.speculative",
     "serve": "bench.serve",
     "lora": "bench.lora",

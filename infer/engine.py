@@ -48,7 +48,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
@@ -58,6 +58,7 @@ from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
 from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
+from infer.step_plan import PlanLayout, StepPlan, pack
 from layers.lora_bank import adapters_in, with_adapter_rows
 from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
 from shard import Placement
@@ -112,32 +113,6 @@ class RowParams(eqx.Module):
     seed: Int[Array, " rows"]
     adapter: Int[Array, " rows"]
     logprobs: Bool[Array, " rows"]
-
-
-class StepPlan(eqx.Module):
-    """What the host decided for one step. Decode part: `decoding` rows, each row's `lengths`
-    (tokens it holds before the step) and `table`. Prompt part (`[chunks]`, one of the engine's
-    `prompt_shapes`, empty in a decode-only step): each chunk's engine `row` (a row's consecutive
-    chunks continue one another), its `tokens` `[chunks, chunk]`, how many are real (`n`), where
-    it starts (`start`), whether it ends the prompt (`final`, so its last logits give the
-    request's next token) and how many tokens the request had (`had`: more than 0 after a
-    preemption). Speculation: each decoding row's proposed `drafts` (`[rows, k_max]`,
-    `[rows, 0]` in an engine that does not speculate), of which the first `k` are real, and
-    the distributions they were drawn from (`q`; None: deterministic drafts)."""
-
-    decoding: Bool[ArrayLike, " rows"]
-    lengths: Int[ArrayLike, " rows"]
-    table: Int[ArrayLike, "rows row_pages"]
-    row: Int[ArrayLike, " chunks"]
-    tokens: Int[ArrayLike, "chunks chunk"]
-    n: Int[ArrayLike, " chunks"]
-    start: Int[ArrayLike, " chunks"]
-    final: Bool[ArrayLike, " chunks"]
-    had: Int[ArrayLike, " chunks"]
-    drafts: Int[ArrayLike, "rows drafts"]
-    k: Int[ArrayLike, " rows"]
-    allowed: Int[ArrayLike, "rows words"]
-    q: Float[ArrayLike, "rows drafts vocab"] | None = None
 
 
 class Logprobs(eqx.Module):
@@ -207,9 +182,29 @@ def _cut_at_stops(tokens, n, stops, count, budget):
 
 
 @functools.partial(
-    jax.jit, donate_argnums=1, static_argnames=("page_size", "placement", "keep_hidden")
+    jax.jit,
+    donate_argnums=1,
+    static_argnames=("model_def", "state_def", "layout", "page_size", "placement", "keep_hidden"),
 )
-def _step_program(model, state, params, plan, key, *, page_size, placement, keep_hidden=False):
+def _step_program(
+    weights, state, params, ints, drafts, allowed, q, key, *, model_def, state_def,
+    layout: PlanLayout, page_size, placement, keep_hidden=False,
+):  # fmt: skip
+    """`_step` as the engine calls it, on arguments that cost the host little per call: the
+    model and the `RowState` as flat lists of leaves (`weights` and `state`; `model_def` and
+    `state_def` their structures: flattening the layers' modules on every call costs the host
+    more than a small step) and the plan packed into one int32 vector `ints` beside its
+    `drafts`, `allowed` and `q` (infer/step_plan.py). Returns the state's leaves."""
+    model = jax.tree.unflatten(model_def, weights)
+    plan = layout.unpack(ints, drafts, allowed, q)
+    state, *out = _step(
+        model, jax.tree.unflatten(state_def, state), params, plan, key, page_size=page_size,
+        placement=placement, keep_hidden=keep_hidden,
+    )  # fmt: skip
+    return jax.tree.leaves(state), *out
+
+
+def _step(model, state, params, plan, key, *, page_size, placement, keep_hidden=False):
     """One engine step: decode rows (each its last token and its drafts, a group of
     `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
     its own keys and allowed tokens), stop checks and the rows' state. Returns the state,
@@ -618,6 +613,10 @@ class Engine:
         )  # fmt: skip
         # Each step shape's compiled program, by (prompt chunks, drafts per row).
         self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        # `self.model`'s leaves, flattened once per model (`_weights`), and its structure.
+        self._flat: tuple[Transformer, list, jax.tree_util.PyTreeDef] | None = None
+        # A step that verifies nothing passes these (an upload of nothing still costs a call).
+        self._no_drafts = jnp.zeros((max_batch, 0), jnp.int32)
         if warm_up:
             self._warm_up()
 
@@ -872,10 +871,48 @@ class Engine:
         engine's warm-up only looks them up)."""
         shape = (plan.tokens.shape[0], plan.drafts.shape[1])
         if shape not in self._programs:
-            self._programs[shape] = _step_program.lower(
-                self.model, self.state, self._row_params(), plan, self.key, **self._static
-            ).compile()
+            self._programs[shape] = self._lower(plan, self.state).compile()
         return self._programs[shape]
+
+    def _lower(self, plan: StepPlan, state: RowState) -> jax.stages.Lowered:
+        """The step program lowered for `plan`'s shape and `state` (real or abstract)."""
+        args = self._arguments(plan)
+        args[1], state_def = jax.tree.flatten(state)
+        return _step_program.lower(
+            *args, model_def=self._weights()[1], state_def=state_def, layout=PlanLayout.of(plan),
+            **self._static,
+        )  # fmt: skip
+
+    def _arguments(self, plan: StepPlan) -> list:
+        """The step program's arguments for `plan`, in order (`_step_program`): one host array
+        (the packed plan) beside what already lives on the device."""
+        return [
+            self._weights()[0], self._state, self._row_params(), pack(plan), plan.drafts,
+            plan.allowed, plan.q, self.key,
+        ]  # fmt: skip
+
+    @property
+    def state(self) -> RowState:
+        """What the device carries from step to step. The engine holds its leaves (what the
+        step program takes and returns: no modules to flatten per step)."""
+        return jax.tree.unflatten(self._state_def, self._state)
+
+    @state.setter
+    def state(self, state: RowState) -> None:
+        self._state, self._state_def = jax.tree.flatten(state)
+
+    def _weights(self) -> tuple[list, jax.tree_util.PyTreeDef]:
+        """`self.model`'s leaves and structure, flattened when the model was replaced (new
+        weights of the same structure run the programs already compiled)."""
+        if self._flat is None or self._flat[0] is not self.model:
+            weights, model_def = jax.tree.flatten(self.model)
+            if self._flat is not None and model_def != self._flat[2]:
+                raise ValueError(
+                    "engine.model was replaced by a model of another structure; the engine's "
+                    "programs run models of the structure it was made with (new weights only)"
+                )
+            self._flat = (self.model, weights, model_def)
+        return self._flat[1], self._flat[2]
 
     def _with_drafter(
         self, plan: StepPlan, decode: list[Request], pieces: list[tuple[Request, int, int]], *,
@@ -901,14 +938,17 @@ class Engine:
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
         step's prompt chunks as `(sequence, start, n)`, in the plan's order); the step's report
         and logprobs."""
-        params = self._row_params()
-        self.state, report, logprobs, hidden = self._compiled(plan)(
-            self.model, self.state, params, plan, self.key
-        )
+        self._state, report, logprobs, hidden = self._compiled(plan)(*self._arguments(plan))
         if hidden is not None:
             following = chunk_next_tokens(chunks, plan.tokens.shape[0], self.chunk)
             self.drafter.after_step(
-                self.model, plan, report, hidden, following, params.sampling, self.steps
+                self.model,
+                plan,
+                report,
+                hidden,
+                following,
+                self._row_params().sampling,
+                self.steps,
             )
         return report, logprobs
 
@@ -1086,7 +1126,9 @@ class Engine:
             "start": np.zeros(width, np.int32),
             "final": np.zeros(width, bool),
             "had": np.zeros(width, np.int32),
-            "drafts": np.zeros((rows, 0 if drafts is None else self.max_drafts), np.int32),
+            "drafts": self._no_drafts
+            if drafts is None
+            else np.zeros((rows, self.max_drafts), np.int32),
             "k": np.zeros(rows, np.int32),
             "allowed": self._everything_allowed,
         }

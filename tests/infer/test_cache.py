@@ -16,7 +16,6 @@ import infer.engine
 import zoo
 from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel
 from layers.paged_cache import PagedKVCache
-from shard import Placement
 from shard.axes import is_array_like
 
 # How a model stores and runs its layers: stacked weights through `lax.scan` (the default),
@@ -273,11 +272,7 @@ def compiled_step(model, rows: int, max_len: int, chunks: int):
     engine = infer.Engine(model, max_batch=rows, max_len=max_len, warm_up=False)
     plan = engine._plan([], [], chunks)
     state = eqx.filter_eval_shape(lambda: engine.state)
-    lowered = infer.engine._step_program.lower(
-        model, state, engine._row_params(), plan, engine.key, page_size=16,
-        placement=Placement(),
-    )  # fmt: skip
-    return lowered.compile(), nbytes(state.pages)
+    return engine._lower(plan, state).compile(), nbytes(state.pages)
 
 
 # The two storages: stacked weights run by `lax.scan`, and unrolled ones. (A stacked model run by a

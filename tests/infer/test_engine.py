@@ -304,3 +304,37 @@ def test_new_weights_of_the_same_structure_compile_nothing(llama):
     engine.run()
     assert dict(TRACES) == before
     assert request.tokens == alone(other, [1, 2, 3], 4) != alone(llama, [1, 2, 3], 4)
+
+
+def test_a_decode_step_uploads_one_array_and_passes_the_weights_flat(llama):
+    """What the host hands the step program in decode-only steps: the model as the flat list
+    of leaves it flattened once (flattening the model's modules on every call costs the host
+    more than a small step), and one host array, the packed plan; everything else already
+    lives on the device. New weights are flattened once, at the next step."""
+    engine = Engine(llama, **SHAPE)
+    calls = []
+    compiled = engine._compiled
+
+    def recording(plan):
+        program = compiled(plan)
+
+        def call(*args):
+            calls.append(args)
+            return program(*args)
+
+        return call
+
+    engine._compiled = recording
+    engine.submit([1, 2, 3], max_new_tokens=8)
+    engine.run()
+    decode = [calls[r.step] for r in engine.records if not r.chunks]
+    assert len(decode) == 7
+    for weights, *rest in decode:
+        assert weights is decode[0][0]  # flattened once
+        assert type(weights) is list and all(isinstance(x, jax.Array) for x in weights)
+        uploads = [x for x in jax.tree.leaves(rest) if not isinstance(x, jax.Array)]
+        assert len(uploads) == 1 and uploads[0].dtype == np.int32 and uploads[0].ndim == 1
+    engine.model = zoo.Transformer(LLAMA, key=jax.random.key(1))
+    engine.submit([1, 2, 3], max_new_tokens=2)
+    engine.run()
+    assert calls[-1][0] is not decode[0][0]
