@@ -68,14 +68,21 @@ def hf_calls(path: Path, calls: list[dict]) -> list[dict] | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def decode_step_s(config, ceilings: Ceilings, rows: int, context: int) -> float:
+    """zoo.math's roofline of one decode step of `rows` rows at `context` cached tokens: its
+    bytes (weights once, each row's cache) at the bandwidth or its FLOPs at the matmul rate,
+    whichever binds (at 8 rows on a CPU the FLOPs can), both measured this run."""
+    hardware = ceilings.hardware("float32")
+    return zmath.decode_step_roofline(config, rows, context, hardware).time_s
+
+
 def predicted_s(config, ceilings: Ceilings, prompt_lens: list[int], steps: int, rows: int):
     """zoo.math's roofline: every prompt's forward FLOPs at the matmul rate, then `steps` decode
-    steps of `rows` rows, each step's bytes (weights once, each row's cache at its mean context)
-    at the bandwidth, both measured this run."""
+    steps of `rows` rows at their mean context (`decode_step_s`)."""
     flops = sum(n * zmath.forward_flops_per_token(config, n) for n in prompt_lens)
     context = sum(prompt_lens) // len(prompt_lens) + steps // 2
-    step = zmath.decode_step_bytes(config, rows, context)
-    return flops / ceilings.matmul_flops("float32") + steps * step / ceilings.bandwidth()
+    prompts = flops / ceilings.matmul_flops("float32")
+    return prompts + steps * decode_step_s(config, ceilings, rows, context)
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -182,7 +189,7 @@ def max_len_independence(model, table: Table, ceilings: Ceilings) -> None:
     context = 25 + 32
     for rows in (1, ROWS):
         short, long = step_ms(model, 256, rows), step_ms(model, 4096, rows)
-        predicted = zmath.decode_step_bytes(model.config, rows, context) / ceilings.bandwidth()
+        predicted = decode_step_s(model.config, ceilings, rows, context)
         table.add({
             "what": f"decode step, {rows} row(s) holding 25-89 tokens, max_len 4096 vs 256",
             "predicted": f"{predicted * 1e3:.1f} ms (either)",
