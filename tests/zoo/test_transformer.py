@@ -71,9 +71,10 @@ def test_scan_equals_loop_equals_unrolled_storage(name, changes, remat):
     looped = scanned.with_policy(scan_layers=False)
     unrolled = scanned.with_policy(storage="unrolled")
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-    out = scanned.forward(tokens)
+    forward = eqx.filter_jit(lambda model: model.forward(tokens))  # one program, not op by op
+    out = forward(scanned)
     for other in (looped, unrolled):
-        other_out = other.forward(tokens)
+        other_out = forward(other)
         np.testing.assert_allclose(out.logits, other_out.logits, rtol=1e-5, atol=1e-5)
         for a, b in zip(jax.tree.leaves(out.aux), jax.tree.leaves(other_out.aux), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -81,8 +82,9 @@ def test_scan_equals_loop_equals_unrolled_storage(name, changes, remat):
     def loss(model):
         return jnp.mean(model(tokens) ** 2)
 
-    g_scan = jax.tree.leaves(eqx.filter_grad(loss)(scanned))
-    g_loop = jax.tree.leaves(eqx.filter_grad(loss)(looped))
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    g_scan = jax.tree.leaves(grad(scanned))
+    g_loop = jax.tree.leaves(grad(looped))
     for a, b in zip(g_scan, g_loop, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
