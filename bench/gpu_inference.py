@@ -229,6 +229,12 @@ def kv_int8_stage(run, deadline: float) -> None:
 # --- the engine
 
 
+def _engine_max_len(gpu: bool) -> int:
+    """The engines' cache length: on a CPU the smoke run's requests fit 64 tokens, and a shorter
+    cache has fewer prompt shapes to compile (the engine-profile stage reuses the programs)."""
+    return 1024 if gpu else 64
+
+
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
@@ -237,16 +243,18 @@ def engine_stage(run, deadline: float) -> None:
     name, config, policy, _, _, _ = _sizes(run.gpu)
     model = zoo.Transformer(config, policy=policy.replace(storage="unrolled"),
                             key=jax.random.key(0))  # fmt: skip
-    bandwidth, max_len = run.ceilings.bandwidth(), (1024 if run.gpu else 256)
+    bandwidth, max_len = run.ceilings.bandwidth(), _engine_max_len(run.gpu)
     new = 64 if run.gpu else 8
+    # Mixed requests: (count, longest prompt, most new tokens); a CPU's fit its smaller cache.
+    mixed, longest, most_new = (24, 160, 48) if run.gpu else (8, 40, 16)
     table = run.table(
         "engine",
         "Engine with every default on the device (random weights, greedy)",
         [f"{name} {policy.param_dtype}, max_len {max_len}. Decode: the run's wall time per step, "
          f"every row decoding after the prompt steps (25-token prompts, {new} new); predicted = "
-         f"bytes / measured bandwidth {bandwidth / 1e9:.3g} GB/s. Mixed: 24 requests (prompts "
-         "4-160, 4-48 new) on 8 rows; predicted = prompts' FLOPs at the measured matmul rate + "
-         "the fewest 8-row decode steps."],
+         f"bytes / measured bandwidth {bandwidth / 1e9:.3g} GB/s. Mixed: {mixed} requests "
+         f"(prompts 4-{longest}, 4-{most_new} new) on 8 rows; predicted = prompts' FLOPs at the "
+         "measured matmul rate + the fewest 8-row decode steps."],
     )  # fmt: skip
     vocab = config.vocab_size
     for rows in (1, 8, 32) if run.gpu else (1,):
@@ -268,8 +276,8 @@ def engine_stage(run, deadline: float) -> None:
     if time.monotonic() > deadline:
         return
     rng = np.random.default_rng(7)
-    cases = [(_prompt(int(rng.integers(4, 161)), s, vocab), int(rng.integers(4, 49)))
-             for s in range(24)]  # fmt: skip
+    cases = [(_prompt(int(rng.integers(4, longest + 1)), s, vocab),
+              int(rng.integers(4, most_new + 1))) for s in range(mixed)]  # fmt: skip
     engine = Engine(model, max_batch=8, max_len=max_len)
     start = time.perf_counter()
     for p, n in cases:
@@ -283,7 +291,7 @@ def engine_stage(run, deadline: float) -> None:
         zoo.math.decode_step_bytes(config, 8, 100, model.policy) / bandwidth
     )
     table.add({
-        "what": f"24 mixed requests, 8 rows ({engine.steps} engine steps, fewest {steps})",
+        "what": f"{mixed} mixed requests, 8 rows ({engine.steps} engine steps, fewest {steps})",
         "tokens/s": generated / seconds, "predicted ms": 1e3 * predicted,
         "measured ms": 1e3 * seconds, "achieved GB/s": float("nan"),
         "% of ceiling": 100 * predicted / seconds,
@@ -294,7 +302,7 @@ def engine_stage(run, deadline: float) -> None:
     # Verification's cost: the adaptive proposer times its plain and its k-draft steps.
     k = 6
     engine = Engine(model, max_batch=1, max_len=max_len, speculative=PromptLookup(k=k))
-    engine.submit(_prompt(8, 1, vocab) * 8, max_new_tokens=new)
+    engine.submit(_prompt(8, 1, vocab) * (8 if run.gpu else 4), max_new_tokens=new)
     engine.run()
     nan = float("nan")
     table.add({
@@ -471,7 +479,7 @@ def engine_profile_stage(run, deadline: float) -> None:
     _, config, policy, *_ = _sizes(run.gpu)
     model = zoo.Transformer(config, policy=policy.replace(storage="unrolled"),
                             key=jax.random.key(0))  # fmt: skip
-    engine = Engine(model, max_batch=1, max_len=1024 if run.gpu else 256)
+    engine = Engine(model, max_batch=1, max_len=_engine_max_len(run.gpu))
     engine.submit(_prompt(25, 1, config.vocab_size), max_new_tokens=8)
     engine.run()
     trace_dir = run.out_dir / "profile" / "engine"

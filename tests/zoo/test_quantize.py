@@ -165,7 +165,7 @@ def test_engine_and_generate_run_quantized_models_unchanged(name, kind):
     q = zoo.quantize(tiny(name, n_layers=2), kind).with_policy(storage="unrolled")
     q = with_activations(q, "float")
     cases = [([5, 17, 3, 99, 4], 6), ([7] * 12, 4), ([1, 2], 8)]
-    engine = infer.Engine(q, max_batch=2, max_len=32)
+    engine = infer.Engine(q, max_batch=2, max_len=32, warm_up=False)  # compiles what it runs
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     generated = infer.generate(

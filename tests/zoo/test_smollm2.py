@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import infer
 import zoo
-from bench.quantized import PROMPTS, greedy_tokens, held_out_text, perplexity
+from bench.quantized import GREEDY_TOKENS, PROMPTS, held_out_text, perplexity
 from layers import QuantizedEmbedding, QuantizedLinear
 from tests.reference.runner import smollm2_gguf
 from tests.reference.smollm2 import NEW_TOKENS, PROMPT, smollm2_reference  # noqa: F401
@@ -31,6 +32,19 @@ def dequantized():
 
 def n_bytes(model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def greedy_tokens(model: zoo.Transformer, prompts: list[list[int]]) -> list[list[int]]:
+    """bench/quantized.py's greedy_tokens (infer.generate's engine: rows bucketed to 4, a
+    256-token cache) without generate's warm-up, which compiles every prompt shape; these
+    prompts use one chunk a step, so only the programs they run compile (30 unrolled layers
+    each)."""
+    engine = infer.Engine(model, max_batch=4, max_len=256, warm_up=False)
+    requests = [
+        engine.submit(p, max_new_tokens=GREEDY_TOKENS, sampler=infer.Greedy()) for p in prompts
+    ]
+    engine.run()
+    return [r.tokens for r in requests]
 
 
 def greedy(
