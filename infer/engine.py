@@ -88,6 +88,11 @@ WARM_UP_TIMINGS = 3
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
 TRACES = collections.Counter()
+# The executables (by id) this process has run once: XLA:CPU's first run of a program costs
+# hundreds of ms more than later ones, so warm-up pays it, once per process (`generate` builds an
+# engine per call and finds the programs here). A reused id only skips a warm run: speed, never
+# values.
+_RUN_ONCE: set[int] = set()
 
 
 class RowState(eqx.Module):
@@ -837,14 +842,18 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Compile the programs now: without prompt chunks and with each of `prompt_shapes`,
-        at each width (one token per row and, speculating, `k + 1`). A draft model's or MTP
-        module's programs compile by running, every row idle (nothing written, nothing
-        emitted); an adaptive engine then times its decode-only programs (`time_steps`)."""
+        at each width (one token per row and, speculating, `k + 1`), and run each once per
+        process (`_RUN_ONCE`). A draft model's or MTP module's programs compile by running,
+        every row idle (nothing written, nothing emitted); an adaptive engine then times its
+        decode-only programs (`time_steps`)."""
         for drafts in self._widths():
             for chunks in (0, *self.prompt_shapes):
                 plan = self._plan([], [], chunks, {}, drafts)
                 if self.drafter is None:
-                    self._compiled(plan)
+                    executable = id(self._compiled(plan).runtime_executable())
+                    if executable not in _RUN_ONCE:
+                        _RUN_ONCE.add(executable)
+                        self._launch(plan, [])  # every row idle: nothing written or emitted
                     continue
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self.state.last.block_until_ready()
