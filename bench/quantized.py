@@ -26,6 +26,7 @@ Greedy: `GREEDY_TOKENS` new tokens for each bench prompt at batch 1, the same as
 model's or not.
 """
 
+import gc
 import json
 import statistics
 import time
@@ -218,6 +219,11 @@ def run(ceilings: Ceilings) -> Table:
 
     rows(table, "smollm2-135m", models, bandwidth, smollm2_quality)
     del models
+    # Each compiled program holds memory mappings of its code: the SmolLM2 rows' hundreds of
+    # programs (7 formats x engines x perplexity chunks) left too few under Linux's
+    # vm.max_map_count for GPT-2's (LLVM: "Cannot allocate memory"). None is used again.
+    jax.clear_caches()
+    gc.collect()
     nan = float("nan")
     no_quality = {"perplexity": nan, "ppl vs float32 %": nan, "greedy == float32": "n/a"}
     rows(table, "gpt2-124m", gpt2_models(), bandwidth, lambda name, model: no_quality)

@@ -24,6 +24,7 @@ from layers.kernels.paged import (
     paged_attention,
     write_pages,
 )
+from layers.kernels.paged.attention import CPU_BLOCK_FLOATS, keys_per_block_for
 from tests.layers.test_flash import cuda_mesh
 
 EPS = float(np.finfo(np.float32).eps)
@@ -180,6 +181,15 @@ def test_the_xla_path_reads_only_the_blocks_that_hold_visible_keys():
         poisoned.append(jnp.asarray(pool))
     got = run(XlaPagedKernel(keys_per_block=16), case, (q, *poisoned, table, lengths), q_positions)
     assert_close(got, reference(case, q, q_positions, contiguous), case, contiguous[1])
+
+
+def test_the_default_block_on_a_cpu_holds_a_fixed_number_of_key_floats():
+    """GPT-2's keys (12 heads x 64) walk in blocks of 64, SmolLM2's (3 x 64) in 256: the largest
+    power of two whose keys fit `CPU_BLOCK_FLOATS` floats a row, within [16, 256]."""
+    assert jax.default_backend() == "cpu"
+    for width, keys in [(768, 64), (192, 256), (512, 128), (64, 256), (2**14, 16)]:
+        assert keys_per_block_for(width) == keys
+        assert keys == 16 or keys == 256 or keys * width <= CPU_BLOCK_FLOATS < 2 * keys * width
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))

@@ -28,15 +28,39 @@ def _is_power_of_two(n: int) -> bool:
 class XlaPagedKernel:
     """The XLA path (blocked.py): an online softmax over blocks of `keys_per_block` keys (whole
     pages, at least one), only the blocks that hold visible keys. Larger blocks mean fewer loop
-    iterations and more masked keys at the edges; bench/RESULTS.md has the measurement."""
+    iterations and more masked keys at the edges. None (the default) picks
+    `keys_per_block_for` the pool's key width and the backend; bench/RESULTS.md has the
+    measurement."""
 
-    keys_per_block: int = 256
+    keys_per_block: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.keys_per_block, int) or self.keys_per_block < 1:
+        if self.keys_per_block is not None and (
+            not isinstance(self.keys_per_block, int) or self.keys_per_block < 1
+        ):
             raise ValueError(
-                f"XlaPagedKernel.keys_per_block must be a positive int, got {self.keys_per_block!r}"
+                "XlaPagedKernel.keys_per_block must be a positive int or None, got "
+                f"{self.keys_per_block!r}"
             )
+
+
+# On a CPU, a block of about this many key floats per row (kv_heads x head_dim per key): the
+# block's gather is the walk's cost there, and the keys past a short row's length are read in
+# full. Decode at 8 rows on this CPU (bench/RESULTS.md, "Paged attention's block size") was
+# fastest at 64 keys for GPT-2 (768 floats a key) and 256 for SmolLM2 (192).
+CPU_BLOCK_FLOATS = 2**16
+# Elsewhere (the XLA path serves prefill chunks on a GPU) the fixed block measured there.
+KEYS_PER_BLOCK = 256
+
+
+def keys_per_block_for(key_width: int) -> int:
+    """The default block of `XlaPagedKernel` for keys of `key_width` floats (kv_heads x
+    head_dim, MLA: the latent width): on a CPU the power of two nearest below
+    `CPU_BLOCK_FLOATS / key_width`, within [16, KEYS_PER_BLOCK]; `KEYS_PER_BLOCK` elsewhere."""
+    if jax.default_backend() != "cpu":
+        return KEYS_PER_BLOCK
+    keys = CPU_BLOCK_FLOATS // max(key_width, 1)
+    return min(KEYS_PER_BLOCK, max(16, 1 << max(keys.bit_length() - 1, 0)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,9 +219,10 @@ def paged_attention(
     if kernel is None:
         kernel = default_decode_kernel(q, k_pages, layer)
     if isinstance(kernel, XlaPagedKernel):
+        keys_per_block = kernel.keys_per_block or keys_per_block_for(n_kv * d)
         return blocked_attention(
             q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap,
-            keys_per_block=kernel.keys_per_block, layer=layer,
+            keys_per_block=keys_per_block, layer=layer,
         )  # fmt: skip
     if not isinstance(kernel, PallasDecodeKernel):
         raise TypeError(
