@@ -141,15 +141,17 @@ def test_two_processes_train_stop_together_and_resume_as_two_and_as_one(tiny_arg
     assert {1, 2, 3, 4} <= set(logged)
     for step, loss in logged.items():
         np.testing.assert_allclose(loss, expected[step], rtol=RTOL, err_msg=f"step {step}")
-    # Step 4 was never finalized (process 1 died before writing its shards); step 2 was, with
-    # each process's own shards of the parameters.
-    assert runs.latest_step(run) == 2
+    # Step 2 was finalized. Step 4 is finalized only if process 1's background writer wrote its
+    # shards and reported them between the hand-off and the SIGKILL (a race: a tiny model's
+    # shards take microseconds; the 2026-11-28 suite saw it once); never half of it: the latest
+    # step holds each process's own shards, and both resumes below match the reference.
+    assert runs.latest_step(run) in (2, 4)
     shards = {p.name for p in (runs.latest(run) / "params").glob("ocdbt.process_*")}
     assert shards == {"ocdbt.process_0", "ocdbt.process_1"}
     assert Path(f"{run}.writes.0").read_text() == "run.json\n"  # process 0, once
     assert not Path(f"{run}.writes.1").exists()
 
-    # Round 2: resumed as two processes and as one (on another mesh), from step 2.
+    # Round 2: resumed as two processes and as one (on another mesh), from the latest step.
     two, one = tmp_path / "two", tmp_path / "one"
     shutil.copytree(run, two)
     shutil.copytree(run, one)
