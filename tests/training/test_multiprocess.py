@@ -143,11 +143,15 @@ def test_two_processes_train_stop_together_and_resume_as_two_and_as_one(tiny_arg
         np.testing.assert_allclose(loss, expected[step], rtol=RTOL, err_msg=f"step {step}")
     # Step 2 was finalized. Step 4 is finalized only if process 1's background writer wrote its
     # shards and reported them between the hand-off and the SIGKILL (a race: a tiny model's
-    # shards take microseconds; the 2026-11-28 suite saw it once); never half of it: the latest
-    # step holds each process's own shards, and both resumes below match the reference.
+    # shards take microseconds; the 2026-11-28 suite saw it once); never half of it: every
+    # complete checkpoint holds each process's own shards, and both resumes below match the
+    # reference.
+    complete = runs.checkpoints(run)
     assert runs.latest_step(run) in (2, 4)
-    shards = {p.name for p in (runs.latest(run) / "params").glob("ocdbt.process_*")}
-    assert shards == {"ocdbt.process_0", "ocdbt.process_1"}
+    assert {int(p.name.removeprefix("step_")) for p in complete} <= {2, 4}
+    for checkpoint in complete:
+        shards = {p.name for p in (checkpoint / "params").glob("ocdbt.process_*")}
+        assert shards == {"ocdbt.process_0", "ocdbt.process_1"}, checkpoint
     assert Path(f"{run}.writes.0").read_text() == "run.json\n"  # process 0, once
     assert not Path(f"{run}.writes.1").exists()
 
