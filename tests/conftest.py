@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Compiled programs are dropped when a worker holds more than this many memory mappings (of
-# Linux's vm.max_map_count, 65,530) or this much memory, else kept for the next modules.
+# Linux's vm.max_map_count, 65,530) or this much memory, else kept for the next tests.
 MAX_MAPPINGS = 40_000
 MAX_RESIDENT_BYTES = 6 * 2**30
 
@@ -75,16 +75,33 @@ def _mappings_and_resident_bytes() -> tuple[int, int] | None:
     return mappings, int(rss.split()[1]) * 1024
 
 
-@pytest.fixture(autouse=True, scope="module")
+_COMPILED = [0]  # programs compiled since the mappings were last counted
+
+
+def _count_compilations(event: str, *_, **__) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILED[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilations)
+
+
+@pytest.fixture(autouse=True)
 def release_compiled_programs():
-    """Drop every compiled program after a test module once the worker holds too many. XLA's
-    CPU executables each hold memory mappings of their code; a worker that keeps the suite's
-    thousands of programs alive passes Linux's vm.max_map_count (65,530) and dies in a compile
-    with a segmentation fault (measured: 65,289 mappings just before the crash). Dropping them
+    """Drop every compiled program after a test once the worker holds too many. XLA's CPU
+    executables each hold memory mappings of their code (an engine's step program ~400); a
+    worker that keeps the suite's thousands of programs alive passes Linux's vm.max_map_count
+    (65,530) and dies in a compile with a segmentation fault (measured: 65,289 mappings just
+    before the crash). Counted after every test that compiled something (reading the mappings
+    costs ~1 ms per 1,000): one module alone can add 25,000 (tests/infer/test_engine.py after
+    tests/infer/test_speculative.py crashed a worker checked after each module). Dropping them
     after every module instead cost the suite a recompilation of what modules share (the eager
     ops of model initialisation, the families' forwards): compilation was 62% of the suite's
     in-process time (1,731 s of 2,778, 18,231 programs, 2026-11-28)."""
     yield
+    if _COMPILED[0] == 0:
+        return
+    _COMPILED[0] = 0
     usage = _mappings_and_resident_bytes()
     if usage is None or usage[0] > MAX_MAPPINGS or usage[1] > MAX_RESIDENT_BYTES:
         jax.clear_caches()
