@@ -6,8 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # HF transformers on CPU torch, for the reference numbers of the checkpoint tests.
 REF_VENV := .venv-ref
-KERNEL_BUILD := layers/kernels/quantized/build.py
-KERNEL := layers/kernels/quantized/_matmul.so
+KERNEL_BUILD := layers/kernels/cpu/build.py
+KERNEL := layers/kernels/cpu/_matmul.so
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Rebuilt whenever its source changes (a pull that edits the C++ needs no fresh venv).
-$(KERNEL): layers/kernels/quantized/matmul.cc $(KERNEL_BUILD) $(VENV)/.installed
+$(KERNEL): layers/kernels/cpu/matmul.cc layers/kernels/cpu/dense.cc layers/kernels/cpu/parallel.h $(KERNEL_BUILD) $(VENV)/.installed
 	$(PY) $(KERNEL_BUILD)
 
 $(REF_VENV)/.installed: Makefile

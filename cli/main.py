@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None):
 
     set_default_xla_flags()  # before the first computation: XLA reads its flags once
     use_compile_cache()  # a second start reads its programs back instead of compiling them
-    from layers.kernels.quantized.cpu import KernelNotBuilt  # says how to build it
+    from layers.kernels.cpu import KernelNotBuilt  # says how to build it
 
     try:
         return BY_NAME[name].run(rest)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from layers.kernels.cpu.dense import dense_product, uses_dense_kernel
+
 
 class Linear(eqx.Module):
     """y = x · W (+ b), contracting the trailing `in_shape` dims of x with the leading dims of W.
@@ -63,9 +65,17 @@ class Linear(eqx.Module):
     def __call__(
         self, x: Float[Array, "..."], *, dtype: DTypeLike | None = None
     ) -> Float[Array, "..."]:
-        """x: `[*batch, *in_shape]` -> `[*batch, *out_shape]`, computed in `dtype` (default x's)."""
+        """x: `[*batch, *in_shape]` -> `[*batch, *out_shape]`, computed in `dtype` (default x's).
+        A few float32 tokens on a CPU (a decode step) take the CPU kernel of
+        `layers.kernels.cpu.dense`, everything else one XLA einsum."""
         dtype = dtype or x.dtype
         n_in, n_out = len(self.in_shape), len(self.out_shape)
+        batch = x.shape[: x.ndim - n_in]
+        if uses_dense_kernel(math.prod(batch), x.dtype, self.weight.dtype, dtype):
+            k, n = math.prod(self.in_shape), math.prod(self.out_shape)
+            flat = dense_product(x.reshape(-1, k), self.weight.reshape(k, n))
+            y = flat.reshape(*batch, *self.out_shape)
+            return y if self.bias is None else y + self.bias
         letters = string.ascii_letters
         contract, out = letters[:n_in], letters[n_in : n_in + n_out]
         spec = f"...{contract},{contract}{out}->...{out}"

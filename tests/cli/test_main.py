@@ -6,13 +6,13 @@ import pytest
 
 import cli.sample
 from cli.main import main
-from layers.kernels.quantized.cpu import KernelNotBuilt
+from layers.kernels.cpu import KernelNotBuilt
 
 
 @pytest.mark.parametrize(
     "error",
-    [KernelNotBuilt("the quantized CPU kernel is not built; build it with `python -m "
-                    "layers.kernels.quantized.build`"),
+    [KernelNotBuilt("the CPU kernels are not built; build them with `python -m "
+                    "layers.kernels.cpu.build`"),
      ValueError("--model 'x' is none of: ..."), OSError("No space left on device")],
 )  # fmt: skip
 def test_a_reported_failure_is_one_line(monkeypatch, error):

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
+from layers.kernels import cpu as library
 from layers.kernels.quantized import (
     KERNEL_TOKENS,
     cpu_dequantize,
@@ -43,7 +44,6 @@ from layers.kernels.quantized import (
     reference_matmul,
     reference_ragged_matmul,
 )
-from layers.kernels.quantized import cpu as cpu_module
 from layers.moe import Experts, QuantizedExperts
 from layers.quantized import (
     NF4_LEVELS,
@@ -300,17 +300,17 @@ def test_pallas_kernel_declares_what_it_takes():
 
 
 def test_missing_or_stale_library_says_how_to_build(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_module, "LIBRARY", tmp_path / "_matmul.so")
-    cpu_module._registered.cache_clear()
-    with pytest.raises(
-        cpu_module.KernelNotBuilt, match=r"python -m layers.kernels.quantized.build"
-    ):
-        cpu_module.ensure_built()
+    monkeypatch.setattr(library, "LIBRARY", tmp_path / "_matmul.so")
+    library._registered.cache_clear()
+    with pytest.raises(library.KernelNotBuilt, match=r"python -m layers.kernels.cpu.build"):
+        library.ensure_built()
     monkeypatch.undo()
-    cpu_module._registered.cache_clear()
-    with pytest.raises(cpu_module.KernelNotBuilt, match=r"another version of matmul\.cc"):
-        cpu_module._registered("0" * 64)
-    cpu_module.ensure_built()
+    library._registered.cache_clear()
+    with pytest.raises(
+        library.KernelNotBuilt, match=r"another version of matmul\.cc and dense\.cc"
+    ):
+        library._registered("0" * 64)
+    library.ensure_built()
 
 
 # --- layers -------------------------------------------------------------------------------
@@ -462,9 +462,9 @@ def test_one_path_is_traced_for_the_backend(monkeypatch, backend, tokens):
     x = jax.random.normal(jax.random.key(3), (tokens, weight.cols))
     f = jax.jit(lambda x, w: quantized_matmul(x, w))  # a new function: traced afresh
     text = f.trace(x, weight).lower().as_text()
-    called = {t for t in (cpu_module.TARGET, cpu_module.DEQUANTIZE_TARGET) if t in text}
+    called = {t for t in (library.QUANTIZED_TARGET, library.DEQUANTIZE_TARGET) if t in text}
     kernel = tokens <= KERNEL_TOKENS
-    expected = {cpu_module.TARGET if kernel else cpu_module.DEQUANTIZE_TARGET}
+    expected = {library.QUANTIZED_TARGET if kernel else library.DEQUANTIZE_TARGET}
     assert called == (expected if backend == "cpu" else set())
     if backend == "tpu" or not kernel:  # the specification's float weight (bit for bit, above)
         # and a dot of it; only the dots' summation orders may differ: each errs by at most
@@ -530,4 +530,4 @@ def test_pallas_kernel_lowers_for_cuda(monkeypatch, kind, group, rows, cols, tok
         lowered = jax.jit(quantized_matmul).trace(x, abstract).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     # The Pallas kernel, and not the CPU kernel's custom call.
-    assert text.count(TRITON_CALL) == 1 and cpu_module.TARGET not in text
+    assert text.count(TRITON_CALL) == 1 and library.QUANTIZED_TARGET not in text

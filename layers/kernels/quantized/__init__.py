@@ -1,14 +1,12 @@
 """Matrix products with weights held packed (layers/quantized/formats.py), dequantized inside the
 kernel: `quantized_matmul(x, weight)` and, per expert, `quantized_ragged_matmul(x, weight,
-group_sizes)`, dispatched per backend (ops.py): the jax.ffi CPU kernel (matmul.cc, built by
-build.py; `cpu_dequantize` its float copy of a weight for many tokens), the Pallas GPU kernel
-(pallas.py), or dequantize + XLA matmul (the specification)."""
+group_sizes)`, dispatched per backend (ops.py): the jax.ffi CPU kernel (cpu.py, built from
+layers/kernels/cpu/matmul.cc; `cpu_dequantize` its float copy of a weight for many tokens), the
+Pallas GPU kernel (pallas.py), or dequantize + XLA matmul (the specification)."""
 
 from layers.kernels.quantized.cpu import (
-    KernelNotBuilt,
     cpu_dequantize,
     cpu_matmul,
-    ensure_built,
     quantize_activations,
 )
 from layers.kernels.quantized.ops import (
@@ -21,10 +19,8 @@ from layers.kernels.quantized.ops import (
 
 __all__ = [
     "KERNEL_TOKENS",
-    "KernelNotBuilt",
     "cpu_dequantize",
     "cpu_matmul",
-    "ensure_built",
     "quantize_activations",
     "quantized_matmul",
     "quantized_ragged_matmul",

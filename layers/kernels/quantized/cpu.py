@@ -1,5 +1,6 @@
-"""The CPU kernel (matmul.cc) through `jax.ffi`: `cpu_matmul(x, weight)` is `x · W^T` for a
-`PackedWeight`, dequantizing in registers, optionally per expert (`group_sizes`);
+"""The packed-weight CPU kernel (layers/kernels/cpu/matmul.cc) through `jax.ffi`:
+`cpu_matmul(x, weight)` is `x · W^T` for a `PackedWeight`, dequantizing in registers,
+optionally per expert (`group_sizes`);
 `cpu_dequantize(weight)` is `weight.dequantize()` (bit for bit) as one call, for the many-token
 path (one XLA dot after it) without an XLA fusion to compile per weight.
 
@@ -9,53 +10,17 @@ activations) and computes `x̂ · W^T` with x̂ the rounded x: on a CPU with AVX
 then multiply in integers (exact int32 sums, one scale per 32-input chunk), several times fewer
 instructions than turning every weight into a float.
 
-The library is built by `python -m layers.kernels.quantized.build` (the Makefile's install step
-runs it). It is loaded and registered with XLA on first use; a missing library, or one built from
-another version of matmul.cc (its source hash is recorded beside it), is an error that says how
-to build it.
+The library (layers/kernels/cpu) is loaded on first use; a missing or stale one is an error that
+says how to build it.
 """
-
-import ctypes
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from layers.kernels.quantized.build import LIBRARY, SOURCE, STAMP, source_hash
+from layers.kernels.cpu import DEQUANTIZE_TARGET, QUANTIZED_TARGET, ensure_built
 from layers.quantized.formats import PackedWeight
-
-TARGET = "zoo_quantized_matmul"
-DEQUANTIZE_TARGET = "zoo_quantized_dequantize"
-
-
-class KernelNotBuilt(RuntimeError):
-    """The CPU kernel's library is missing or stale."""
-
-
-@functools.cache
-def _registered(digest: str) -> None:
-    if not LIBRARY.exists() or not STAMP.exists():
-        raise KernelNotBuilt(
-            f"the quantized CPU kernel is not built ({LIBRARY} is missing); build it with "
-            "`python -m layers.kernels.quantized.build` (make setup runs it)"
-        )
-    if STAMP.read_text().strip() != digest:
-        raise KernelNotBuilt(
-            f"{LIBRARY} was built from another version of {SOURCE.name}; rebuild it with "
-            "`python -m layers.kernels.quantized.build`"
-        )
-    library = ctypes.cdll.LoadLibrary(str(LIBRARY))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ZooQuantizedMatmul), "cpu")
-    jax.ffi.register_ffi_target(
-        DEQUANTIZE_TARGET, jax.ffi.pycapsule(library.ZooQuantizedDequantize), "cpu"
-    )
-
-
-def ensure_built() -> None:
-    """Load and register the kernel, or raise `KernelNotBuilt` saying how to build it."""
-    _registered(source_hash())
 
 
 def quantize_activations(x: Float[Array, "tokens cols"]) -> Float[Array, "tokens cols"]:
@@ -88,7 +53,9 @@ def cpu_matmul(
     experts = 0 if group_sizes is None else weight.lead[-1]
     extra = () if group_sizes is None else (group_sizes.astype(jnp.int32),)
     call = jax.ffi.ffi_call(
-        TARGET, jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32), vmap_method="sequential"
+        QUANTIZED_TARGET,
+        jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32),
+        vmap_method="sequential",
     )
     attrs = weight.kernel_attrs()
     return call(

@@ -64,6 +64,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -590,31 +591,7 @@ struct Item {
   int64_t expert, n0, n1;
 };
 
-template <class Run>
-void parallel(ffi::ThreadPool& pool, int64_t threads, const std::vector<Item>& items,
-              const Run& run) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  const int64_t total = static_cast<int64_t>(items.size());
-  auto work = [state, total, &items, &run]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < total;) {
-      run(items[i]);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
-  for (int64_t h = 0; h < helpers; ++h) {
-    // The task may start after this call returned: it holds the state and finds no item left
-    // before it would touch `items` or `run`.
-    pool.Schedule([state, total, work]() {
-      if (state->next.load() < total) work();
-    });
-  }
-  work();
-  while (state->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
-}
+using zoo_cpu::parallel;
 
 // --- the FFI handler ------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
-"""Compile the CPU kernel (matmul.cc) into `_matmul.so` beside it: what `make setup` runs after
+"""Compile the CPU kernels (matmul.cc: packed weights; dense.cc: float32 products of a few
+tokens) into `_matmul.so` beside them: what `make setup` runs after
 installing the package (the Makefile's kernel target), and what to run by hand after editing the
 C++ or on a machine set up without make:
 
-    python -m layers.kernels.quantized.build
+    python -m layers.kernels.cpu.build
 
 The headers come from jaxlib (`jax.ffi.include_dir()`), so the library matches the installed
 JAX's FFI. The code is built for the baseline of the machine's architecture; the AVX-512 path
@@ -17,14 +18,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("matmul.cc")
+SOURCES = (Path(__file__).with_name("matmul.cc"), Path(__file__).with_name("dense.cc"))
+HEADERS = (Path(__file__).with_name("parallel.h"),)
 LIBRARY = Path(__file__).with_name("_matmul.so")
 STAMP = LIBRARY.with_suffix(".so.sha256")
 
 
 def source_hash() -> str:
-    """SHA-256 of matmul.cc: recorded beside the library, so a stale build is detected."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    """SHA-256 of the sources and headers: recorded beside the library, so a stale build is
+    detected."""
+    return hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()
 
 
 def compiler() -> str:
@@ -32,13 +35,11 @@ def compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "clang++"):
         if name and shutil.which(name):
             return name
-    raise RuntimeError(
-        "no C++ compiler found (set CXX, or install g++): the quantized CPU kernel needs one"
-    )
+    raise RuntimeError("no C++ compiler found (set CXX, or install g++): the CPU kernels need one")
 
 
 def build(*, verbose: bool = False) -> Path:
-    """Compile `matmul.cc` into `_matmul.so` (written beside a temporary name first, then
+    """Compile the sources into `_matmul.so` (written beside a temporary name first, then
     renamed, so a failed build never leaves a broken library behind). Returns its path."""
     import jax.ffi
 
@@ -54,7 +55,7 @@ def build(*, verbose: bool = False) -> Path:
         # must round as PackedWeight.dequantize does (bit for bit).
         "-ffp-contract=off",
         f"-I{jax.ffi.include_dir()}",
-        str(SOURCE),
+        *map(str, SOURCES),
         "-o",
         str(partial),
     ]

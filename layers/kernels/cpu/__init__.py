@@ -1,0 +1,46 @@
+"""The C++ CPU kernels, one library called through `jax.ffi`: matmul.cc (products with packed
+weights and their dequantize, for layers/kernels/quantized) and dense.cc (float32 products of a
+few tokens, `dense.py`). Built by `python -m layers.kernels.cpu.build` (the Makefile's install
+step runs it) into `_matmul.so` beside the sources; loaded and registered with XLA on first use.
+A missing library, or one built from other versions of the sources (their hash is recorded
+beside it), is an error that says how to build it."""
+
+import ctypes
+import functools
+
+import jax
+
+from layers.kernels.cpu.build import LIBRARY, SOURCES, STAMP, source_hash
+
+QUANTIZED_TARGET = "zoo_quantized_matmul"
+DEQUANTIZE_TARGET = "zoo_quantized_dequantize"
+DENSE_TARGET = "zoo_dense_matmul"
+
+
+class KernelNotBuilt(RuntimeError):
+    """The CPU kernels' library is missing or stale."""
+
+
+@functools.cache
+def _registered(digest: str) -> None:
+    if not LIBRARY.exists() or not STAMP.exists():
+        raise KernelNotBuilt(
+            f"the CPU kernels are not built ({LIBRARY} is missing); build them with "
+            "`python -m layers.kernels.cpu.build` (make setup runs it)"
+        )
+    if STAMP.read_text().strip() != digest:
+        raise KernelNotBuilt(
+            f"{LIBRARY} was built from another version of "
+            f"{' and '.join(source.name for source in SOURCES)}; rebuild it with "
+            "`python -m layers.kernels.cpu.build`"
+        )
+    library = ctypes.cdll.LoadLibrary(str(LIBRARY))
+    for target, symbol in [(QUANTIZED_TARGET, library.ZooQuantizedMatmul),
+                           (DEQUANTIZE_TARGET, library.ZooQuantizedDequantize),
+                           (DENSE_TARGET, library.ZooDenseMatmul)]:  # fmt: skip
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), "cpu")
+
+
+def ensure_built() -> None:
+    """Load and register the kernels, or raise `KernelNotBuilt` saying how to build them."""
+    _registered(source_hash())

@@ -1,0 +1,141 @@
+// The float32 product of a few tokens with a weight read from memory, y [T, N] = x [T, K] · W
+// [K, N], for decode steps on a CPU (cpu.py: `dense_matmul`). XLA's product of a skinny x packs
+// W's panels (a second pass over the weight) and reads 8-row products at ~14 GB/s on a machine
+// that streams 1-row ones at ~23 (bench/RESULTS.md, "skinny products"). Here W is read once, in
+// 48-column panels walked down their K rows, each row's 3 cache lines multiplied into [4, 48]
+// accumulators held in registers; the lines PREFETCH rows ahead are requested into
+// L2 first, so the loads of a panel overlap the FMAs (without it the walk down a panel, one row
+// a page apart, waits on memory: 17.8 vs 23.5-26.9 GB/s measured at 8 tokens, 2 threads).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Rows of W requested ahead of the one being multiplied (measured best between 32 and 64).
+constexpr int64_t kPrefetch = 48;
+// Columns per panel: 3 vectors of 16 floats. The loops over tokens and vectors are unrolled by
+// hand (measured in one build without it: 12.4-14.1 GB/s at 8 tokens, with it 17.4-20.6; from
+// memory, 2 threads).
+constexpr int kVectors = 3;
+constexpr int64_t kPanel = 16 * kVectors;
+
+#if defined(__x86_64__)
+#define ZOO_DENSE __attribute__((target("avx512f,fma")))
+
+// Tokens [0, TB) of x (rows `k` floats apart) times columns [n0, n0 + 48) of W (masked past n).
+template <int TB>
+ZOO_DENSE void panel(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0) {
+  __m512 acc[TB][kVectors];
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v) acc[t][v] = _mm512_setzero_ps();
+  __mmask16 mask[kVectors];
+  _Pragma("GCC unroll 4")
+  for (int v = 0; v < kVectors; ++v) {
+    const int64_t left = n - (n0 + 16 * v);
+    mask[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+  }
+  const float* row = w + n0;
+  for (int64_t i = 0; i < k; ++i, row += n) {
+    if (i + kPrefetch < k)
+          _Pragma("GCC unroll 4")
+          for (int v = 0; v < kVectors; ++v)
+        if (mask[v]) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch * n + 16 * v), _MM_HINT_T1);
+    __m512 wv[kVectors];
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v) wv[v] = _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
+      _Pragma("GCC unroll 4")
+      for (int t = 0; t < TB; ++t) {
+      const __m512 xb = _mm512_set1_ps(x[t * k + i]);
+          _Pragma("GCC unroll 4")
+          for (int v = 0; v < kVectors; ++v) acc[t][v] = _mm512_fmadd_ps(xb, wv[v], acc[t][v]);
+    }
+  }
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v) _mm512_mask_storeu_ps(y + t * n + n0 + 16 * v, mask[v], acc[t][v]);
+}
+
+// Columns [c0, c1) for every token: 4 tokens at a time, then 2, 1. A panel's next 4 tokens read
+// it again from L2 (48 columns x K rows: 147 KB at K = 768): 8-token tiles, 24 accumulators,
+// spilled registers in this build and ran at 14.9 GB/s where 4-token ones give 20.1-20.6.
+ZOO_DENSE void columns_avx512(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
+                              int64_t n, int64_t c0, int64_t c1) {
+  for (int64_t n0 = c0; n0 < c1; n0 += kPanel) {
+    int64_t t = 0;
+    for (; t + 4 <= tokens; t += 4) panel<4>(x + t * k, w, y + t * n, k, n, n0);
+    if (t + 2 <= tokens) panel<2>(x + t * k, w, y + t * n, k, n, n0), t += 2;
+    if (t < tokens) panel<1>(x + t * k, w, y + t * n, k, n, n0);
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#else
+void columns_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                    int64_t) {}
+bool has_avx512() { return false; }
+#endif
+
+// The plain path (other CPUs, and `portable`): the same sum over k, one token and column at a
+// time in k order.
+void columns_portable(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
+                      int64_t n, int64_t c0, int64_t c1) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = c0; j < c1; ++j) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < k; ++i) sum += x[t * k + i] * w[i * n + j];
+      y[t * n + j] = sum;
+    }
+}
+
+// Below this many multiply-adds one thread does it all (handing work to the pool costs more).
+constexpr int64_t kThreadedWork = 1 << 21;
+
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buffer<ffi::F32> wb,
+                       ffi::ResultBuffer<ffi::F32> out, bool portable) {
+  const int64_t tokens = xb.dimensions()[0], k = xb.dimensions()[1];
+  const int64_t n = wb.dimensions()[1];
+  if (wb.dimensions()[0] != k || out->dimensions()[0] != tokens || out->dimensions()[1] != n)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "dense matmul: shapes do not agree");
+  const float* x = xb.typed_data();
+  const float* w = wb.typed_data();
+  float* y = out->typed_data();
+  const bool fast = !portable && has_avx512();
+  const int64_t threads =
+      tokens * k * n < kThreadedWork ? 1 : std::max<int64_t>(pool.num_threads(), 1);
+  // Whole panels per item, about 4 items per thread (the items are claimed as threads free up).
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t per_item = std::max<int64_t>(1, panels / (4 * threads));
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t p = 0; p < panels; p += per_item)
+    items.emplace_back(p * kPanel, std::min(n, (p + per_item) * kPanel));
+  auto run = [&](const std::pair<int64_t, int64_t>& item) {
+    if (fast) columns_avx512(x, w, y, tokens, k, n, item.first, item.second);
+    else columns_portable(x, w, y, tokens, k, n, item.first, item.second);
+  };
+  zoo_cpu::parallel(pool, threads, items, run);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooDenseMatmul, DenseMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("portable"));

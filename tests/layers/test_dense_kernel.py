@@ -1,0 +1,121 @@
+"""The float32 CPU kernel for products of a few tokens (layers/kernels/cpu/dense.cc): equal to the
+exact product within the float32 bound of a length-k sum, on both its paths, for every token
+count and for widths that end inside a panel; `Linear` runs it exactly where
+`uses_dense_kernel` says (2-8 float32 tokens on a CPU, no sharding rules), and its derivatives
+in both modes, under vmap, are XLA's.
+
+Tolerance: any order of summing k float32 products (the kernel's FMAs in k order, XLA's blocked
+sums) errs from the exact sum by at most gamma_k * sum_i |x_i w_i|, gamma_k = k u / (1 - k u),
+u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.5)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shard
+from layers import Linear
+from layers.kernels.cpu import DENSE_TARGET
+from layers.kernels.cpu.dense import dense_matmul, uses_dense_kernel
+
+U = 2.0**-24
+
+
+def bound(x, w):
+    """gamma_k * (|x| @ |w|), elementwise, in float64."""
+    k = x.shape[-1]
+    x, w = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64))
+    return k * U / (1 - k * U) * (x @ w)
+
+
+def assert_within_bound(got, x, w, *, added=None):
+    """`got` is x @ w within the bound; with `added` (a bias), `got` is fl(x @ w + added)
+    compared after taking `added` away in float64: one more rounding, u |got|."""
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(got, np.float64)
+    limit = bound(x, w)
+    if added is not None:
+        got, limit = got - np.asarray(added, np.float64), limit + U * np.abs(got)
+    err = np.abs(got - exact)
+    assert (err <= limit).all(), float((err / limit).max())
+
+
+# Widths: one vector, a panel and a bit (masked tail), several panels; k: odd, long.
+@pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 200)])
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+def test_the_kernel_is_the_product_within_the_float32_bound(k, n, portable):
+    w = jax.random.normal(jax.random.key(0), (k, n))
+    for tokens in (1, 2, 3, 4, 5, 7, 8, 13):  # every tile (4, 2, 1 tokens) and its remainders
+        x = jax.random.normal(jax.random.key(tokens), (tokens, k))
+        got = jax.jit(lambda x, w: dense_matmul(x, w, portable=portable))(x, w)
+        assert got.shape == (tokens, n)
+        assert_within_bound(got, x, w)
+
+
+def test_a_product_large_enough_to_be_threaded_is_within_the_bound():
+    """2^21 multiply-adds and more are split over XLA's thread pool by panels."""
+    x = jax.random.normal(jax.random.key(1), (8, 768))
+    w = jax.random.normal(jax.random.key(2), (768, 1000))
+    assert_within_bound(jax.jit(dense_matmul)(x, w), x, w)
+
+
+LINEAR = Linear((6,), (2, 5), axes=("embed", "heads", "head_dim"), use_bias=True,
+                key=jax.random.key(0))  # fmt: skip
+LINEAR = eqx.tree_at(lambda m: m.bias, LINEAR, jnp.arange(10.0).reshape(2, 5))
+
+
+def calls_kernel(model, x) -> bool:
+    text = jax.jit(lambda m, x: m(x)).lower(model, x).as_text()
+    return DENSE_TARGET in text
+
+
+@pytest.mark.parametrize(
+    "shape, kernel",
+    [((1, 1, 6), False), ((1, 2, 6), True), ((4, 6), True), ((2, 4, 6), True), ((3, 3, 6), False)],
+)
+def test_linear_takes_the_kernel_for_two_to_eight_float32_tokens(shape, kernel):
+    x = jax.random.normal(jax.random.key(1), shape)
+    assert calls_kernel(LINEAR, x) is kernel
+    y = eqx.filter_jit(lambda m, x: m(x))(LINEAR, x)
+    flat, bias = np.asarray(y).reshape(-1, 10), np.asarray(LINEAR.bias).reshape(10)
+    assert_within_bound(
+        flat, np.asarray(x).reshape(-1, 6), LINEAR.weight.reshape(6, 10), added=bias
+    )
+
+
+def test_other_dtypes_and_sharding_rules_keep_xla():
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    assert not calls_kernel(LINEAR, x.astype(jnp.bfloat16))
+    assert not uses_dense_kernel(4, jnp.float32, jnp.bfloat16)  # a bf16 weight: no copy per call
+    mesh = shard.mesh(data=8)
+    with shard.rules.use_rules(shard.ShardingRules.preset("dp"), mesh):
+        assert not calls_kernel(LINEAR, x)
+    assert calls_kernel(LINEAR, x)
+
+
+def test_derivatives_in_both_modes_and_vmap():
+    """Reverse mode (training) gives the exact gradients of a linear loss sum(c * y) within the
+    bound of their sums (dW = x^T c over the tokens, dx = c W^T over the outputs); forward mode
+    (tests/infer/test_kv_int8.py's sensitivity) gives the einsum's Jacobian; vmap maps the
+    kernel."""
+    x = jax.random.normal(jax.random.key(3), (4, 6))
+    c = jax.random.normal(jax.random.key(5), (4, 2, 5))
+    w = LINEAR.weight
+
+    def linear(w, x):
+        return eqx.tree_at(lambda m: m.weight, LINEAR, w)(x)
+
+    assert calls_kernel(LINEAR, x)
+    dw, dx = jax.grad(lambda w, x: (c * linear(w, x)).sum(), (0, 1))(w, x)
+    flat_c = np.asarray(c).reshape(4, 10)
+    assert_within_bound(np.asarray(dw).reshape(6, 10), np.asarray(x).T, flat_c)
+    assert_within_bound(dx, flat_c, np.asarray(w).reshape(6, 10).T)
+    got = jax.jacfwd(lambda x: linear(w, x))(x)
+    want = jax.jacfwd(lambda x: jnp.einsum("ta,abc->tbc", x, w) + LINEAR.bias)(x)
+    np.testing.assert_array_equal(got, want)  # the tangent of x @ W is dx @ W: XLA's both ways
+    batched = jax.random.normal(jax.random.key(4), (3, 4, 6))
+    mapped = jax.vmap(lambda x: linear(w, x))(batched)
+    for i in range(3):
+        flat = np.asarray(mapped[i]).reshape(4, 10)
+        assert_within_bound(flat, batched[i], w.reshape(6, 10), added=LINEAR.bias.reshape(10))
