@@ -5,8 +5,11 @@ its next rows prefetched (bench/RESULTS.md, "skinny products"). At 1 row XLA's o
 streams faster, and past 8 tokens the kernel would walk W once per 8, so it serves 2-8 tokens
 (`DENSE_KERNEL_TOKENS`). The choice is made when the program is traced (`uses_dense_kernel`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float
 
 from layers.kernels.cpu import DENSE_TARGET, ensure_built
@@ -50,7 +53,17 @@ def dense_product(x: Float[Array, "tokens k"], w: Float[Array, "k n"]) -> Float[
     return dense_matmul(x, w)
 
 
-@dense_product.defjvp
+@functools.partial(dense_product.defjvp, symbolic_zeros=True)
 def _dense_jvp(primals, tangents):
+    # A tangent known to be zero (a weight's, outside training) is skipped, as JAX's own
+    # derivative of `x @ w` does. Multiplying by the instantiated zeros instead is wasted work,
+    # and wrong on XLA:CPU in test_kv_int8's jacfwd over 1,024 directions: all-NaN tangents
+    # with this kernel, ~1e36 with a plain `x @ w` under the same rule (fine at 512).
     (x, w), (dx, dw) = primals, tangents
-    return dense_product(x, w), dx @ w + x @ dw
+    y = dense_product(x, w)
+    dy = jnp.zeros_like(y)
+    if not isinstance(dx, SymbolicZero):
+        dy = dy + dx @ w
+    if not isinstance(dw, SymbolicZero):
+        dy = dy + x @ dw
+    return y, dy
