@@ -1,6 +1,9 @@
 """Test set-up: 8 fake CPU devices, float32, no network. Runs before any test imports JAX."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # LLVM -O0: the suite compiles hundreds of tiny programs, so compile time, not run time, is what
 # it spends (measured: 8.0 -> 5.1 min on 2 cores). Every comparison in a test is between programs
@@ -12,9 +15,22 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["EQX_ZOO_COMPILE_CACHE"] = "off"  # tests compile afresh: nothing read back or left in ~
+# One XLA compilation cache per test run (shard/compile_cache.py's, in a new temporary directory
+# removed when the run ends: nothing is read from or left in ~): a program another test, worker
+# or test-started process already compiled (the same tiny model's engine step, a CLI run's
+# training step) is read back instead of compiled again. The first process (pytest-xdist's
+# controller, or a plain run) creates it; the workers and the processes tests start inherit it.
+_RUN_CACHE = "EQX_ZOO_TEST_RUN_CACHE"
+if _RUN_CACHE not in os.environ:
+    os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="eqx-zoo-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
+os.environ["EQX_ZOO_COMPILE_CACHE"] = os.environ[_RUN_CACHE]
 
-import jax
+import jax  # noqa: E402
+
+from shard.compile_cache import use_compile_cache  # noqa: E402
+
+use_compile_cache()
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -79,11 +95,13 @@ _COMPILED = [0]  # programs compiled since the mappings were last counted
 
 
 def _count_compilations(event: str, *_, **__) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
+    # A program read back from the compilation cache maps its code as a compiled one does.
+    if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"):
         _COMPILED[0] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compilations)
+jax.monitoring.register_event_listener(_count_compilations)
 
 
 @pytest.fixture(autouse=True)
