@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from layers.kernels.cpu.dense import dense_product, uses_dense_kernel
+
 
 class Embedding(eqx.Module):
     """Token ids -> vectors; `unembed` reuses the same matrix as the output head (weight tying,
@@ -39,7 +41,14 @@ class Embedding(eqx.Module):
     def unembed(
         self, x: Float[Array, "batch seq embed"], *, dtype: DTypeLike | None = None
     ) -> Float[Array, "batch seq vocab"]:
+        """A few float32 tokens on a CPU (a decode step's rows) take the CPU kernel of
+        `layers.kernels.cpu.dense`, walking the table's rows in order; everything else one XLA
+        einsum."""
         dtype = dtype or x.dtype
+        (batch, seq, embed), vocab = x.shape, self.weight.shape[0]
+        if uses_dense_kernel(batch * seq, x.dtype, self.weight.dtype, dtype):
+            flat = dense_product(x.reshape(batch * seq, embed), self.weight, True)
+            return flat.reshape(batch, seq, vocab)
         return jnp.einsum("bsd,vd->bsv", x.astype(dtype), self.weight.astype(dtype))
 
     def logical_axes(self) -> dict[str, tuple[str, ...]]:

@@ -73,7 +73,7 @@ class Linear(eqx.Module):
         batch = x.shape[: x.ndim - n_in]
         if uses_dense_kernel(math.prod(batch), x.dtype, self.weight.dtype, dtype):
             k, n = math.prod(self.in_shape), math.prod(self.out_shape)
-            flat = dense_product(x.reshape(-1, k), self.weight.reshape(k, n))
+            flat = dense_product(x.reshape(-1, k), self.weight.reshape(k, n), False)
             y = flat.reshape(*batch, *self.out_shape)
             return y if self.bias is None else y + self.bias
         letters = string.ascii_letters

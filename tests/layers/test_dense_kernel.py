@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shard
-from layers import Linear
+from layers import Embedding, Linear
 from layers.kernels.cpu import DENSE_TARGET
 from layers.kernels.cpu.dense import dense_matmul, uses_dense_kernel
 
@@ -41,23 +41,32 @@ def assert_within_bound(got, x, w, *, added=None):
     assert (err <= limit).all(), float((err / limit).max())
 
 
-# Widths: one vector, a panel and a bit (masked tail), several panels; k: odd, long.
-@pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 200)])
+# Widths: one vector, a panel and a bit (masked tail), several panels; k: odd, long. Transposed
+# (W stored [n, k], the tied head's walk): k's 16-lane tail masked, n's last rows past a group
+# of 4.
+@pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 201)])
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
-def test_the_kernel_is_the_product_within_the_float32_bound(k, n, portable):
+@pytest.mark.parametrize("transposed", [False, True], ids=["x.w", "x.wT"])
+def test_the_kernel_is_the_product_within_the_float32_bound(k, n, portable, transposed):
     w = jax.random.normal(jax.random.key(0), (k, n))
+    stored = w.T if transposed else w
+    product = jax.jit(lambda x, w: dense_matmul(x, w, transposed=transposed, portable=portable))
     for tokens in (1, 2, 3, 4, 5, 7, 8, 13):  # every tile (4, 2, 1 tokens) and its remainders
         x = jax.random.normal(jax.random.key(tokens), (tokens, k))
-        got = jax.jit(lambda x, w: dense_matmul(x, w, portable=portable))(x, w)
+        got = product(x, stored)
         assert got.shape == (tokens, n)
         assert_within_bound(got, x, w)
 
 
-def test_a_product_large_enough_to_be_threaded_is_within_the_bound():
+@pytest.mark.parametrize("transposed", [False, True], ids=["x.w", "x.wT"])
+def test_a_product_large_enough_to_be_threaded_is_within_the_bound(transposed):
     """2^21 multiply-adds and more are split over XLA's thread pool by panels."""
     x = jax.random.normal(jax.random.key(1), (8, 768))
-    w = jax.random.normal(jax.random.key(2), (768, 1000))
-    assert_within_bound(jax.jit(dense_matmul)(x, w), x, w)
+    w = jax.random.normal(jax.random.key(2), (768, 1001))
+    got = jax.jit(lambda x, w: dense_matmul(x, w, transposed=transposed))(
+        x, w.T if transposed else w
+    )
+    assert_within_bound(got, x, w)
 
 
 LINEAR = Linear((6,), (2, 5), axes=("embed", "heads", "head_dim"), use_bias=True,
@@ -65,8 +74,8 @@ LINEAR = Linear((6,), (2, 5), axes=("embed", "heads", "head_dim"), use_bias=True
 LINEAR = eqx.tree_at(lambda m: m.bias, LINEAR, jnp.arange(10.0).reshape(2, 5))
 
 
-def calls_kernel(model, x) -> bool:
-    text = jax.jit(lambda m, x: m(x)).lower(model, x).as_text()
+def calls_kernel(call, x) -> bool:
+    text = jax.jit(lambda x: call(x)).lower(x).as_text()
     return DENSE_TARGET in text
 
 
@@ -81,6 +90,23 @@ def test_linear_takes_the_kernel_for_two_to_eight_float32_tokens(shape, kernel):
     flat, bias = np.asarray(y).reshape(-1, 10), np.asarray(LINEAR.bias).reshape(10)
     assert_within_bound(
         flat, np.asarray(x).reshape(-1, 6), LINEAR.weight.reshape(6, 10), added=bias
+    )
+
+
+@pytest.mark.parametrize("tokens, kernel", [(1, False), (2, True), (8, True), (9, False)])
+def test_the_tied_head_takes_the_kernel_for_two_to_eight_float32_tokens(tokens, kernel):
+    embedding = Embedding(50, 6, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, tokens, 6))
+    assert calls_kernel(embedding.unembed, x) is kernel
+    got = jax.jit(lambda m, x: m.unembed(x))(embedding, x)
+    assert got.shape == (1, tokens, 50)
+    assert_within_bound(got[0], x[0], embedding.weight.T)
+    # Its derivatives: the table's gradient (x^T c, as rows) and jacfwd, both XLA's products.
+    c = jax.random.normal(jax.random.key(2), (1, tokens, 50))
+    grad = jax.grad(lambda w: (c * Embedding.of(w).unembed(x)).sum())(embedding.weight)
+    assert_within_bound(grad.T, x[0].T, c[0])
+    np.testing.assert_array_equal(
+        jax.jacfwd(embedding.unembed)(x), jax.jacfwd(lambda x: x @ embedding.weight.T)(x)
     )
 
 

@@ -3,7 +3,9 @@ product of a skinny x packs W's panels first (a second pass over the weight) and
 8-row product at about half the rate of the kernel, which reads W once for all the tokens with
 its next rows prefetched (bench/RESULTS.md, "skinny products"). At 1 row XLA's own product
 streams faster, and past 8 tokens the kernel would walk W once per 8, so it serves 2-8 tokens
-(`DENSE_KERNEL_TOKENS`). The choice is made when the program is traced (`uses_dense_kernel`)."""
+(`DENSE_KERNEL_TOKENS`). The choice is made when the program is traced (`uses_dense_kernel`).
+The tied head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its
+rows in order (`x · W^T`), the same kernel library's other loop."""
 
 import functools
 
@@ -19,18 +21,25 @@ DENSE_KERNEL_TOKENS = range(2, 9)
 
 
 def dense_matmul(
-    x: Float[Array, "tokens k"], w: Float[Array, "k n"], *, portable: bool = False
+    x: Float[Array, "tokens k"],
+    w: Float[Array, "k n"] | Float[Array, "n k"],
+    *,
+    transposed: bool = False,
+    portable: bool = False,
 ) -> Float[Array, "tokens n"]:
-    """`x · W` in float32 by dense.cc, each output summed over k in order with one FMA a term
-    (XLA sums in another order: the two agree to the float32 rounding of a length-k sum).
+    """`x · W` (or `x · W^T` when `transposed`, W then [n, k]) in float32 by dense.cc: each output
+    of `x · W` summed over k in order with one FMA a term, of `x · W^T` in 16 lanes then across
+    them (XLA sums in other orders: they agree to the float32 rounding of a length-k sum).
     `portable`: the plain C++ path instead of the AVX-512 one (a test of both). Under vmap the
     mapped products run one after another."""
     ensure_built()
+    n = w.shape[0] if transposed else w.shape[1]
     call = jax.ffi.ffi_call(
-        DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
-        vmap_method="sequential",
-    )  # fmt: skip
-    return call(x.astype(jnp.float32), w.astype(jnp.float32), portable=portable)
+        DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential"
+    )
+    return call(
+        x.astype(jnp.float32), w.astype(jnp.float32), transposed=transposed, portable=portable
+    )
 
 
 def uses_dense_kernel(tokens: int, *dtypes) -> bool:
@@ -46,24 +55,26 @@ def uses_dense_kernel(tokens: int, *dtypes) -> bool:
     )
 
 
-@jax.custom_jvp
-def dense_product(x: Float[Array, "tokens k"], w: Float[Array, "k n"]) -> Float[Array, "tokens n"]:
-    """`dense_matmul(x, w)`, with derivatives (forward and reverse mode) by XLA's products of
-    the tangents, as for `x @ w`."""
-    return dense_matmul(x, w)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def dense_product(
+    x: Float[Array, "tokens k"], w: Float[Array, "k n"] | Float[Array, "n k"], transposed: bool
+) -> Float[Array, "tokens n"]:
+    """`dense_matmul(x, w, transposed=transposed)`, with derivatives (forward and reverse mode)
+    by XLA's products of the tangents, as for `x @ w` (or `x @ w.T`)."""
+    return dense_matmul(x, w, transposed=transposed)
 
 
 @functools.partial(dense_product.defjvp, symbolic_zeros=True)
-def _dense_jvp(primals, tangents):
+def _dense_jvp(transposed, primals, tangents):
     # A tangent known to be zero (a weight's, outside training) is skipped, as JAX's own
     # derivative of `x @ w` does. Multiplying by the instantiated zeros instead is wasted work,
     # and wrong on XLA:CPU in test_kv_int8's jacfwd over 1,024 directions: all-NaN tangents
     # with this kernel, ~1e36 with a plain `x @ w` under the same rule (fine at 512).
     (x, w), (dx, dw) = primals, tangents
-    y = dense_product(x, w)
+    y = dense_product(x, w, transposed)
     dy = jnp.zeros_like(y)
     if not isinstance(dx, SymbolicZero):
-        dy = dy + dx @ w
+        dy = dy + dx @ (w.T if transposed else w)
     if not isinstance(dw, SymbolicZero):
-        dy = dy + x @ dw
+        dy = dy + x @ (dw.T if transposed else dw)
     return y, dy
