@@ -46,7 +46,7 @@ class Embedding(eqx.Module):
         einsum."""
         dtype = dtype or x.dtype
         (batch, seq, embed), vocab = x.shape, self.weight.shape[0]
-        if uses_dense_kernel(batch * seq, x.dtype, self.weight.dtype, dtype):
+        if uses_dense_kernel(batch * seq, x.dtype, self.weight.dtype, dtype, transposed=True):
             flat = dense_product(x.reshape(batch * seq, embed), self.weight, True)
             return flat.reshape(batch, seq, vocab)
         return jnp.einsum("bsd,vd->bsv", x.astype(dtype), self.weight.astype(dtype))

@@ -1,11 +1,13 @@
 """`x · W` in float32 for a few tokens on a CPU (dense.cc), what `Linear` runs for decode: XLA's
 product of a skinny x packs W's panels first (a second pass over the weight) and reads an
 8-row product at about half the rate of the kernel, which reads W once for all the tokens with
-its next rows prefetched (bench/RESULTS.md, "skinny products"). At 1 row XLA's own product
-streams faster, and past 8 tokens the kernel would walk W once per 8, so it serves 2-8 tokens
-(`DENSE_KERNEL_TOKENS`). The choice is made when the program is traced (`uses_dense_kernel`).
-The tied head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its
-rows in order (`x · W^T`), the same kernel library's other loop."""
+its next rows prefetched (bench/RESULTS.md, "A CPU kernel for decode's float32 products"). At
+1 row XLA's own product streams faster, and past 16 tokens (the kernel reading each panel again
+from L2 for every 4) it computes no faster than XLA, so `x · W` serves 2-16 tokens. The tied
+head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its rows in
+order (`x · W^T`), faster than XLA's product up to 32 tokens (a mixed step's decode rows and
+prompt chunks' last tokens). `KERNEL_TOKENS` holds both ranges; the choice is made when the
+program is traced (`uses_dense_kernel`)."""
 
 import functools
 
@@ -17,7 +19,8 @@ from jaxtyping import Array, Float
 from layers.kernels.cpu import DENSE_TARGET, ensure_built
 from shard.rules import active
 
-DENSE_KERNEL_TOKENS = range(2, 9)
+# Token counts each walk serves (x · W, x · W^T), measured against XLA's products in RESULTS.
+KERNEL_TOKENS = {False: range(2, 17), True: range(2, 33)}
 
 
 def dense_matmul(
@@ -42,14 +45,15 @@ def dense_matmul(
     )
 
 
-def uses_dense_kernel(tokens: int, *dtypes) -> bool:
-    """Whether a product of `tokens` rows runs the kernel: on a CPU, for 2-8 tokens, in float32
+def uses_dense_kernel(tokens: int, *dtypes, transposed: bool = False) -> bool:
+    """Whether a product of `tokens` rows runs the kernel: on a CPU, for the token counts
+    `KERNEL_TOKENS` gives the walk (`transposed`: by a weight stored [n, k]), in float32
     (every dtype given: x's, W's, the compute dtype; a cast of W would copy it per call), and
     outside sharding rules (the kernel has no partitioning rule: a sharded product keeps
     XLA's)."""
     return (
         jax.default_backend() == "cpu"
-        and tokens in DENSE_KERNEL_TOKENS
+        and tokens in KERNEL_TOKENS[transposed]
         and all(jnp.dtype(dtype) == jnp.float32 for dtype in dtypes)
         and active() is None
     )
