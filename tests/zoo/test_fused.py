@@ -26,8 +26,8 @@ forward = eqx.filter_jit(lambda model, tokens: model(tokens))
 
 
 def _dots(model, batch: int = 2) -> int:
-    """Matmuls in one decode step's program (one token per row over a cache): XLA's products and,
-    for the 2-8 float32 rows a CPU runs through `layers.kernels.cpu.dense`, the kernel's calls."""
+    """Matmuls in one decode step's program (one token per row over a cache): XLA's products and
+    the calls of the CPU kernel (`layers.kernels.cpu.dense`) that a few float32 rows take."""
     step = lambda m, t, cache: m.forward(t, cache=cache).logits  # noqa: E731
     tokens = jnp.zeros((batch, 1), jnp.int32)
     text = eqx.filter_jit(step).lower(model, tokens, model.init_cache(batch, 16)).as_text()

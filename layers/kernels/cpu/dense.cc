@@ -148,25 +148,15 @@ void rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, 
 bool has_avx512() { return false; }
 #endif
 
-// The plain path (other CPUs, and `portable`): the same sum over k, one token and column at a
-// time in k order.
-void columns_portable(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
-                      int64_t n, int64_t c0, int64_t c1) {
+// The plain path (other CPUs, and `portable`), of both walks: W's element (i, j) at
+// w[i * wi + j * wj] (x · W: wi = n, wj = 1; x · W^T: wi = 1, wj = k); each output summed in k
+// order, one token and column at a time.
+void portable_walk(const float* x, const float* w, float* y, int64_t tokens, int64_t k, int64_t n,
+                   int64_t c0, int64_t c1, int64_t wi, int64_t wj) {
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t j = c0; j < c1; ++j) {
       float sum = 0.0f;
-      for (int64_t i = 0; i < k; ++i) sum += x[t * k + i] * w[i * n + j];
-      y[t * n + j] = sum;
-    }
-}
-
-// The plain path of y = x · W^T, W [N, K]: each dot product in k order.
-void rows_portable(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
-                   int64_t n, int64_t c0, int64_t c1) {
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t j = c0; j < c1; ++j) {
-      float sum = 0.0f;
-      for (int64_t i = 0; i < k; ++i) sum += x[t * k + i] * w[j * k + i];
+      for (int64_t i = 0; i < k; ++i) sum += x[t * k + i] * w[i * wi + j * wj];
       y[t * n + j] = sum;
     }
 }
@@ -194,10 +184,11 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t p = 0; p < panels; p += per_item)
     items.emplace_back(p * kPanel, std::min(n, (p + per_item) * kPanel));
-  auto walk = transposed ? (fast ? rows_avx512 : rows_portable)
-                         : (fast ? columns_avx512 : columns_portable);
+  const int64_t wi = transposed ? 1 : n, wj = transposed ? k : 1;
   auto run = [&](const std::pair<int64_t, int64_t>& item) {
-    walk(x, w, y, tokens, k, n, item.first, item.second);
+    if (!fast) portable_walk(x, w, y, tokens, k, n, item.first, item.second, wi, wj);
+    else if (transposed) rows_avx512(x, w, y, tokens, k, n, item.first, item.second);
+    else columns_avx512(x, w, y, tokens, k, n, item.first, item.second);
   };
   zoo_cpu::parallel(pool, threads, items, run);
   return ffi::Error::Success();
