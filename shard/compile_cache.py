@@ -10,7 +10,8 @@ recently used entries).
 
 `EQX_ZOO_COMPILE_CACHE` names the directory (default `~/.cache/eqx-zoo/xla`); `off` turns the
 cache off. The library itself never turns it on: a script that imports the zoo chooses, and
-`python -m bench` leaves it off because it measures cold compiles. The test suite sets `off`.
+`python -m bench` leaves it off because it measures cold compiles. The test suite points it at a
+temporary directory of its own for each run (tests/conftest.py).
 """
 
 import os
