@@ -30,16 +30,13 @@ import jax  # noqa: E402
 
 from shard.compile_cache import use_compile_cache  # noqa: E402
 
-use_compile_cache()
-# The run's cache is removed when the run ends, so it needs no size limit: with one, JAX takes a
-# lock that every process shares on each read and write, and scans the directory on each write.
-# Without it every program is worth writing, however fast it compiled (tests/training and the
-# first-day tests: 295 -> 258 s wall, 523 -> 450 s CPU; with the limit, writing every program
-# took 583 s). Without the lock a read can meet a write of the same program: JAX then warns
-# and compiles it (an unreadable entry is a miss, as with its default, unlimited cache).
-# Processes the tests start keep the library's settings (shard/compile_cache.py).
-jax.config.update("jax_compilation_cache_max_size", -1)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+# The run's cache is removed when the run ends, so it needs no size limit, and without one every
+# program is worth writing, however fast it compiled (tests/training and the first-day tests:
+# 295 -> 258 s wall, 523 -> 450 s CPU; with the limit, writing every program took 583 s). Without
+# the limit's lock a read can meet a write of the same program: JAX then warns and compiles it
+# (an unreadable entry is a miss, as with its default, unlimited cache). Processes the tests
+# start keep the library's settings.
+use_compile_cache(min_compile_seconds=0.0, max_bytes=None)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -10,8 +10,8 @@ import warnings
 
 from shard.compile_cache import ENVIRONMENT, use_compile_cache
 
-# Compiles one program with the cache as `use_compile_cache` sets it (every program written:
-# the threshold lowered from a second to zero, so a tiny program counts) and prints how many
+# Compiles one program with the cache `use_compile_cache` sets (every program written: the
+# threshold lowered from a second to zero, so a tiny program counts) and prints how many
 # programs were read back from the cache.
 PROGRAM = textwrap.dedent(
     """
@@ -21,8 +21,7 @@ PROGRAM = textwrap.dedent(
     jax.monitoring.register_event_listener(
         lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None
     )
-    print("directory", use_compile_cache())
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    print("directory", use_compile_cache(min_compile_seconds=0.0))
     jax.jit(lambda x: jnp.sin(x) @ x.T).lower(jnp.ones((8, 8))).compile()
     print("read back", len(hits))
     """
