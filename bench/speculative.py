@@ -12,7 +12,9 @@ without speculation:
   `python -m examples.train_draft` (read from `EQX_ZOO_DRAFT`, default runs/draft/model; its
   rows are left out, with a note, when it is not there), in int8 (`zoo.quantize`: a draft's
   weights are read once per draft, so it reads a quarter of the bytes; q stays a distribution
-  over the whole vocabulary), on both tasks, and on free chat verifying every step.
+  over the whole vocabulary), on both tasks, and on free chat verifying every step; then on free
+  chat with its head cut to the draft vocabulary the example wrote beside it (`draft_vocab`:
+  the head is most of a 4-layer draft's bytes).
 
 Each row prints the drafts kept of those verified, the acceptance rate (kept over judged: the
 drafts after a rejection are never judged, so a verification of k drafts that keeps a of them
@@ -28,13 +30,16 @@ once the costs are counted (`speculative_speedup`), with the costs on paper and 
 - the verification's cost (a `k + 1`-token target step over a one-token one): on paper by the
   roofline of the ceilings measured in this run; measured likewise, for every k up to K;
 and the acceptance rate a draft needs for the issue's 1.3x at those measured costs
-(`speculative_acceptance_needed`). An adaptive row's predicted speedup is at least that of
-plain decoding with the draft's one forward beside each step (its observation). Every
-speculative run's tokens are checked against the plain engine's.
+(`speculative_acceptance_needed`). An adaptive draft model's engine chooses each step's drafts
+per row (infer/speculative/adaptive.py), so its row is predicted at the best k for the measured
+costs and needs the lowest acceptance over k; its predicted speedup is at least that of plain
+decoding with the draft's one forward beside each step (its observation). Every speculative
+run's tokens are checked against the plain engine's.
 
     python -m bench speculative
 """
 
+import functools
 import os
 import statistics
 import time
@@ -46,7 +51,7 @@ import zoo
 from bench.harness import Ceilings, Table
 from cli.flags import default_chat_model as smollm2_gguf
 from infer.engine import Engine
-from infer.speculative import DraftModel, PromptLookup, truncated_draft
+from infer.speculative import DraftModel, PromptLookup, draft_vocab, truncated_draft
 from zoo import math as zmath
 
 K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
@@ -74,6 +79,11 @@ def roofline_s(config, tokens: int, context: int, ceilings: Ceilings) -> float:
     return max(read, flops / ceilings.matmul_flops("float32"))
 
 
+def verify_on_paper(config, context: int, ceilings: Ceilings, k: int) -> float:
+    """A verification of `k` drafts in one-token target steps, by the roofline."""
+    return roofline_s(config, k + 1, context, ceilings) / roofline_s(config, 1, context, ceilings)
+
+
 def weight_bytes(model) -> int:
     """The bytes of a model's arrays (packed weights as packed): what one decode forward reads."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(model) if isinstance(leaf, jax.Array))
@@ -93,18 +103,20 @@ def verify_costs(model) -> dict[int, float]:
     return {k: engine.costs.verify_cost() for k, engine in engines.items()}
 
 
-def draft_costs(model, draft, k: int) -> tuple[float, float]:
+def draft_costs(model, proposer: DraftModel) -> tuple[float, float]:
     """One draft forward beside a plain step, and one draft of a verifying step's `k`, in
     one-token target steps: an adaptive `DraftModel` engine's step times against the same
     target programs without a draft (a `PromptLookup(k)` engine), timed in turn, medians."""
-    drafting = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=DraftModel(draft, k=k))
+    k = proposer.k
+    adaptive = DraftModel(proposer.model, k=k, vocab=proposer.vocab)
+    drafting = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=adaptive)
     plain = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=PromptLookup(k=k))
     for _ in range(TIMINGS):
         drafting.time_steps(1)
         plain.time_steps(1)
     step = plain.costs.median("plain")
     beside = drafting.costs.median("plain") / step - 1
-    per_draft = (drafting.costs.median("verify") - plain.costs.median("verify")) / step / k
+    per_draft = (drafting.costs.median(k) - plain.costs.median(k)) / step / k
     return max(beside, 0.0), max(per_draft, 0.0)
 
 
@@ -122,30 +134,44 @@ def decode_run(engine: Engine, prompt: list[int], stops) -> tuple:
     return request.tokens, rate, cpu, forwards, request.drafted, request.accepted, request.rejected
 
 
+def draft_bytes(proposer: DraftModel) -> int:
+    """What one draft forward reads: the model's weights, its head cut to the draft
+    vocabulary's rows when it has one (the whole table is then never read)."""
+    model = proposer.model
+    if proposer.head is None:
+        return weight_bytes(model)
+    whole = model.embed if model.lm_head is None else model.lm_head
+    return weight_bytes(model) - weight_bytes(whole) + weight_bytes(proposer.head)
+
+
 def draft_rows(model, notes: list[str]) -> list[tuple]:
     """(name, proposer, paper draft cost, measured draft cost, tasks) of each draft model, in
     int8."""
     target_bytes = weight_bytes(model)
     untrained = zoo.quantize(truncated_draft(model, 2), "int8")
-    drafts = [("first 2 layers, untrained, int8", untrained, (True,), ("free chat",))]
+    drafts = [("first 2 layers, untrained, int8", untrained, None, (True,), ("free chat",))]
     if DRAFT.exists():
         trained = zoo.quantize(zoo.load_pretrained(DRAFT), "int8")
-        layers = trained.config.n_layers
-        drafts.append((f"{layers} layers distilled, int8", trained, (True, False), tuple(TASKS)))
+        name = f"{trained.config.n_layers} layers distilled, int8"
+        drafts.append((name, trained, None, (True, False), tuple(TASKS)))
+        vocab = draft_vocab(DRAFT)
+        if vocab is not None:
+            name += f", head cut to {vocab.size} tokens"
+            drafts.append((name, trained, vocab, (True, False), ("free chat",)))
     else:
         notes.append(f"No distilled draft at {DRAFT} (EQX_ZOO_DRAFT): its rows are left out; "
                      "`python -m examples.train_draft` writes one.")  # fmt: skip
     rows = []
-    for name, draft, modes, tasks in drafts:
-        paper = weight_bytes(draft) / target_bytes
-        beside, measured = draft_costs(model, draft, DRAFT_K)
-        notes.append(f"Draft {name}: {weight_bytes(draft) / 1e6:.0f} MB of weights "
+    for name, draft, vocab, modes, tasks in drafts:
+        proposers = [DraftModel(draft, k=DRAFT_K, adaptive=a, vocab=vocab) for a in modes]
+        paper = draft_bytes(proposers[0]) / target_bytes
+        beside, measured = draft_costs(model, proposers[0])
+        notes.append(f"Draft {name}: {draft_bytes(proposers[0]) / 1e6:.0f} MB read per forward "
                      f"({paper:.3f} of the target's); measured in target steps: a draft of a "
                      f"verifying step's {DRAFT_K} {measured:.3f}, one forward beside a plain "
                      f"step {beside:.3f}.")  # fmt: skip
-        for adaptive in modes:
-            how = "adaptive" if adaptive else "every step"
-            proposer = DraftModel(draft, k=DRAFT_K, adaptive=adaptive)
+        for proposer in proposers:
+            how = "adaptive" if proposer.adaptive else "every step"
             row = (f"draft: {name}, k={DRAFT_K}, {how}", proposer, paper, measured, beside, tasks)
             rows.append(row)
     return rows
@@ -196,20 +222,25 @@ def run(ceilings: Ceilings) -> Table:
             acceptance = accepted / max(accepted + rejected, 1)  # per judged draft
             per_step = zmath.speculative_tokens_per_step(acceptance, k)
             context = len(prompt) + len(tokens)
-            verify_paper = roofline_s(model.config, k + 1, context, ceilings) / roofline_s(
-                model.config, 1, context, ceilings
-            )
-            verify = verify_measured[k]
-            needed = zmath.speculative_acceptance_needed(
-                SPEEDUP_GOAL, k, verify_cost=verify, draft_cost=measured_draft
-            )
-            predicted = {
-                how: zmath.speculative_speedup(
-                    acceptance, k, verify_cost=cost, draft_cost=draft_cost
+            verify_paper_of = functools.partial(verify_on_paper, model.config, context, ceilings)
+            verify_paper, verify = verify_paper_of(k), verify_measured[k]
+            # An adaptive draft model's engine picks the drafts per row each step: its best k.
+            choices = range(1, k + 1) if proposer.adaptive and measured_draft else [k]
+            needs = [
+                zmath.speculative_acceptance_needed(
+                    SPEEDUP_GOAL, j, verify_cost=verify_measured[j], draft_cost=measured_draft
                 )
-                for how, cost, draft_cost in (
-                    ("paper", verify_paper, paper_draft),
-                    ("measured", verify, measured_draft),
+                for j in choices
+            ]
+            needed = min((n for n in needs if n is not None), default=None)
+            predicted = {
+                how: max(
+                    zmath.speculative_speedup(acceptance, j, verify_cost=cost(j), draft_cost=draft)
+                    for j in choices
+                )
+                for how, cost, draft in (
+                    ("paper", verify_paper_of, paper_draft),
+                    ("measured", verify_measured.get, measured_draft),
                 )
             }
             if proposer.adaptive:  # it decodes plainly where speculating would lose

@@ -25,7 +25,7 @@ import jax
 import infer
 import shard
 from cli import commands, flags, stream
-from infer.speculative import DraftModel, PromptLookup, Proposer, check_tokenizers
+from infer.speculative import DraftModel, PromptLookup, Proposer, check_tokenizers, draft_vocab
 from training.artifacts import load_artifact, plain
 from zoo import Tokenizer, Transformer, quantize
 from zoo.tokenizer import content
@@ -117,7 +117,8 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
         metavar="MODEL",
         help="speculative decoding: drafts from this smaller model with the same tokenizer "
         "(named as --model is; e.g. python -m examples.train_draft's runs/draft/model), run in "
-        "int8 (infer.speculative.DraftModel, adaptive); default off",
+        "int8 (infer.speculative.DraftModel, adaptive), its head cut to the draft_vocab.json "
+        "beside it when there is one; default off",
     )
     p.add_argument(
         "--draft-k",
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         if draft.tokenizer is not None:
             check_tokenizers(artifact.tokenizer, draft.tokenizer)
         small = quantize(plain(draft.model).with_policy(storage="unrolled"), "int8")
-        speculative = DraftModel(small, k=args.draft_k)
+        # A distilled draft's vocabulary, when it has one (infer.speculative.draft_vocab).
+        speculative = DraftModel(small, k=args.draft_k, vocab=draft_vocab(args.draft))
     start = time.perf_counter()
     print("compiling the engine (prefill and decode programs) ...", flush=True)
     chat = Chat(

@@ -52,7 +52,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
-from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, speculation_pays
+from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, drafts_that_pay
 from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
 from infer.speculative.proposer import Proposer
@@ -533,7 +533,9 @@ class Engine:
         self.prompt_shapes = prompt_shapes(min((self.token_budget - decode_tokens) // chunk, most))
         # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
         self.adaptive = isinstance(speculative, Proposer | DraftModel) and speculative.adaptive
-        self.costs = StepCosts()
+        # A draft model's verification costs its forwards: timed at 1 draft and at K.
+        timed = (1, self.max_drafts) if isinstance(speculative, DraftModel) else (self.max_drafts,)
+        self.costs = StepCosts(tuple(sorted(set(timed))))
         self._consumed: tuple[int, float] | None = None  # the last step read, and when
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed
@@ -805,33 +807,34 @@ class Engine:
         runs, its next mask needs its last token, and before a step that verifies drafts or
         after one: proposals continue the previous step's tokens, and accepted drafts move the
         rows' lengths)."""
-        speculating = self._speculating()
+        drafts = self._step_drafts()
         if self._launched is not None and (
-            speculating
+            drafts
             or self._launched.drafts  # its accepted drafts move the rows' lengths
             or any(r is not None and r.allowed for r in self.rows)
         ):
             self._consume(self._launched)
             self._launched = None
-        launched = self._dispatch(speculating)
+        launched = self._dispatch(drafts)
         if self._launched is not None:
             self._consume(self._launched)
         self._launched = launched
 
-    def _speculating(self) -> bool:
-        """Whether the next step verifies drafts. An adaptive proposer's engine decides from
-        the running rows' acceptance rates and the measured step costs
-        (infer/speculative/adaptive.py; a program not yet timed is run to time it)."""
+    def _step_drafts(self) -> int:
+        """How many drafts per row the next step verifies at most (0: none, one token per
+        row). An adaptive proposer's engine decides from the running rows' acceptance rates and
+        the measured step costs (infer/speculative/adaptive.py; a program not yet timed is run
+        to time it)."""
         if self.proposer is None or not self.adaptive:
-            return self.proposer is not None
+            return self.max_drafts
         rows = [r for r in self.rows if r is not None and r.draft_tokens and not r.prefilling]
         if not rows:
-            return False
+            return 0
         untimed = self.costs.unmeasured()
         if untimed is not None:
-            return untimed == "verify"
+            return 0 if untimed == "plain" else untimed
         rates = [r.acceptance.rate for r in rows]
-        return speculation_pays(rates, self.max_drafts, self.costs.verify_cost())
+        return drafts_that_pay(rates, self.max_drafts, self.costs.verify_cost)
 
     def _widths(self) -> list[dict | None]:
         """The decode widths this engine runs: one token per row (None) and, speculating, the
@@ -863,15 +866,20 @@ class Engine:
     def time_steps(self, repeats: int) -> None:
         """Run each compiled decode-only program `repeats` times on idle rows (nothing written)
         and add the wall times, with the draft model's work beside each, to `costs`: what one
-        plain and one verifying step cost here (an adaptive engine's warm-up does it; a
+        plain step and a verifying one of each of `costs.verify` drafts per row cost here (an
+        adaptive engine's warm-up does it; a
         benchmark may ask for more). Call it between runs, not while requests are running."""
-        for drafts in self._widths():
+        kinds = [
+            kind for drafts in self._widths()
+            for kind in (["plain"] if drafts is None else self.costs.verify)
+        ]  # fmt: skip
+        for kind in kinds:
             for _ in range(repeats):
                 started = time.perf_counter()
-                plan = self._plan([], [], 0, {}, drafts)
-                plan, _ = self._with_drafter(plan, [], [], warm_up=True)
+                plan = self._plan([], [], 0, {}, None if kind == "plain" else {})
+                forwards = 1 if kind == "plain" else kind
+                plan, _ = self._with_drafter(plan, [], [], warm_up=True, forwards=forwards)
                 self._launch(plan, [])[0].block_until_ready()
-                kind = "plain" if drafts is None else "verify"
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
 
     def _compiled(self, plan: StepPlan) -> jax.stages.Compiled:
@@ -925,12 +933,13 @@ class Engine:
 
     def _with_drafter(
         self, plan: StepPlan, decode: list[Request], pieces: list[tuple[Request, int, int]], *,
-        warm_up: bool = False,
+        warm_up: bool = False, forwards: int | None = None,
     ) -> tuple[StepPlan, Array | None]:  # fmt: skip
         """The plan with a draft model's drafts (or an MTP module's), and, for a step that
         verifies nothing in an adaptive draft model's engine, the draft's guess at each row's
         token instead (infer/speculative/draft.py); the draft takes in only the rows that still
-        draft (none: it does not run, except to compile at `warm_up`)."""
+        draft (none: it does not run, except to compile at `warm_up`). A draft model runs
+        `forwards` forwards (default: the most drafts a row of `plan` has)."""
         if self.drafter is None:
             return plan, None
         sampling = self._row_params().sampling
@@ -941,7 +950,11 @@ class Engine:
             return plan, self.drafter.observe(
                 plan, sequences, self.state.last, sampling, self.steps
             )
-        return self.drafter.propose(plan, sequences, self.state.last, sampling, self.steps), None
+        forwards = int(plan.k.max(initial=0)) if forwards is None else forwards
+        proposed = self.drafter.propose(
+            plan, sequences, self.state.last, sampling, self.steps, forwards
+        )
+        return proposed, None
 
     def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
         """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
@@ -1157,13 +1170,13 @@ class Engine:
             plan["had"][i] = len(r.sequence) - len(r.prompt)
         return StepPlan(**plan)
 
-    def _propose(self, decode: list[Request]) -> dict[int, np.ndarray]:
-        """Each speculating row's drafts: at most its `draft_tokens`, what its budget can still
-        emit after the target's own token, and what pages it holds or the pool can give without
-        preempting anyone (a dry pool shortens the drafts, nothing more)."""
+    def _propose(self, decode: list[Request], most: int) -> dict[int, np.ndarray]:
+        """Each speculating row's drafts: at most `most` and its `draft_tokens`, what its budget
+        can still emit after the target's own token, and what pages it holds or the pool can give
+        without preempting anyone (a dry pool shortens the drafts, nothing more)."""
         drafts = {}
         for r in decode:
-            k = min(r.draft_tokens, r.max_new_tokens - r.scheduled - 1)
+            k = min(r.draft_tokens, most, r.max_new_tokens - r.scheduled - 1)
             if k < 1:
                 continue
             if self.drafter is None:
@@ -1176,16 +1189,16 @@ class Engine:
             r.drafted += drafts[r.row].size
         return drafts
 
-    def _dispatch(self, speculating: bool) -> _Launched | None:
-        """Admit, schedule, launch this step's program (without waiting for it): verifying
-        drafts when `speculating` and some row has any, one token per row otherwise."""
+    def _dispatch(self, drafts_per_row: int) -> _Launched | None:
+        """Admit, schedule, launch this step's program (without waiting for it): verifying up
+        to `drafts_per_row` drafts per row when some row has any, one token per row otherwise."""
         self._take_inbox()
         self._admit()
         masks = self._masks()
         decode, chunks = self._schedule()
         if not decode and not chunks:
             return None
-        drafts = self._propose(decode) if speculating else None
+        drafts = self._propose(decode, drafts_per_row) if drafts_per_row else None
         if self.adaptive and drafts is not None and not any(d.size for d in drafts.values()):
             drafts = None  # nothing to verify: the one-token program is the cheaper one
         pieces = self._pieces(chunks)
@@ -1254,7 +1267,8 @@ class Engine:
         step's own time once the device is the bound, host one step behind or not)."""
         previous, self._consumed = self._consumed, (launched.step, now)
         if previous is not None and previous[0] == launched.step - 1 and not launched.record.chunks:
-            self.costs.add("verify" if launched.drafts else "plain", now - previous[1])
+            kind = max(launched.drafts.values()) if launched.drafts else "plain"
+            self.costs.add(kind, now - previous[1])
 
     def _observe(
         self, request: Request, drafts: int, kept: int, first: int, guess: int | None

@@ -14,7 +14,11 @@ the draft proposes (Leviathan et al. 2023, section 3.5: a draft is kept with pro
   (the target's own: the draft's output space stays the target's; the layers and the final
   norm learn). It also reports the top-1 agreement: how often a greedy target keeps a greedy
   draft at a position whose prefix is the target's, which is what speculation sees.
+- `draft_vocabulary(sequences, size, vocab_size)`: the tokens a draft may propose
+  (`DraftModel(vocab=)`: its head cut to them), the most frequent in the training text.
 """
+
+import collections
 
 import equinox as eqx
 import jax
@@ -44,6 +48,18 @@ class DistillMetrics(eqx.Module):
 
     kl: Float[Array, ""]
     agreement: Float[Array, ""]
+
+
+def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> list[int]:
+    """`size` token ids for a draft's vocabulary: the most frequent in `sequences` (ties: the
+    lower id first), then the lowest ids not seen (a BPE vocabulary's first merges are its most
+    frequent pieces)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"a draft vocabulary holds 1 to {vocab_size} tokens, got {size}")
+    counts = collections.Counter(t for tokens in sequences for t in tokens)
+    seen = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    unseen = (t for t in range(vocab_size) if t not in counts)
+    return seen + [next(unseen) for _ in range(size - len(seen))]
 
 
 def draft_init(target: Transformer, n_layers: int) -> Transformer:

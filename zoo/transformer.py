@@ -48,6 +48,9 @@ from zoo.stack import Stack, make_stacks
 if TYPE_CHECKING:  # zoo/mtp.py builds on Transformer
     from zoo.mtp import MTP
 
+# Some tokens' LM head rows `[n, embed]` as a table (`Transformer.logits(head=)`).
+HeadRows = Embedding | QuantizedEmbedding
+
 DEFAULT_POLICY = Policy()
 
 
@@ -273,11 +276,19 @@ class Transformer(eqx.Module):
             start += stack.n_layers
         return tuple(caches)
 
-    def logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
-        """Final norm and LM head (the tied embedding matrix when `tie_embeddings`), soft-capped
-        (in float32) when `final_softcap` is set."""
+    def logits(
+        self, x: Float[Array, "batch seq embed"], *, head: HeadRows | None = None
+    ) -> Float[Array, "batch seq vocab"]:
+        """Final norm and LM head (the tied embedding matrix when `tie_embeddings`; `head`, a
+        table of some tokens' head rows `[n, embed]`, in its place: logits `[..., n]`),
+        soft-capped (in float32) when `final_softcap` is set."""
         x = self.final_norm(x)
-        logits = self.embed.unembed(x) if self.lm_head is None else self.lm_head(x)
+        if head is not None:
+            logits = head.unembed(x)
+        elif self.lm_head is None:
+            logits = self.embed.unembed(x)
+        else:
+            logits = self.lm_head(x)
         if self.config.final_softcap is None:
             return logits
         return soft_cap(logits.astype(jnp.float32), self.config.final_softcap).astype(logits.dtype)
@@ -311,6 +322,7 @@ class Transformer(eqx.Module):
         valid: Bool[Array, "batch seq"] | None = None,
         logits_at: Int[Array, " n"] | None = None,
         embeddings: Float[Array, "batch seq embed"] | None = None,
+        head: HeadRows | None = None,
     ) -> ModelOutput:
         """Logits, the MoE layers' router statistics and the updated cache.
 
@@ -326,6 +338,8 @@ class Transformer(eqx.Module):
         every token, `[batch, seq, vocab]`.
         `embeddings` replace the token embeddings as the first layer's input (`tokens` still
         give the shape): DeepSeek's multi-token-prediction module feeds its projection here.
+        `head` scores only some tokens (`logits`; a draft model's cut vocabulary,
+        infer/speculative/draft.py): logits over its rows.
         """
         c = self.config
         _, split = sequence_axis()
@@ -398,6 +412,7 @@ class Transformer(eqx.Module):
             else MoEStats.empty(c.n_experts)
         )
         if logits_at is None:
-            return ModelOutput(logits=self.logits(x), aux=aux, cache=cache, hidden=x)
+            return ModelOutput(logits=self.logits(x, head=head), aux=aux, cache=cache, hidden=x)
         picked = x.reshape(-1, x.shape[-1])[logits_at][None]  # [1, n, embed]
-        return ModelOutput(logits=self.logits(picked)[0], aux=aux, cache=cache, hidden=x)
+        logits = self.logits(picked, head=head)[0]
+        return ModelOutput(logits=logits, aux=aux, cache=cache, hidden=x)

@@ -1,8 +1,8 @@
 """Speculative decoding in the serving engine: proposers of draft tokens and their verification
 by one target forward per step (infer/engine.py runs it; verify.py accepts or rejects; adaptive.py
-decides per step whether verifying pays)."""
+decides per step whether verifying pays, and how many drafts)."""
 
-from infer.speculative.draft import DraftModel, check_tokenizers, truncated_draft
+from infer.speculative.draft import DraftModel, check_tokenizers, draft_vocab, truncated_draft
 from infer.speculative.lookup import PromptLookup
 from infer.speculative.mtp import MTPDraft
 from infer.speculative.proposer import Proposer
@@ -15,6 +15,7 @@ __all__ = [
     "Proposer",
     "accept_sampled",
     "check_tokenizers",
+    "draft_vocab",
     "residual",
     "truncated_draft",
     "verify",

@@ -24,6 +24,8 @@ forward more than plain decoding's."""
 import collections
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -34,12 +36,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from infer.sampling import SamplingParams
 from infer.speculative.proposer import check_k
 from infer.speculative.verify import target_probs
+from layers import Embedding, Linear, QuantizedEmbedding, QuantizedLinear
 from layers.paged_cache import PagedKVCache
 from zoo.stack import Stack
 from zoo.tokenizer import Tokenizer
-from zoo.transformer import Transformer
+from zoo.transformer import HeadRows, Transformer
 
 CATCH_UP = 2  # tokens a row's draft cache may lag its target's by (module docstring)
+DRAFT_VOCAB = "draft_vocab.json"  # a draft checkpoint's vocabulary (`draft_vocab`)
 # How many times the draft program was traced (= compiled), as infer.engine.TRACES counts the
 # engine's: per shape and static setting, never per step.
 TRACES = collections.Counter()
@@ -48,18 +52,28 @@ TRACES = collections.Counter()
 class DraftModel(eqx.Module):
     """`model` proposes up to `k` drafts per row and step (the engine's static maximum);
     `adaptive`: the engine verifies only in steps where it pays (module docstring), False in
-    every step."""
+    every step. `vocab` (default: every token) the token ids the draft may propose: its head is
+    cut to their rows (`head`, built here, once), so a draft forward reads `n / vocab_size` of
+    the head (FR-Spec, Zhao et al. 2025; EAGLE-3's draft vocabulary). A token outside `vocab`
+    is never drafted, so the output is unchanged (greedy and sampled: `q` is 0 there) and only
+    the acceptance can drop; `draft_vocab` reads the one `python -m examples.train_draft`
+    writes."""
 
     model: Transformer
-    k: int = eqx.field(static=True, default=4)
-    adaptive: bool = eqx.field(static=True, default=True)
+    vocab: Int[Array, " n"] | None
+    head: HeadRows | None
+    k: int = eqx.field(static=True)
+    adaptive: bool = eqx.field(static=True)
 
-    def __check_init__(self):
-        if not isinstance(self.model, Transformer):
-            raise ValueError(f"DraftModel needs a zoo.Transformer, got {type(self.model).__name__}")
-        check_k("DraftModel", self.k)
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"DraftModel adaptive must be True or False, got {self.adaptive!r}")
+    def __init__(self, model: Transformer, k: int = 4, adaptive: bool = True, vocab=None):
+        if not isinstance(model, Transformer):
+            raise ValueError(f"DraftModel needs a zoo.Transformer, got {type(model).__name__}")
+        self.model, self.k = model, check_k("DraftModel", k)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"DraftModel adaptive must be True or False, got {adaptive!r}")
+        self.adaptive = adaptive
+        self.vocab = None if vocab is None else checked_vocab(vocab, model.config.vocab_size)
+        self.head = None if vocab is None else head_rows(model, self.vocab)
 
     def check_target(self, target: Transformer) -> None:
         """The draft must speak the target's vocabulary (its token ids are the target's)."""
@@ -69,6 +83,58 @@ class DraftModel(eqx.Module):
                 f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "
                 f"({ours.vocab_size} tokens): a draft must share the target's tokenizer"
             )
+
+
+def checked_vocab(vocab, vocab_size: int) -> Int[Array, " n"]:
+    """A draft vocabulary: distinct token ids in `[0, vocab_size)`, at least one."""
+    ids = np.asarray(vocab)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"DraftModel vocab must be a non-empty 1-D array of token ids, got an array of "
+            f"shape {ids.shape} and dtype {ids.dtype}"
+        )
+    if ids.min() < 0 or ids.max() >= vocab_size or np.unique(ids).size != ids.size:
+        raise ValueError(
+            f"DraftModel vocab must hold distinct token ids in [0, {vocab_size}) (the model's "
+            f"vocabulary), got ids from {ids.min()} to {ids.max()}, "
+            f"{ids.size - np.unique(ids).size} repeated"
+        )
+    return jnp.asarray(ids, jnp.int32)
+
+
+def head_rows(model: Transformer, ids: Int[Array, " n"]) -> HeadRows:
+    """`model`'s LM head rows of `ids` as a table `[n, embed]` (`Transformer.logits(head=)`),
+    packed as the head is (a packed head is unpacked, cut and packed again: int8's per-row
+    scales come back the same)."""
+    head = model.embed if model.lm_head is None else model.lm_head
+    if isinstance(head, QuantizedEmbedding | QuantizedLinear):
+        return QuantizedEmbedding.from_embedding(head_rows_of(head.dequantize(), ids), head.kind)
+    return head_rows_of(head, ids)
+
+
+def head_rows_of(head: Embedding | Linear, ids: Int[Array, " n"]) -> Embedding:
+    """A float head's rows of `ids` (an embedding table `[vocab, embed]` or a head `[embed,
+    vocab]`)."""
+    if isinstance(head, Embedding):
+        return Embedding.of(head.weight[ids])
+    return Embedding.of(head.weight[:, ids].T)
+
+
+def draft_vocab(path: str | Path) -> np.ndarray | None:
+    """The draft vocabulary a draft checkpoint directory holds (`DRAFT_VOCAB`: the token ids as
+    a JSON list, written by `python -m examples.train_draft`), None when it has none."""
+    file = Path(path) / DRAFT_VOCAB
+    if not file.exists():
+        return None
+    try:
+        ids = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not a JSON list of token ids ({error}); rewrite it with "
+                         "python -m examples.train_draft or delete it") from error  # fmt: skip
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise ValueError(f"{file} must hold a JSON list of token ids (ints); rewrite it with "
+                         "python -m examples.train_draft or delete it")  # fmt: skip
+    return np.asarray(ids, np.int64)
 
 
 def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
@@ -128,11 +194,16 @@ def check_tokenizers(target: Tokenizer, draft: Tokenizer) -> None:
 
 
 def draw_drafts(
-    logits: Float[Array, "rows vocab"], params: SamplingParams, key: PRNGKeyArray
+    logits: Float[Array, "rows n"],
+    params: SamplingParams,
+    key: PRNGKeyArray,
+    vocab: Int[Array, " n"] | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[Int[Array, " rows"], Float[Array, "rows vocab"]]:
-    """Each row's draft and the distribution it came from (greedy rows: the argmax). When
-    every row is greedy nothing is drawn: a draw over the whole vocabulary costs several times
-    the argmax per draft."""
+    """Each row's draft and the distribution it came from (greedy rows: the argmax), over the
+    whole vocabulary. `logits` score every token, or, with `vocab`, those ids of a vocabulary of
+    `vocab_size` (the others' probability 0). When every row is greedy nothing is drawn: a draw
+    over the whole vocabulary costs several times the argmax per draft."""
     greedy = params.temperature == 0
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = target_probs(logits[:, None], params)[:, 0]
@@ -141,23 +212,35 @@ def draw_drafts(
         token = jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
         return jnp.where(greedy, argmax, token)
 
-    return jax.lax.cond(jnp.all(greedy), lambda: argmax, drawn), probs
+    token = jax.lax.cond(jnp.all(greedy), lambda: argmax, drawn)
+    if vocab is None:
+        return token, probs
+    every = jnp.zeros((logits.shape[0], vocab_size), probs.dtype).at[:, vocab].set(probs)
+    return vocab[token], every
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("drafts", "page_size", "placement"))
 def draft_program(
-    model, pages, table, catch_up, catch_up_n, last, lengths, k, chunks, sampling, key, step, *,
-    drafts, page_size, placement,
+    draft, pages, table, catch_up, catch_up_n, last, lengths, k, forwards, chunks, sampling, key,
+    step, *, drafts, page_size, placement,
 ):  # fmt: skip
-    """The draft's work for one engine step. `table` `[rows, row_pages]` the engine's page
+    """The draft's work for one engine step (`draft` the `DraftModel`: its model, and its head
+    and vocabulary when cut). `table` `[rows, row_pages]` the engine's page
     table; per row: `catch_up` `[rows, CATCH_UP]` tokens (`catch_up_n` real, 0 for a row that is
     not decoding), the last of which is replaced by `last` `[rows]` (the row's last token, on
-    the device), `lengths` the tokens its draft cache holds, `k` its drafts; `chunks` the
-    step's prompt chunks `(row, tokens, n, start)`; `sampling` each row's sampler. Returns the
-    pools, the drafts `[rows, drafts]` and their distributions `[rows, drafts, vocab]`."""
+    the device), `lengths` the tokens its draft cache holds, `k` its drafts; `forwards` the
+    step's draft forwards (at least every row's `k`, at most `drafts`: a loop, so a step whose
+    rows draft fewer than `drafts` pays only for what they draft); `chunks` the step's prompt
+    chunks `(row, tokens, n, start)`; `sampling` each row's sampler. Returns the pools, the
+    drafts `[rows, drafts]` and their distributions `[rows, drafts, vocab]` (past `forwards`:
+    zeros)."""
+    model, vocab, head = draft.model, draft.vocab, draft.head
     row, chunk_tokens, n, start = chunks
     rows, (n_chunks, width) = table.shape[0], chunk_tokens.shape
     TRACES[("mixed" if n_chunks else "decode") + f" k={drafts}"] += 1
+    draw = functools.partial(
+        draw_drafts, params=sampling, vocab=vocab, vocab_size=model.config.vocab_size
+    )
     in_chunk = jnp.arange(width)[None, :] < n[:, None]
     in_catch_up = jnp.arange(CATCH_UP)[None, :] < catch_up_n[:, None]
     is_last = jnp.arange(CATCH_UP)[None, :] == (catch_up_n - 1)[:, None]
@@ -177,23 +260,30 @@ def draft_program(
     at = jnp.arange(rows) * CATCH_UP + jnp.maximum(catch_up_n - 1, 0)
     key = jax.random.fold_in(key, step)
     with placement.context():
-        out = model.forward(tokens[:, None], valid=valid[:, None], cache=cache, logits_at=at)
-    token, q = draw_drafts(out.logits, sampling, jax.random.fold_in(key, 0))
-    proposed, probs = [token], [q]
+        out = model.forward(
+            tokens[:, None], valid=valid[:, None], cache=cache, logits_at=at, head=head
+        )
+    token, q = draw(out.logits, key=jax.random.fold_in(key, 0))
+    proposed = jnp.zeros((rows, drafts), jnp.int32).at[:, 0].set(token)
+    probs = jnp.zeros((rows, drafts, q.shape[-1]), q.dtype).at[:, 0].set(q)
     lengths = lengths + catch_up_n
-    pages = out.cache.layers
-    for j in range(1, drafts):
+
+    def next_draft(carry):
+        j, token, lengths, pages, proposed, probs = carry
         live = k > j  # the row wants a draft after this one
         cache = PagedKVCache(
             pages, table, lengths, kernel=model.policy.decode_kernel, page_size=page_size
         )
         with placement.context():
-            out = model.forward(token[:, None], valid=live[:, None], cache=cache)
-        token, q = draw_drafts(out.logits[:, 0], sampling, jax.random.fold_in(key, j))
-        proposed.append(token)
-        probs.append(q)
-        lengths, pages = lengths + live, out.cache.layers
-    return pages, jnp.stack(proposed, axis=1), jnp.stack(probs, axis=1)
+            out = model.forward(token[:, None], valid=live[:, None], cache=cache, head=head)
+        token, q = draw(out.logits[:, 0], key=jax.random.fold_in(key, j))
+        proposed, probs = proposed.at[:, j].set(token), probs.at[:, j].set(q)
+        return j + 1, token, lengths + live, out.cache.layers, proposed, probs
+
+    carry = (1, token, lengths, out.cache.layers, proposed, probs)
+    if drafts > 1:
+        carry = jax.lax.while_loop(lambda c: c[0] < forwards, next_draft, carry)
+    return carry[3], carry[4], carry[5]
 
 
 class DraftRunner:
@@ -207,13 +297,18 @@ class DraftRunner:
         self.key = key
         self.lengths = np.zeros(rows, np.int32)
 
-    def propose(self, plan, sequences: dict[int, tuple[list[int], int]], last, sampling, step: int):
-        """`plan` with the drafts (and their distributions `q`) of every decoding row, from the
-        draft's forwards; `sequences` maps each decoding row to the tokens the host has read
-        (prompt and output) and how many the target's cache holds (the row's last token, at
-        that position, is `last`'s, on the device). Also feeds the step's prompt chunks to the
-        draft's cache."""
-        drafts, q = self._run(plan, sequences, last, sampling, step, drafts=self.draft.k)
+    def propose(
+        self, plan, sequences: dict[int, tuple[list[int], int]], last, sampling, step: int,
+        forwards: int,
+    ):  # fmt: skip
+        """`plan` with the drafts (and their distributions `q`) of every decoding row, from
+        `forwards` draft forwards (at least the most drafts a row of `plan` has); `sequences`
+        maps each decoding row to the tokens the host has read (prompt and output) and how many
+        the target's cache holds (the row's last token, at that position, is `last`'s, on the
+        device). Also feeds the step's prompt chunks to the draft's cache."""
+        drafts, q = self._run(
+            plan, sequences, last, sampling, step, drafts=self.draft.k, forwards=forwards
+        )
         return eqx.tree_at(
             lambda p: (p.drafts, p.q), plan, (drafts, q), is_leaf=lambda x: x is None
         )
@@ -222,9 +317,9 @@ class DraftRunner:
         """For a step that verifies nothing (`plan` one token per row): the draft takes in each
         decoding row's last token and the step's prompt chunks, and returns its guess `[rows]`
         at the token the step gives (module docstring: the row's acceptance trial)."""
-        return self._run(plan, sequences, last, sampling, step, drafts=1)[0][:, 0]
+        return self._run(plan, sequences, last, sampling, step, drafts=1, forwards=1)[0][:, 0]
 
-    def _run(self, plan, sequences, last, sampling, step: int, *, drafts: int):
+    def _run(self, plan, sequences, last, sampling, step: int, *, drafts: int, forwards: int):
         rows = self.lengths.size
         catch_up = np.zeros((rows, CATCH_UP), np.int32)
         catch_up_n = np.zeros(rows, np.int32)
@@ -237,9 +332,10 @@ class DraftRunner:
             if n:
                 self.lengths[row] = start + n
         self.pages, proposed, q = draft_program(
-            self.draft.model, self.pages, plan.table, catch_up, catch_up_n, last, lengths,
-            plan.k, (plan.row, plan.tokens, plan.n, plan.start), sampling, self.key,
-            np.int32(step), drafts=drafts, page_size=self.page_size, placement=self.placement,
+            self.draft, self.pages, plan.table, catch_up, catch_up_n, last, lengths,
+            plan.k, np.int32(forwards), (plan.row, plan.tokens, plan.n, plan.start), sampling,
+            self.key, np.int32(step), drafts=drafts, page_size=self.page_size,
+            placement=self.placement,
         )  # fmt: skip
         return proposed, q
 

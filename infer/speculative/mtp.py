@@ -140,10 +140,10 @@ class MTPRunner:
         self.drafts = jnp.zeros((rows, draft.k), jnp.int32)
         self.q = jnp.zeros((rows, draft.k, vocab), jnp.float32)
 
-    def propose(self, plan, sequences, last, sampling, step: int):
+    def propose(self, plan, sequences, last, sampling, step: int, forwards: int):
         """`plan` with the drafts the module left (a decoding row's were drawn after its
         previous step, which decoded it or ended its prompt)."""
-        del sequences, last, sampling, step  # the drafts are already drawn
+        del sequences, last, sampling, step, forwards  # the drafts are already drawn
         return eqx.tree_at(
             lambda p: (p.drafts, p.q), plan, (self.drafts, self.q), is_leaf=lambda x: x is None
         )

@@ -1,18 +1,29 @@
-"""chat's --draft: with a draft model (in int8) the reply is the one chat gives without it
-(greedy; whether the adaptive engine verifies depends on its measured step costs, which the
-engine's own tests fix), and --draft with --prompt-lookup (two proposers) is refused."""
+"""chat's --draft: with a draft model (in int8), its head cut to a draft vocabulary or not, the
+reply is the one chat gives without it (greedy; whether the adaptive engine verifies depends on
+its measured step costs, which the engine's own tests fix), a broken vocabulary file is refused,
+and --draft with --prompt-lookup (two proposers) is refused."""
+
+import json
 
 import pytest
 
 from cli import chat
+from infer.speculative.draft import DRAFT_VOCAB
 from tests.cli.test_chat_limits import tiny_model  # noqa: F401 (a fixture)
 
 
-def test_a_draft_model_gives_the_plain_reply(tiny_model):  # noqa: F811
+def test_a_draft_model_gives_the_plain_reply(tiny_model, tmp_path):  # noqa: F811
     turn = ["--model", "tiny", "--max-len", "64", "--max-new-tokens", "8", "--message", "abc"]
     (plain,) = chat.main(turn)
     (drafted,) = chat.main([*turn, "--draft", "tiny", "--draft-k", "3"])
     assert drafted.request.tokens == plain.request.tokens
+    # A draft directory with a vocabulary (the load itself is the fixture's tiny model).
+    (tmp_path / DRAFT_VOCAB).write_text(json.dumps(list(range(0, 300, 2))))
+    (cut,) = chat.main([*turn, "--draft", str(tmp_path), "--draft-k", "3"])
+    assert cut.request.tokens == plain.request.tokens
+    (tmp_path / DRAFT_VOCAB).write_text("[1, 2")
+    with pytest.raises(ValueError, match=f"{DRAFT_VOCAB} is not a JSON list of token ids"):
+        chat.main([*turn, "--draft", str(tmp_path)])
 
 
 def test_two_proposers_are_refused(tiny_model, capsys):  # noqa: F811

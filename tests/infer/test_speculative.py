@@ -9,6 +9,7 @@ import dataclasses
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from infer.speculative import (
     PromptLookup,
     Proposer,
     check_tokenizers,
+    draft_vocab,
     truncated_draft,
 )
 from infer.speculative.adaptive import (
@@ -28,8 +30,9 @@ from infer.speculative.adaptive import (
     PRIOR_TRIED,
     Acceptance,
     StepCosts,
-    speculation_pays,
+    drafts_that_pay,
 )
+from infer.speculative.draft import DRAFT_VOCAB, draw_drafts, head_rows
 from infer.speculative.draft import TRACES as DRAFT_TRACES
 from tests.infer.test_engine import FAMILIES, LLAMA, alone, prompts
 
@@ -256,6 +259,90 @@ def test_a_draft_model_proposes_in_its_own_cache(llama):
     assert (dict(TRACES), dict(DRAFT_TRACES)) == before  # nothing new for sampling rows
 
 
+def test_a_draft_vocabulary_cuts_the_head_and_keeps_the_greedy_tokens(llama):
+    """The target as its own draft with its head cut to a shuffled vocabulary: drafts are the
+    target's own tokens, so every draft is kept when the vocabulary holds every token the
+    output uses (the ids map back), and one that lacks some of them has those drafts rejected
+    and the same greedy tokens."""
+    cases = list(zip(prompts([4, 30, 11], seed=3), [12, 5, 9], strict=True))
+    expected = [alone(llama, p, n) for p, n in cases]
+    used = {t for tokens in expected for t in tokens}
+    rng = np.random.default_rng(0)
+    unused = [t for t in rng.permutation(LLAMA.vocab_size) if t not in used]
+    # Two vocabularies of one size (one draft program): without 8 unused tokens, or without 8
+    # tokens the greedy outputs hold.
+    covering = [t for t in rng.permutation(LLAMA.vocab_size) if t not in unused[:8]]
+    missing = sorted(used)[:8]
+    lacking = [t for t in rng.permutation(LLAMA.vocab_size) if t not in missing]
+    for vocab in (covering, lacking):
+        proposer = DraftModel(llama, k=4, adaptive=False, vocab=np.asarray(vocab))
+        engine = Engine(llama, speculative=proposer, **SHAPE)
+        requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
+        engine.run()
+        drafted, kept = (sum(getattr(r, f) for r in requests) for f in ("drafted", "accepted"))
+        assert [r.tokens for r in requests] == expected
+        if vocab is covering:
+            assert kept == drafted > 0
+        else:  # a missing token is never drafted: its verification rejects what stood there
+            assert 0 < kept < drafted and sum(r.rejected for r in requests) > 0
+
+
+def test_drafts_over_a_cut_vocabulary_map_back_to_the_vocabulary():
+    """Logits over a vocabulary's ids: the greedy draft is the id of the best, a sampled one
+    is drawn from q, and q is each row's distribution over the ids, put at the ids (0 at the
+    others) — what the rejection rule takes as the draft's distribution."""
+    vocab = jnp.asarray([7, 2, 9, 4], jnp.int32)
+    logits = jnp.asarray([[0.0, 3.0, 1.0, -1.0], [2.0, 0.0, 0.0, 5.0]])
+    rows = lambda sampler: jax.tree.map(lambda x: jnp.repeat(x, 2), sampler.params())  # noqa: E731
+    tokens, q = draw_drafts(logits, rows(infer.Greedy()), jax.random.key(0), vocab, 12)
+    assert tokens.tolist() == [2, 4] and q.shape == (2, 12)
+    tokens, q = draw_drafts(logits, rows(infer.Temperature(1.0)), jax.random.key(0), vocab, 12)
+    expected = np.zeros((2, 12), np.float32)
+    expected[:, np.asarray(vocab)] = jax.nn.softmax(logits, axis=-1)
+    np.testing.assert_allclose(q, expected, rtol=1e-6, atol=0)
+    assert all(int(t) in vocab.tolist() for t in tokens)
+
+
+def test_a_quantized_heads_rows_are_cut_packed_as_it_is(llama):
+    """int8 rows come back with the same codes and per-row scales (float rounding)."""
+    quantized = zoo.quantize(llama, "int8")
+    ids = np.random.default_rng(1).permutation(LLAMA.vocab_size)[:40]
+    rows = head_rows(quantized, jnp.asarray(ids))
+    whole = quantized.embed if quantized.lm_head is None else quantized.lm_head
+    table = whole.dequantize().weight
+    table = table[ids] if quantized.lm_head is None else table[:, ids].T
+    assert type(rows).__name__ == "QuantizedEmbedding" and rows.kind == "int8"
+    scale = float(np.abs(table).max())
+    np.testing.assert_allclose(rows.dequantize().weight, table, rtol=0, atol=4 * 2**-24 * scale)
+
+
+@pytest.mark.parametrize(
+    "vocab, message",
+    [
+        (np.zeros((2, 3), np.int32), "non-empty 1-D array of token ids"),
+        (np.zeros(0, np.int32), "non-empty 1-D array of token ids"),
+        (np.array([1.0, 2.0]), "non-empty 1-D array of token ids"),
+        (np.array([0, 256]), r"distinct token ids in \[0, 256\).*from 0 to 256"),
+        (np.array([-1, 3]), r"distinct token ids in \[0, 256\)"),
+        (np.array([3, 5, 3]), "1 repeated"),
+    ],
+)
+def test_bad_draft_vocabularies_are_refused(llama, vocab, message, without_runtime_typechecks):
+    with pytest.raises(ValueError, match=message):
+        DraftModel(llama, vocab=vocab)
+
+
+def test_a_draft_checkpoints_vocabulary_file_is_read_or_refused(tmp_path):
+    assert draft_vocab(tmp_path) is None  # none written: every token
+    file = tmp_path / DRAFT_VOCAB
+    file.write_text("[3, 1, 2]")
+    assert draft_vocab(tmp_path).tolist() == [3, 1, 2]
+    for text in ("[3, 1.5]", '{"ids": [1]}', "not json"):
+        file.write_text(text)
+        with pytest.raises(ValueError, match=f"{DRAFT_VOCAB} .*token ids.*examples.train_draft"):
+            draft_vocab(tmp_path)
+
+
 def test_a_draft_of_another_vocabulary_is_refused(llama, without_runtime_typechecks):
     other = zoo.Transformer(dataclasses.replace(LLAMA, vocab_size=300), key=jax.random.key(3))
     message = r"draft model's vocabulary \(300 tokens\) is not the target's \(256 tokens\)"
@@ -314,27 +401,34 @@ def test_acceptance_counts_judged_drafts_and_forgets_old_ones():
 
 
 @pytest.mark.parametrize(
-    "rates, k, verify_cost, pays",
+    "rates, verify_cost, drafts",
     [
-        # zoo.math: tokens per step (1 - a^(k+1)) / (1 - a) over the verification's cost.
-        ([0.9], 6, 2.0, True),  # 5.2 tokens for 2 steps' time
-        ([0.3], 6, 2.0, False),  # 1.43 tokens
-        ([0.0], 6, 1.0, False),  # nothing kept: a plain step is as good, never better
-        ([0.9, 0.0], 6, 2.0, True),  # mean of 2.6x and 0.5x
-        ([0.6, 0.0], 6, 2.0, False),  # mean of 1.22x and 0.5x
-        ([], 6, 1.0, False),
+        # zoo.math: tokens per step (1 - a^(k+1)) / (1 - a) over the verification's cost; a
+        # cost that does not grow with k (prompt lookup) makes the most drafts the best.
+        ([0.9], lambda k: 2.0, 6),  # 5.2 tokens for 2 steps' time
+        ([0.3], lambda k: 2.0, 0),  # at most 1.43 tokens
+        ([0.0], lambda k: 1.0, 0),  # nothing kept: a plain step is as good, never better
+        ([0.9, 0.0], lambda k: 2.0, 6),  # mean of 2.6x and 0.5x at k = 6
+        ([0.6, 0.0], lambda k: 2.0, 0),  # mean of 1.22x and 0.5x at k = 6
+        ([], lambda k: 1.0, 0),
+        # A draft model's forwards: 1.1 + 0.1 k steps. At 0.4: 1.40 / 1.2 = 1.167 (k = 1),
+        # 1.56 / 1.3 = 1.200 (k = 2), 1.624 / 1.4 = 1.160 (k = 3), falling after.
+        ([0.4], lambda k: 1.1 + 0.1 * k, 2),
+        # At 0.8 the gain grows to k = 6: 3.951 / 1.7 = 2.324 against 3.689 / 1.6 = 2.306.
+        ([0.8], lambda k: 1.1 + 0.1 * k, 6),
+        ([0.1], lambda k: 1.1 + 0.1 * k, 0),  # 1.1 / 1.2
     ],
 )
-def test_speculation_pays_when_the_mean_expected_speedup_exceeds_one(rates, k, verify_cost, pays):
-    assert speculation_pays(rates, k, verify_cost) is pays
+def test_drafts_that_pay_maximise_the_mean_expected_speedup(rates, verify_cost, drafts):
+    assert drafts_that_pay(rates, 6, verify_cost) == drafts
 
 
 class FixedCosts(StepCosts):
-    """A verification step costs `cost` plain ones, whatever the timings (the test's decisions
-    then depend on acceptance alone)."""
+    """A verification step of k drafts per row costs `cost` plain ones (or `cost[k]`), whatever
+    the timings (the test's decisions then depend on acceptance alone)."""
 
-    def __init__(self, cost: float = 2.0):
-        super().__init__()
+    def __init__(self, cost: float | dict[int, float] = 2.0):
+        super().__init__(verify=())
         self.cost = cost
 
     def add(self, kind, seconds, *, first_may_compile=True):
@@ -343,8 +437,8 @@ class FixedCosts(StepCosts):
     def unmeasured(self):
         return None
 
-    def verify_cost(self):
-        return self.cost
+    def verify_cost(self, k=None):
+        return self.cost if isinstance(self.cost, float) else self.cost[k]
 
 
 class TurnsWrong(Proposer):
@@ -398,8 +492,9 @@ def test_adaptive_draft_rows_verify_only_while_their_drafts_are_kept(llama):
     down, and once it is below GIVE_UP the request stops drafting (no draft forwards). The
     target as its own draft, held to plain steps until its guesses (one draft forward beside
     each plain step, its cache kept level with the target's) lift the rate past a high
-    verification cost, then verifies and has every draft kept. Greedy tokens; nothing compiles
-    after the first engine."""
+    verification cost, then verifies and has every draft kept, 2 per step where 2 drafts cost
+    least for what they give (the draft's loop bounded at runtime). Greedy tokens; nothing
+    compiles after the first engine."""
     prompt, new, k = prompts([7], seed=6)[0], 24, 4
     expected = alone(llama, prompt, new)
     wrong = eqx.tree_at(lambda m: m.final_norm.scale, llama, -llama.final_norm.scale)
@@ -407,15 +502,20 @@ def test_adaptive_draft_rows_verify_only_while_their_drafts_are_kept(llama):
     Engine(llama, speculative=DraftModel(wrong, k=k), **kwargs)  # compiles every program
     before = dict(TRACES), dict(DRAFT_TRACES)
     rate, verifications = Acceptance(), 0
-    while speculation_pays([rate.rate], k, 2.0):
+    while drafts_that_pay([rate.rate], k, lambda _: 2.0):
         rate.observe_verification(k, 0)
         verifications += 1
-    for draft, cost in ((wrong, 2.0), (llama, 4.5)):
+    # For the right draft 2 drafts pay best at any rate: (1 + r + r^2) / 2.5 > (k + 1) / 4.5.
+    for draft, cost in ((wrong, 2.0), (llama, {1: 4.5, 2: 2.5, 3: 4.5, 4: 4.5})):
         engine = Engine(llama, speculative=DraftModel(draft, k=k), **kwargs)
         engine.time_steps(2)  # timed at warm-up and now, the draft's work beside each step
-        assert [len(t) for t in engine.costs.times.values()] == [WARM_UP_TIMINGS + 2] * 2
+        # The plain step, and verifications of 1 and k drafts (a draft model's forwards).
+        assert {kind: len(t) for kind, t in engine.costs.times.items()} == dict.fromkeys(
+            ("plain", 1, k), WARM_UP_TIMINGS + 2
+        )
         engine.costs = FixedCosts(cost)
-        request = engine.submit(prompt, max_new_tokens=new)
+        pieces = []  # tokens per step
+        request = engine.submit(prompt, max_new_tokens=new, on_tokens=pieces.append)
         engine.run()
         assert request.tokens == expected
         forwards = sum(r.decode_rows > 0 for r in engine.records)
@@ -425,6 +525,21 @@ def test_adaptive_draft_rows_verify_only_while_their_drafts_are_kept(llama):
             assert request.draft_tokens == 0  # gave up
         else:
             assert request.accepted == request.drafted > 0  # every draft kept once verifying
-            assert forwards > request.drafted / k  # some plain steps came first
+            assert max(map(len, pieces)) == 3  # 2 drafts kept and the target's token
+            assert forwards > request.drafted / 2  # some plain steps came first
             assert request.draft_tokens == k
     assert (dict(TRACES), dict(DRAFT_TRACES)) == before
+
+
+def test_step_costs_interpolate_a_verification_between_the_draft_counts_timed():
+    """A draft model's verification is timed at 1 and K drafts; a count between costs the
+    straight line between them (its draft forwards), in plain steps (medians)."""
+    costs = StepCosts(verify=(1, 4))
+    assert costs.unmeasured() == "plain" and costs.verify_cost(2) == 1.0  # nothing timed yet
+    for kind, seconds in (("plain", [0.010, 0.010, 0.013]), (1, [0.012]), (4, [0.018, 0.017])):
+        for s in seconds:
+            costs.add(kind, s, first_may_compile=False)
+    assert costs.unmeasured() is None
+    assert costs.verify_cost(1) == pytest.approx(1.2)
+    assert costs.verify_cost(2) == pytest.approx((0.012 + (0.0175 - 0.012) / 3) / 0.010)
+    assert costs.verify_cost() == pytest.approx(1.75)  # the most drafts timed

@@ -8,6 +8,7 @@ import math
 import jax
 import numpy as np
 import optax
+import pytest
 
 import zoo
 from training import draft as distill
@@ -53,3 +54,13 @@ def test_pack_keeps_sequences_whole_and_counts_the_positions_that_predict_the_re
     assert counted.tolist() == [[False, True, True, True, False], [True, True, False, True, False]]
     tokens, segments, counted = distill.pack([([1, 2, 3, 4, 5, 6], 2)], 4)  # cut to a row
     assert tokens.tolist() == [[1, 2, 3, 4]] and counted.tolist() == [[False, True, True, False]]
+
+
+def test_a_draft_vocabulary_takes_the_most_frequent_tokens_then_the_lowest_unseen():
+    sequences = [[5, 9, 9, 3], [9, 5, 7]]
+    assert distill.draft_vocabulary(sequences, 2, 12) == [9, 5]  # 9 thrice, 5 twice
+    assert distill.draft_vocabulary(sequences, 4, 12) == [9, 5, 3, 7]  # ties: lower id first
+    assert distill.draft_vocabulary(sequences, 6, 12) == [9, 5, 3, 7, 0, 1]
+    for bad in (0, 13):
+        with pytest.raises(ValueError, match="a draft vocabulary holds 1 to 12 tokens"):
+            distill.draft_vocabulary(sequences, bad, 12)
