@@ -867,8 +867,8 @@ class Engine:
         """Run each compiled decode-only program `repeats` times on idle rows (nothing written)
         and add the wall times, with the draft model's work beside each, to `costs`: what one
         plain step and a verifying one of each of `costs.verify` drafts per row cost here (an
-        adaptive engine's warm-up does it; a
-        benchmark may ask for more). Call it between runs, not while requests are running."""
+        adaptive engine's warm-up does it; a benchmark may ask for more). Call it between runs,
+        not while requests are running."""
         kinds = [
             kind for drafts in self._widths()
             for kind in (["plain"] if drafts is None else self.costs.verify)
