@@ -6,8 +6,10 @@ host bookkeeping serves both and prefix sharing shares both.
 
 Each step (`draft_program`): one forward over each decoding row's catch-up (the one or two
 tokens the target holds that the draft does not yet: the row's last token, and the last kept
-draft when every draft was kept) together with the step's prompt chunks, then `K - 1` one-token
-forwards, each drawing the next draft from the draft's distribution under the row's sampler
+draft when every draft was kept) together with the step's prompt chunks, then up to `K - 1`
+one-token forwards (a loop bounded by the step's drafts per row, which the engine chooses by
+cost: infer/speculative/adaptive.py), each drawing the next draft from the draft's distribution
+under the row's sampler
 (argmax for greedy rows), which is `q` in the rejection rule. The row's last token is read from
 the device (the engine's row state), so the draft keeps up with steps whose tokens the host has
 not read yet.
