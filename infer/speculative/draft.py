@@ -9,10 +9,9 @@ tokens the target holds that the draft does not yet: the row's last token, and t
 draft when every draft was kept) together with the step's prompt chunks, then up to `K - 1`
 one-token forwards (a loop bounded by the step's drafts per row, which the engine chooses by
 cost: infer/speculative/adaptive.py), each drawing the next draft from the draft's distribution
-under the row's sampler
-(argmax for greedy rows), which is `q` in the rejection rule. The row's last token is read from
-the device (the engine's row state), so the draft keeps up with steps whose tokens the host has
-not read yet.
+under the row's sampler (argmax for greedy rows), which is `q` in the rejection rule. The row's
+last token is read from the device (the engine's row state), so the draft keeps up with steps
+whose tokens the host has not read yet.
 
 Adaptive (`DraftModel(adaptive=True)`, the default; infer/speculative/adaptive.py): the engine
 verifies only in steps where the rows' running acceptance and the measured step costs make it
