@@ -1,9 +1,9 @@
 """Adaptive speculation: each step the engine decides, from each row's running acceptance rate
 and the measured cost of a verification step, whether speculating pays and with how many drafts
-per row (zoo.math's
-`speculative_speedup`, Leviathan et al. 2023, Theorem 3.8). It does not when drafts are rarely
-kept (free chat under prompt lookup): the step then runs the plain one-token program, without
-the verification's extra FLOPs and with the host one step behind the device again.
+per row (zoo.math's `speculative_speedup`, Leviathan et al. 2023, Theorem 3.8). It does not when
+drafts are rarely kept (free chat under prompt lookup): the step then runs the plain one-token
+program, without the verification's extra FLOPs and with the host one step behind the device
+again.
 
 Why the choice is per step, and one number of drafts for every row: the engine has two compiled
 decode widths (one token per row, and `K + 1` per row; each row's `k` is data, so nothing
@@ -113,8 +113,10 @@ def drafts_that_pay(rates: list[float], most: int, verify_cost: Callable[[int], 
     """The drafts per row (0 to `most`) a step should verify, for rows with these acceptance
     rates and a verification of `k` drafts costing `verify_cost(k)` plain steps: the `k` with the
     largest mean expected speedup (zoo.math), 0 when none exceeds 1 (module docstring)."""
+    if not rates:
+        return 0
     best, best_gain = 0, 1.0
-    for k in range(1, most + 1 if rates else 1):
+    for k in range(1, most + 1):
         cost = verify_cost(k)
         gain = statistics.fmean(speculative_speedup(rate, k, verify_cost=cost) for rate in rates)
         if gain > best_gain:
