@@ -14,7 +14,12 @@ without speculation:
   weights are read once per draft, so it reads a quarter of the bytes; q stays a distribution
   over the whole vocabulary), on both tasks, and on free chat verifying every step; then on free
   chat with its head cut to the draft vocabulary the example wrote beside it (`draft_vocab`:
-  the head is most of a 4-layer draft's bytes).
+  the head is most of a 4-layer draft's bytes);
+- the target's own multi-token-prediction module trained by `python -m examples.train_draft
+  --mtp` (read from `EQX_ZOO_MTP`, default runs/draft/mtp; left out, with a note, when it is not
+  there), one layer that reads the target's hidden state (EAGLE's recipe), its head cut to the
+  draft vocabulary beside it, verifying every step (`MTPDraft` is not adaptive), on free chat at
+  a few k.
 
 Each row prints the drafts kept of those verified, the acceptance rate (kept over judged: the
 drafts after a rejection are never judged, so a verification of k drafts that keeps a of them
@@ -46,17 +51,22 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 import zoo
 from bench.harness import Ceilings, Table
 from cli.flags import default_chat_model as smollm2_gguf
 from infer.engine import Engine
-from infer.speculative import DraftModel, PromptLookup, draft_vocab, truncated_draft
+from infer.speculative import DraftModel, MTPDraft, PromptLookup, draft_vocab, truncated_draft
+from infer.speculative.draft import head_rows
+from infer.speculative.mtp import MTP_FILE
 from zoo import math as zmath
 
 K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
 DRAFT_K, TIMINGS, SPEEDUP_GOAL = 4, 7, 1.3
 DRAFT = Path(os.environ.get("EQX_ZOO_DRAFT", "runs/draft/model"))
+MTP = Path(os.environ.get("EQX_ZOO_MTP", "runs/draft/mtp"))
+MTP_KS = (2, 3, 4)
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
     "brass lamp, a notebook with a cracked leather cover, and a thermos of black tea. From the "
@@ -103,21 +113,55 @@ def verify_costs(model) -> dict[int, float]:
     return {k: engine.costs.verify_cost() for k, engine in engines.items()}
 
 
-def draft_costs(model, proposer: DraftModel) -> tuple[float, float]:
-    """One draft forward beside a plain step, and one draft of a verifying step's `k`, in
-    one-token target steps: an adaptive `DraftModel` engine's step times against the same
-    target programs without a draft (a `PromptLookup(k)` engine), timed in turn, medians."""
+def drafting_costs(model, proposer: DraftModel | MTPDraft) -> tuple[float, float]:
+    """What drafting adds, in one-token target steps: to a plain step (a draft model's one
+    forward beside it in an adaptive engine) and per draft to a verifying step of `k`: the
+    proposer's engine's step times against the same target programs without drafting (a
+    `PromptLookup(k)` engine), timed in turn, medians."""
     k = proposer.k
-    adaptive = DraftModel(proposer.model, k=k, vocab=proposer.vocab)
-    drafting = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=adaptive)
+    drafting = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=proposer)
     plain = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=PromptLookup(k=k))
     for _ in range(TIMINGS):
         drafting.time_steps(1)
         plain.time_steps(1)
     step = plain.costs.median("plain")
-    beside = drafting.costs.median("plain") / step - 1
+    beside = drafting.costs.median("plain") / step - 1 if drafting.adaptive else 0.0
     per_draft = (drafting.costs.median(k) - plain.costs.median(k)) / step / k
     return max(beside, 0.0), max(per_draft, 0.0)
+
+
+def mtp_bytes(model, head) -> int:
+    """What one forward of the model's module reads: its weights but the token table (rows
+    are gathered, the table is not read) and the head, and the cut head's rows."""
+    body = model.mtp.body
+    head_bytes = 0 if body.lm_head is None else weight_bytes(body.lm_head)  # tied: the table
+    tables = weight_bytes(body.embed) + head_bytes
+    return weight_bytes(model.mtp) - tables + weight_bytes(head)
+
+
+def mtp_rows(model, notes: list[str]) -> tuple[object, list[tuple]]:
+    """The target with its trained module (or as it is when there is none) and a row per k."""
+    file = MTP / MTP_FILE
+    if not file.exists():
+        notes.append(f"No trained MTP module at {file} (EQX_ZOO_MTP): its rows are left out; "
+                     "`python -m examples.train_draft --mtp` writes one.")  # fmt: skip
+        return model, []
+    model = zoo.load_mtp(model, file)
+    vocab = draft_vocab(MTP)
+    head = head_rows(model.mtp.body, vocab if vocab is not None else jnp.arange(
+        model.config.vocab_size))  # fmt: skip
+    paper = mtp_bytes(model, head) / weight_bytes(model.with_mtp(None))
+    rows = []
+    for k in MTP_KS:
+        proposer = MTPDraft(k=k, vocab=vocab)
+        _, measured = drafting_costs(model, proposer)
+        notes.append(f"MTP module, k={k}: {mtp_bytes(model, head) / 1e6:.1f} MB read per "
+                     f"forward ({paper:.3f} of the target's); measured, a draft of a verifying "
+                     f"step {measured:.3f} target steps.")  # fmt: skip
+        cut = f", head cut to {vocab.size} tokens" if vocab is not None else ""
+        rows.append((f"MTP module trained{cut}, k={k}, every step", proposer, paper, measured,
+                     0.0, ("free chat",)))  # fmt: skip
+    return model, rows
 
 
 def decode_run(engine: Engine, prompt: list[int], stops) -> tuple:
@@ -147,7 +191,7 @@ def draft_bytes(proposer: DraftModel) -> int:
 def draft_rows(model, notes: list[str]) -> list[tuple]:
     """(name, proposer, paper draft cost, measured draft cost, tasks) of each draft model, in
     int8."""
-    target_bytes = weight_bytes(model)
+    target_bytes = weight_bytes(model.with_mtp(None))
     untrained = zoo.quantize(truncated_draft(model, 2), "int8")
     drafts = [("first 2 layers, untrained, int8", untrained, None, (True,), ("free chat",))]
     if DRAFT.exists():
@@ -165,7 +209,7 @@ def draft_rows(model, notes: list[str]) -> list[tuple]:
     for name, draft, vocab, modes, tasks in drafts:
         proposers = [DraftModel(draft, k=DRAFT_K, adaptive=a, vocab=vocab) for a in modes]
         paper = draft_bytes(proposers[0]) / target_bytes
-        beside, measured = draft_costs(model, proposers[0])
+        beside, measured = drafting_costs(model, proposers[0])
         notes.append(f"Draft {name}: {draft_bytes(proposers[0]) / 1e6:.0f} MB read per forward "
                      f"({paper:.3f} of the target's); measured in target steps: a draft of a "
                      f"verifying step's {DRAFT_K} {measured:.3f}, one forward beside a plain "
@@ -181,7 +225,9 @@ def run(ceilings: Ceilings) -> Table:
     gguf = smollm2_gguf()
     tokenizer = zoo.load_tokenizer(gguf)
     model = zoo.load_pretrained(gguf, quantized=False)
-    notes = [
+    notes = []
+    model, module_rows = mtp_rows(model, notes)
+    notes[:0] = [
         f"Engine: 1 row, max_len {MAX_LEN}, {NEW_TOKENS} new tokens at most; the plain engine "
         f"beside the speculating one, {REPEATS} interleaved repeats, medians. Predicted: "
         "zoo.math at the measured acceptance rate, with the costs on paper (draft: weight bytes; "
@@ -195,6 +241,7 @@ def run(ceilings: Ceilings) -> Table:
         (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0, 0, 0, TASKS),
         (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0, 0, 0, TASKS),
         *draft_rows(model, notes),
+        *module_rows,
     ]
     table = Table("speculative", "Speculative decoding, SmolLM2-135M-Instruct float32, batch 1, "
                   "greedy", notes)  # fmt: skip

@@ -7,6 +7,7 @@ tokens/s of every reply.
     eqx-zoo chat --model merged/ --message "What is the capital of Quillmora?"
     eqx-zoo chat --prompt-lookup 6      # speculative decoding: drafts from the chat's own n-grams
     eqx-zoo chat --draft runs/draft/model   # ... or from a draft model (examples/train_draft.py)
+    eqx-zoo chat --mtp runs/draft/mtp/mtp.safetensors   # ... or from a trained MTP module
 
 The conversation is rendered with the model's own chat template (or `--chat-template`) and served
 by one `infer.Engine` for the whole session: it compiles once at start, each turn's prompt (the
@@ -17,6 +18,7 @@ or end of input ends the chat).
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -25,9 +27,16 @@ import jax
 import infer
 import shard
 from cli import commands, flags, stream
-from infer.speculative import DraftModel, PromptLookup, Proposer, check_tokenizers, draft_vocab
+from infer.speculative import (
+    DraftModel,
+    MTPDraft,
+    PromptLookup,
+    Proposer,
+    check_tokenizers,
+    draft_vocab,
+)
 from training.artifacts import load_artifact, plain
-from zoo import Tokenizer, Transformer, quantize
+from zoo import Tokenizer, Transformer, load_mtp, quantize
 from zoo.tokenizer import content
 from zoo.tokenizer.content import SpecialInContent
 
@@ -121,11 +130,19 @@ def parser(prog: str = "eqx-zoo chat") -> argparse.ArgumentParser:
         "beside it when there is one; default off",
     )
     p.add_argument(
+        "--mtp",
+        metavar="FILE",
+        help="speculative decoding: drafts from a multi-token-prediction module trained for the "
+        "model (zoo.load_mtp; python -m examples.train_draft --mtp writes runs/draft/mtp/"
+        "mtp.safetensors), its head cut to the draft_vocab.json beside it when there is one; "
+        "default off",
+    )
+    p.add_argument(
         "--draft-k",
         type=flags.POSITIVE_INT.flag_type(),
         default=4,
         metavar="K",
-        help="drafts per step at most with --draft",
+        help="drafts per step at most with --draft or --mtp",
     )
     flags.add_placement(p)
     return p
@@ -135,8 +152,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> arg
     p = parser(prog)
     args = p.parse_args(argv)
     flags.resolve_sampling(p, args)
-    if args.draft is not None and args.prompt_lookup is not None:
-        p.error("--draft and --prompt-lookup are two proposers of drafts: give one")
+    proposers = [f for f in ("draft", "mtp", "prompt_lookup") if getattr(args, f) is not None]
+    if len(proposers) > 1:
+        given = " and ".join("--" + f.replace("_", "-") for f in proposers)
+        p.error(f"{given} are proposers of drafts: give one")
     if args.model == p.get_default("model"):
         args.model = flags.default_chat_model()
     return args
@@ -176,10 +195,15 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         small = quantize(plain(draft.model).with_policy(storage="unrolled"), "int8")
         # A distilled draft's vocabulary, when it has one (infer.speculative.draft_vocab).
         speculative = DraftModel(small, k=args.draft_k, vocab=draft_vocab(args.draft))
+    model = artifact.model
+    if args.mtp is not None:
+        model = load_mtp(model, args.mtp, placement=placement)
+        vocab = draft_vocab(os.path.dirname(os.path.abspath(args.mtp)))
+        speculative = MTPDraft(k=args.draft_k, vocab=vocab)
     start = time.perf_counter()
     print("compiling the engine (prefill and decode programs) ...", flush=True)
     chat = Chat(
-        artifact.model, artifact.tokenizer, system=args.system, max_len=args.max_len,
+        model, artifact.tokenizer, system=args.system, max_len=args.max_len,
         max_new_tokens=args.max_new_tokens, sampler=flags.sampler(args), stop_texts=args.stop or (),
         seed=args.seed, placement=placement, kv_dtype=args.kv_dtype,
         speculative=speculative,

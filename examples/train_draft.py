@@ -5,6 +5,13 @@ tokenizer, for `python -m bench speculative` and `DraftModel(zoo.load_pretrained
 
     python -m examples.train_draft                      # 4 layers, ~1,240 chat prompts, 5 epochs
     python -m examples.train_draft --layers 2 --epochs 1 --out runs/draft2
+    python -m examples.train_draft --mtp                # a one-layer MTP module instead
+
+`--mtp` trains a multi-token-prediction module for the target instead (training/mtp.py: one
+layer that reads the target's hidden state as well as the tokens, EAGLE's recipe on DeepSeek-V3's
+module), on the same replies and hidden states, with both heads cut to the draft vocabulary;
+it is written to OUT/mtp/mtp.safetensors (`zoo.save_mtp`; `zoo.load_mtp(target, path)` and
+`MTPDraft(k, vocab=draft_vocab(OUT/mtp))` draft with it) with the vocabulary beside it.
 
 Stages (each prints what it did and how long it took):
 1. Prompts: each topic of examples/data/topics.txt in six phrasings (tell me about, explain, a
@@ -17,7 +24,7 @@ Stages (each prints what it did and how long it took):
    a position is its head on that state, recomputed in each training step.
 4. Distillation: AdamW on KL(target || draft) over the reply positions, the embedding frozen;
    the held-out KL and top-1 agreement (the greedy acceptance rate a draft would see) before,
-   during and after.
+   during and after (with `--mtp`, of the module's first and second drafts).
 5. The draft's vocabulary (`--draft-vocab`, default 8,192 of 49,152 tokens): the tokens most
    frequent in the training prompts and replies, written beside the draft (draft_vocab.json,
    read by `infer.speculative.draft_vocab`). Its head cut to them, a draft forward reads a
@@ -38,9 +45,11 @@ import numpy as np
 import zoo
 from cli.flags import default_chat_model
 from infer import Greedy, generate
-from infer.speculative.draft import DRAFT_VOCAB
+from infer.speculative.draft import DRAFT_VOCAB, head_rows
+from infer.speculative.mtp import MTP_FILE
 from shard.xla_flags import set_default_xla_flags
 from training import draft as distill
+from training import mtp as mtp_training
 from training.optimizer import adamw, learning_rate
 
 DATA = Path(__file__).parent / "data"
@@ -142,31 +151,95 @@ def batches(arrays, size: int, rng: np.random.Generator):
         yield distill.DistillBatch(*(jnp.asarray(a[rows]) for a in arrays))
 
 
-def evaluate(draft, target, arrays, size: int) -> tuple[float, float]:
-    """Held-out KL and agreement, weighted by each batch's counted positions."""
-    kl = agree = total = 0.0
+def evaluate(run, arrays, size: int) -> dict[str, float]:
+    """Each held-out metric of `run(batch)`, weighted by the batches' counted positions."""
+    sums, total = {}, 0.0
     for i in range(0, len(arrays[0]), size):
         batch = distill.DistillBatch(*(jnp.asarray(a[i : i + size]) for a in arrays))
-        metrics, count = distill.distill_eval(draft, target, batch), float(batch.counted.sum())
-        kl, agree, total = (
-            kl + float(metrics.kl) * count,
-            agree + float(metrics.agreement) * count,
-            total + count,
-        )
-    return kl / total, agree / total
+        metrics, count = run(batch), float(batch.counted.sum())
+        for name, value in vars(metrics).items():
+            sums[name] = sums.get(name, 0.0) + float(value) * count
+        total += count
+    return {name: value / total for name, value in sums.items()}
 
 
-def write_vocabulary(rows, held_out: set[str], size: int, vocab_size: int, path: Path) -> None:
-    """The vocabulary of the training rows, written beside the draft (`DRAFT_VOCAB`), with the
-    share of held-out reply tokens it holds (a missed token is a rejected draft)."""
+def described(metrics) -> str:
+    return ", ".join(f"{name} {float(value):.3f}" for name, value in vars(metrics).items())
+
+
+def fit(params, opt_state, step, run_eval, split, args, what: str):
+    """`args.epochs` passes of `step(params, opt_state, batch)` over the training rows, with the
+    held-out metrics (`run_eval(params, batch)`) before and after each."""
+    steps = args.epochs * (len(split["train"][0]) // args.batch_size)
+
+    def held_out(params):
+        metrics = evaluate(lambda b: run_eval(params, b), split["held-out"], args.batch_size)
+        return ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+
+    print(f"held-out before: {held_out(params)}", flush=True)
+    rng, done, started = np.random.default_rng(args.seed), 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        for batch in batches(split["train"], args.batch_size, rng):
+            params, opt_state, metrics = step(params, opt_state, batch)
+            done += 1
+            if done % 50 == 0 or done == steps:
+                print(f"  {what} step {done}/{steps}: {described(metrics)} "
+                      f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+        print(f"held-out after epoch {epoch + 1}: {held_out(params)}", flush=True)
+    return params
+
+
+def optimizer_for(split, args):
+    steps = args.epochs * (len(split["train"][0]) // args.batch_size)
+    schedule = learning_rate("cosine", peak=args.lr, steps=steps, warmup=steps // 20)
+    return adamw(schedule, weight_decay=0.0)
+
+
+def train_draft(target, tokenizer, split, args, out: Path):
+    """Stage 4 for a draft model: the target's first layers distilled, written to `out`."""
+    # Mixed precision: float32 weights and optimizer, bfloat16 products (~1.4x a step here);
+    # the KL is taken in float32 (training/draft.py).
+    draft = distill.draft_init(target, args.layers).with_policy(compute_dtype=args.compute_dtype)
+    target = target.with_policy(compute_dtype=args.compute_dtype)
+    optimizer = optimizer_for(split, args)
+    draft = fit(
+        draft, distill.init_optimizer(draft, optimizer),
+        lambda d, o, b: distill.distill_step(d, o, target, b, optimizer),
+        lambda d, b: distill.distill_eval(d, target, b), split, args, "draft",
+    )  # fmt: skip
+    draft = draft.with_policy(storage="unrolled", compute_dtype="float32")
+    zoo.save_pretrained(draft, out, tokenizer=tokenizer, overwrite=True)
+    print(f"draft written to {out} ({args.layers} layers)")
+
+
+def train_mtp(target, split, args, vocab: list[int] | None, out: Path):
+    """Stage 4 with `--mtp`: a multi-token-prediction module, written to `out`/mtp.safetensors."""
+    target = target.with_policy(compute_dtype=args.compute_dtype)
+    mtp = mtp_training.mtp_init(target, jax.random.key(args.seed))
+    head = None if vocab is None else head_rows(target, jnp.asarray(vocab, jnp.int32))
+    optimizer = optimizer_for(split, args)
+    mtp = fit(
+        mtp, mtp_training.init_optimizer(mtp, optimizer),
+        lambda m, o, b: mtp_training.mtp_step(m, o, target, b, optimizer, head),
+        lambda m, b: mtp_training.mtp_eval(m, target, b, head), split, args, "module",
+    )  # fmt: skip
+    target = target.with_policy(compute_dtype="float32")
+    out.mkdir(parents=True, exist_ok=True)
+    zoo.save_mtp(target.with_mtp(mtp.with_policy(target.policy)), out / MTP_FILE)
+    print(f"multi-token-prediction module written to {out / MTP_FILE}")
+
+
+def vocabulary(rows, held_out: set[str], size: int, vocab_size: int) -> list[int]:
+    """The vocabulary of the training rows, with the share of held-out reply tokens it holds
+    printed (a missed token is a rejected draft)."""
     training = [r["tokens"] for r in rows if r["prompt"] not in held_out]
     vocab = distill.draft_vocabulary(training, size, vocab_size)
-    (path / DRAFT_VOCAB).write_text(json.dumps(vocab))
     chosen = set(vocab)
     replies = [t for r in rows if r["prompt"] in held_out for t in r["tokens"][r["prompt_len"] :]]
     covered = sum(t in chosen for t in replies) / max(len(replies), 1)
-    print(f"draft vocabulary: {len(vocab)} of {vocab_size} tokens ({path / DRAFT_VOCAB}), "
-          f"{covered:.3f} of the held-out replies' tokens")  # fmt: skip
+    print(f"draft vocabulary: {len(vocab)} of {vocab_size} tokens, {covered:.3f} of the held-out "
+          "replies' tokens")  # fmt: skip
+    return vocab
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,12 +250,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--layers", type=int, default=4, help="the draft's layers (the target's first)")
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="train a one-layer multi-token-prediction module instead of a draft model",
+    )
     p.add_argument("--new-tokens", type=int, default=160, help="tokens per reply at most")
     p.add_argument("--seq-len", type=int, default=256, help="training sequence length")
     p.add_argument("--gen-batch", type=int, default=16, help="replies generated at once")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per training step")
     p.add_argument("--epochs", type=int, default=5, help="passes over the replies")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (cosine decay)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (cosine decay; default 6e-4 for a draft, 2e-3 with --mtp)",
+    )
     p.add_argument("--compute-dtype", default="bfloat16", help="training's products")
     p.add_argument("--limit", type=int, default=None, help="use only this many prompts")
     p.add_argument(
@@ -193,7 +276,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/draft", help="directory of the replies and the draft")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.lr is None:
+        args.lr = 2e-3 if args.mtp else 6e-4
+    return args
 
 
 def main(argv=None):
@@ -210,37 +296,16 @@ def main(argv=None):
     print(f"{len(texts)} prompts ({len(held_out)} held out); replies by the target ...", flush=True)
     rows = replies(target, tokenizer, texts, args, out / "replies.jsonl")
     split = packed(target, rows, held_out, args, out / "hidden.npz")
-
-    # Mixed precision: float32 weights and optimizer, bfloat16 products (~1.4x a step here);
-    # the KL is taken in float32 (training/draft.py).
-    draft = distill.draft_init(target, args.layers).with_policy(compute_dtype=args.compute_dtype)
-    target = target.with_policy(compute_dtype=args.compute_dtype)
-    steps = args.epochs * (len(split["train"][0]) // args.batch_size)
-    optimizer = adamw(learning_rate("cosine", peak=args.lr, steps=steps, warmup=steps // 20),
-                      weight_decay=0.0)  # fmt: skip
-    opt_state = distill.init_optimizer(draft, optimizer)
-    kl, agree = evaluate(draft, target, split["held-out"], args.batch_size)
-    print(f"held-out before: KL {kl:.3f} nats, top-1 agreement {agree:.3f}", flush=True)
-    rng, step, started = np.random.default_rng(args.seed), 0, time.perf_counter()
-    for epoch in range(args.epochs):
-        for batch in batches(split["train"], args.batch_size, rng):
-            draft, opt_state, metrics = distill.distill_step(
-                draft, opt_state, target, batch, optimizer
-            )
-            step += 1
-            if step % 50 == 0 or step == steps:
-                print(f"  step {step}/{steps}: KL {float(metrics.kl):.3f}, agreement "
-                      f"{float(metrics.agreement):.3f} ({time.perf_counter() - started:.0f} s)",
-                      flush=True)  # fmt: skip
-        kl, agree = evaluate(draft, target, split["held-out"], args.batch_size)
-        print(f"held-out after epoch {epoch + 1}: KL {kl:.3f} nats, top-1 agreement {agree:.3f}",
-              flush=True)  # fmt: skip
-    draft = draft.with_policy(storage="unrolled", compute_dtype="float32")
-    zoo.save_pretrained(draft, out / "model", tokenizer=tokenizer, overwrite=True)
-    print(f"draft written to {out / 'model'} ({args.layers} layers)")
-    if args.draft_vocab:
-        write_vocabulary(rows, held_out, args.draft_vocab, target.config.vocab_size, out / "model")
-    return draft
+    size = target.config.vocab_size
+    vocab = vocabulary(rows, held_out, args.draft_vocab, size) if args.draft_vocab else None
+    where = out / ("mtp" if args.mtp else "model")
+    if args.mtp:
+        train_mtp(target, split, args, vocab, where)
+    else:
+        train_draft(target, tokenizer, split, args, where)
+    if vocab is not None:
+        (where / DRAFT_VOCAB).write_text(json.dumps(vocab))
+        print(f"draft vocabulary written to {where / DRAFT_VOCAB}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ __all__ = [
     "dequantize_base",
     "from_tiktoken",
     "load_adapter",
+    "load_mtp",
     "load_pretrained",
     "load_tokenizer",
     "math",
@@ -41,6 +42,7 @@ __all__ = [
     "quantize",
     "quantize_base",
     "save_adapter",
+    "save_mtp",
     "save_pretrained",
     "save_tokenizer",
     "update_router_bias",
@@ -50,7 +52,9 @@ __all__ = [
 def __getattr__(name: str):
     # Checkpoint and adapter files need the `checkpoints` extra (safetensors, gguf): import
     # them on first use so that `import zoo` works without it.
-    if name in ("load_pretrained", "save_pretrained", "load_adapter", "save_adapter"):
+    if name in (
+        "load_pretrained", "save_pretrained", "load_adapter", "save_adapter", "load_mtp", "save_mtp"
+    ):  # fmt: skip
         from zoo import pretrained
 
         return getattr(pretrained, name)

@@ -28,7 +28,7 @@ from zoo.block import make_norm
 from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.policy import Policy
-from zoo.transformer import DEFAULT_POLICY, Transformer
+from zoo.transformer import DEFAULT_POLICY, HeadRows, Transformer
 
 
 def body_config(config: Config) -> Config:
@@ -79,14 +79,15 @@ class MTP(eqx.Module):
         cache: KVCache | None = None,
         valid: Bool[Array, "batch seq"] | None = None,
         logits_at: Int[Array, " n"] | None = None,
+        head: HeadRows | None = None,
     ) -> ModelOutput:
         """At each position `i`: `tokens` the next tokens `t_{i+1}`, `hidden` the main model's
         final hidden states `h_i` after its final norm (or this module's own `h'` when drafting
         further). Logits of `t_{i+2}`, and `hidden` this module's `h'` (before its norm); the
-        cache, `valid` and `logits_at` as `Transformer.forward` takes them."""
+        cache, `valid`, `logits_at` and `head` as `Transformer.forward` takes them."""
         return self.body.forward(
             tokens, embeddings=self.inputs(tokens, hidden), cache=cache, valid=valid,
-            logits_at=logits_at,
+            logits_at=logits_at, head=head,
         )  # fmt: skip
 
     def with_policy(self, policy: Policy) -> "MTP":

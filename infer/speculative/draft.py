@@ -86,17 +86,19 @@ class DraftModel(eqx.Module):
             )
 
 
-def checked_vocab(vocab, vocab_size: int) -> Int[Array, " n"]:
-    """A draft vocabulary: distinct token ids in `[0, vocab_size)`, at least one."""
+def checked_vocab(vocab, vocab_size: int | None, owner: str = "DraftModel") -> Int[Array, " n"]:
+    """A draft vocabulary: distinct token ids, at least one, in `[0, vocab_size)` (unchecked
+    when None: the target is not known yet). `owner` names the proposer in the messages."""
     ids = np.asarray(vocab)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(
-            f"DraftModel vocab must be a non-empty 1-D array of token ids, got an array of "
+            f"{owner} vocab must be a non-empty 1-D array of token ids, got an array of "
             f"shape {ids.shape} and dtype {ids.dtype}"
         )
-    if ids.min() < 0 or ids.max() >= vocab_size or np.unique(ids).size != ids.size:
+    high = np.iinfo(np.int32).max if vocab_size is None else vocab_size
+    if ids.min() < 0 or ids.max() >= high or np.unique(ids).size != ids.size:
         raise ValueError(
-            f"DraftModel vocab must hold distinct token ids in [0, {vocab_size}) (the model's "
+            f"{owner} vocab must hold distinct token ids in [0, {high}) (the model's "
             f"vocabulary), got ids from {ids.min()} to {ids.max()}, "
             f"{ids.size - np.unique(ids).size} repeated"
         )

@@ -29,25 +29,31 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Int
 
-from infer.speculative.draft import draw_drafts
+from infer.speculative.draft import checked_vocab, draw_drafts, head_rows
 from infer.speculative.proposer import check_k
 from layers.paged_cache import PagedKVCache
 from zoo.transformer import Transformer
 
+MTP_FILE = "mtp.safetensors"  # a trained module's file in its directory (examples/train_draft.py)
 # How many times the module's program was traced (= compiled), as infer.engine.TRACES counts.
 TRACES = collections.Counter()
 
 
 class MTPDraft(eqx.Module):
     """Up to `k` drafts per row and step (the engine's static maximum) from the target's own
-    multi-token-prediction module (`model.mtp`: DeepSeek-V3 checkpoints, `zoo.load_pretrained`).
-    """
+    multi-token-prediction module (`model.mtp`: DeepSeek-V3 checkpoints, `zoo.load_pretrained`;
+    a module trained for any model, `zoo.load_mtp`). `vocab` (default: every token) the token
+    ids it may propose: the module's head is cut to their rows, as `DraftModel(vocab=)` cuts a
+    draft model's (the output unchanged, only the acceptance can drop)."""
 
-    k: int = eqx.field(static=True, default=1)
+    vocab: Int[Array, " n"] | None
+    k: int = eqx.field(static=True)
 
-    def __check_init__(self):
-        check_k("MTPDraft", self.k)
+    def __init__(self, k: int = 1, vocab=None):
+        self.k = check_k("MTPDraft", k)
+        self.vocab = None if vocab is None else checked_vocab(vocab, None, "MTPDraft")
 
     def check_target(self, target: Transformer) -> None:
         """The target must have an MTP module."""
@@ -58,14 +64,17 @@ class MTPDraft(eqx.Module):
                 "tensors (DeepSeek-V3 stores them as layer num_hidden_layers, with "
                 "num_nextn_predict_layers > 0 in config.json); use PromptLookup or DraftModel"
             )
+        if self.vocab is not None:
+            checked_vocab(self.vocab, target.config.vocab_size, "MTPDraft")
 
 
-@functools.partial(jax.jit, donate_argnums=2, static_argnames=("drafts", "page_size", "placement"))
+@functools.partial(jax.jit, donate_argnums=4, static_argnames=("drafts", "page_size", "placement"))
 def mtp_program(
-    target, mtp, pages, plan, report, hidden, chunk_next, sampling, key, step, *,
+    target, mtp, head, vocab, pages, plan, report, hidden, chunk_next, sampling, key, step, *,
     drafts, page_size, placement,
 ):  # fmt: skip
-    """The module's work after one engine step (module docstring): `plan` the step's StepPlan,
+    """The module's work after one engine step (module docstring): `head` and `vocab` its head
+    cut to the draft vocabulary and its ids (None: every token), `plan` the step's StepPlan,
     `report` its `[rows, group + 2]` report, `hidden` the target's last-layer output at each of
     its tokens (`[tokens, embed]`, the step's layout), `chunk_next` `[chunks, chunk]` the prompt
     token after each chunk token (the host's; the prompt's last is replaced by the token drawn).
@@ -107,9 +116,10 @@ def mtp_program(
     with placement.context():
         out = mtp.forward(
             tokens[:, None], target.final_norm(hidden)[:, None], valid=valid[:, None],
-            cache=cache, logits_at=at,
+            cache=cache, logits_at=at, head=head,
         )  # fmt: skip
-    token, q = draw_drafts(out.logits, sampling, jax.random.fold_in(key, 0))
+    vocab_size = target.config.vocab_size
+    token, q = draw_drafts(out.logits, sampling, jax.random.fold_in(key, 0), vocab, vocab_size)
     own = out.hidden.reshape(-1, out.hidden.shape[-1])[at]
     proposed, probs, pages = [token], [q], out.cache.layers
     for j in range(1, drafts):
@@ -117,8 +127,12 @@ def mtp_program(
             pages, plan.table, length, kernel=mtp.body.policy.decode_kernel, page_size=page_size
         )
         with placement.context():
-            out = mtp.forward(token[:, None], own[:, None], valid=has[:, None], cache=cache)
-        token, q = draw_drafts(out.logits[:, 0], sampling, jax.random.fold_in(key, j))
+            out = mtp.forward(
+                token[:, None], own[:, None], valid=has[:, None], cache=cache, head=head
+            )
+        token, q = draw_drafts(
+            out.logits[:, 0], sampling, jax.random.fold_in(key, j), vocab, vocab_size
+        )
         own, length, pages = out.hidden[:, 0], length + has, out.cache.layers
         proposed.append(token)
         probs.append(q)
@@ -136,6 +150,7 @@ class MTPRunner:
             n_pages, page_size, rows=window_rows, span=max_len, ring_extra=draft.k
         )
         self.pages = placement.place_arrays(pages)
+        self.head = None if draft.vocab is None else head_rows(model.mtp.body, draft.vocab)
         vocab = model.config.vocab_size
         self.drafts = jnp.zeros((rows, draft.k), jnp.int32)
         self.q = jnp.zeros((rows, draft.k, vocab), jnp.float32)
@@ -151,9 +166,9 @@ class MTPRunner:
     def after_step(self, model: Transformer, plan, report, hidden, chunk_next, sampling, step):
         """Run the module over what the step added and draw the next step's drafts."""
         self.pages, self.drafts, self.q = mtp_program(
-            model, model.mtp, self.pages, plan, report, hidden, chunk_next, sampling, self.key,
-            np.int32(step), drafts=self.draft.k, page_size=self.page_size,
-            placement=self.placement,
+            model, model.mtp, self.head, self.draft.vocab, self.pages, plan, report, hidden,
+            chunk_next, sampling, self.key, np.int32(step), drafts=self.draft.k,
+            page_size=self.page_size, placement=self.placement,
         )  # fmt: skip
 
     def kept(self, row: int, cached: int) -> None:

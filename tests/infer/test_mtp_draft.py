@@ -117,3 +117,37 @@ def test_a_model_without_the_module_is_refused(without_runtime_typechecks):
         Engine(model, max_batch=1, max_len=64, warm_up=False, speculative=MTPDraft(k=2))
     with pytest.raises(ValueError, match="MTPDraft k must be an int >= 1"):
         MTPDraft(k=0)
+
+
+def test_a_cut_vocabulary_drafts_only_its_tokens_and_keeps_the_output(drafting):
+    """The module's head cut to every token, shuffled: the drafts map back to the same ids (the
+    same kept and drafted counts as the whole head). Cut to half the tokens: drafts come only
+    from that half, and the greedy output is still each request's alone."""
+    prompt, n = prompts([21])[0], 14
+    expected = alone(drafting, prompt, n)
+    vocab = np.random.default_rng(0).permutation(CONFIG.vocab_size)
+    runs = {}
+    for name, ids in (("whole", None), ("shuffled", vocab), ("half", vocab[::2])):
+        engine = Engine(drafting, max_batch=1, max_len=64, page_size=8, chunk=16, warm_up=False,
+                        speculative=MTPDraft(k=3, vocab=ids))  # fmt: skip
+        drafts = []
+        request = engine.submit(prompt, max_new_tokens=n)
+        request.on_tokens = lambda _, e=engine, d=drafts: d.append(np.asarray(e.drafter.drafts[0]))
+        engine.run()
+        assert request.tokens == expected, name
+        runs[name] = (request.accepted, request.drafted, np.concatenate(drafts))
+    assert runs["shuffled"][:2] == runs["whole"][:2]
+    np.testing.assert_array_equal(runs["shuffled"][2], runs["whole"][2])
+    assert set(runs["half"][2].tolist()) <= set(vocab[::2].tolist())
+
+
+def test_a_bad_vocabulary_is_refused(without_runtime_typechecks):
+    with pytest.raises(ValueError, match="MTPDraft vocab must be a non-empty 1-D array"):
+        MTPDraft(k=2, vocab=[[1, 2]])
+    with pytest.raises(ValueError, match="MTPDraft vocab must hold distinct token ids"):
+        MTPDraft(k=2, vocab=[3, 3])
+    model = zoo.Transformer(CONFIG, policy=POLICY, key=jax.random.key(1))
+    model = model.with_mtp(MTP(CONFIG, policy=POLICY, key=jax.random.key(2)))
+    too_high = MTPDraft(k=2, vocab=[1, CONFIG.vocab_size])
+    with pytest.raises(ValueError, match=rf"distinct token ids in \[0, {CONFIG.vocab_size}\)"):
+        Engine(model, max_batch=1, max_len=64, warm_up=False, speculative=too_high)

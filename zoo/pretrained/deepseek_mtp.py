@@ -85,7 +85,7 @@ def _shared(model: Transformer, mtp: MTP) -> MTP:
     return eqx.tree_at(lambda m: m.body, mtp, body)
 
 
-def load_mtp(
+def load_checkpoint_mtp(
     source: TensorSource,
     arch: Architecture,
     model: Transformer,
@@ -93,13 +93,20 @@ def load_mtp(
     *,
     policy: Policy,
     placement: Placement,
+    strict: bool = False,
+    share_tables: bool = True,
 ) -> Transformer:
     """`model` with its checkpoint's first MTP module (`model.mtp`), or as it is when the
     config.json declares none (`num_nextn_predict_layers` 0 or absent) or the checkpoint holds
     none (converted checkpoints often drop them); a module whose layer lacks tensors or holds
-    unknown ones is left out with a warning naming them (the causal LM does not need it)."""
+    unknown ones is left out with a warning naming them (the causal LM does not need it), or
+    with `strict` (a file of the module alone: zoo/pretrained/mtp_file.py) refused.
+    `share_tables`: the module's token table and head become the model's own arrays where
+    equal (False: the caller puts the model's there)."""
     config, prefix = model.config, layer_prefix(model.config)
     if not hf.get("num_nextn_predict_layers") or prefix + PROJ not in source.names():
+        if strict:
+            raise ValueError(f"the file holds no MTP module (no tensor {prefix + PROJ})")
         return model
     try:
         body = load_weights(
@@ -107,6 +114,8 @@ def load_mtp(
             placement=placement,
         )  # fmt: skip
     except ValueError as error:  # the causal LM is whole: it loads, said without its MTP module
+        if strict:
+            raise ValueError(f"the MTP module's tensors do not load: {error}") from error
         warnings.warn(
             f"the checkpoint's multi-token-prediction module (its tensors {prefix}*) does not "
             f"load ({error}); the model is loaded without it (model.mtp is None)",
@@ -125,7 +134,7 @@ def load_mtp(
     ]
     mtp = eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, placed)
     mtp = eqx.tree_at(lambda m: m.body, mtp, body)
-    return model.with_mtp(_shared(model, mtp))
+    return model.with_mtp(_shared(model, mtp) if share_tables else mtp)
 
 
 def mtp_tensors(mtp: MTP, config: Config, body: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

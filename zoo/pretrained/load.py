@@ -5,7 +5,7 @@ import os
 from shard import Placement
 from zoo.policy import Policy
 from zoo.pretrained import deepseek_mtp, gguf
-from zoo.pretrained.deepseek_mtp import load_mtp
+from zoo.pretrained.deepseek_mtp import load_checkpoint_mtp
 from zoo.pretrained.fill import load_weights
 from zoo.pretrained.hf_config import config_from_hf, declared_dtype, read_hf_config
 from zoo.pretrained.safetensors import SafetensorsSource
@@ -71,5 +71,5 @@ def load_pretrained(
     source = SafetensorsSource(path)
     model = load_weights(source, arch, config, policy=policy, placement=placement)
     if arch.name == deepseek_mtp.ARCHITECTURE:
-        model = load_mtp(source, arch, model, hf, policy=policy, placement=placement)
+        model = load_checkpoint_mtp(source, arch, model, hf, policy=policy, placement=placement)
     return model
