@@ -50,6 +50,7 @@ import statistics
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -66,7 +67,7 @@ K, NEW_TOKENS, MAX_LEN, REPEATS = 6, 128, 1024, 3
 DRAFT_K, TIMINGS, SPEEDUP_GOAL = 4, 7, 1.3
 DRAFT = Path(os.environ.get("EQX_ZOO_DRAFT", "runs/draft/model"))
 MTP = Path(os.environ.get("EQX_ZOO_MTP", "runs/draft/mtp"))
-MTP_KS = (2, 3, 4)
+MTP_KS, MTP_INT8_K = (2, 3, 4), 3
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
     "brass lamp, a notebook with a cracked leather cover, and a thermos of black tea. From the "
@@ -110,7 +111,16 @@ def verify_costs(model) -> dict[int, float]:
     for _ in range(TIMINGS):
         for engine in engines.values():
             engine.time_steps(1)
-    return {k: engine.costs.verify_cost() for k, engine in engines.items()}
+    costs = {k: engine.costs.verify_cost() for k, engine in engines.items()}
+    release_programs()
+    return costs
+
+
+def release_programs() -> None:
+    """Drop the compiled programs of the engines measured so far: each holds ~400 memory
+    mappings of its code, and the bench's dozens of engines (a program set per draft, module and
+    k) passed Linux's vm.max_map_count (LLVM then fails to allocate)."""
+    jax.clear_caches()
 
 
 def drafting_costs(model, proposer: DraftModel | MTPDraft) -> tuple[float, float]:
@@ -125,6 +135,7 @@ def drafting_costs(model, proposer: DraftModel | MTPDraft) -> tuple[float, float
         drafting.time_steps(1)
         plain.time_steps(1)
     step = plain.costs.median("plain")
+    release_programs()
     beside = drafting.costs.median("plain") / step - 1 if drafting.adaptive else 0.0
     per_draft = (drafting.costs.median(k) - plain.costs.median(k)) / step / k
     return max(beside, 0.0), max(per_draft, 0.0)
@@ -139,29 +150,37 @@ def mtp_bytes(model, head) -> int:
     return weight_bytes(model.mtp) - tables + weight_bytes(head)
 
 
-def mtp_rows(model, notes: list[str]) -> tuple[object, list[tuple]]:
-    """The target with its trained module (or as it is when there is none) and a row per k."""
+def mtp_rows(model, notes: list[str]) -> list[tuple]:
+    """A row per k of the target with its trained module attached (float32, and int8 at
+    `MTP_INT8_K`: the module's weights are read once per draft), with the target it runs on;
+    none when there is no module."""
     file = MTP / MTP_FILE
     if not file.exists():
         notes.append(f"No trained MTP module at {file} (EQX_ZOO_MTP): its rows are left out; "
                      "`python -m examples.train_draft --mtp` writes one.")  # fmt: skip
-        return model, []
-    model = zoo.load_mtp(model, file)
+        return []
     vocab = draft_vocab(MTP)
-    head = head_rows(model.mtp.body, vocab if vocab is not None else jnp.arange(
-        model.config.vocab_size))  # fmt: skip
-    paper = mtp_bytes(model, head) / weight_bytes(model.with_mtp(None))
+    ids = vocab if vocab is not None else jnp.arange(model.config.vocab_size)
+    cut = f", head cut to {len(ids)} tokens" if vocab is not None else ""
+    floats = zoo.load_mtp(model, file)
+    packed = floats.with_mtp(
+        eqx.tree_at(lambda m: m.body, floats.mtp, zoo.quantize(floats.mtp.body, "int8"))
+    )
     rows = []
-    for k in MTP_KS:
+    for k, target, dtype in [
+        *((k, floats, "float32") for k in MTP_KS),
+        (MTP_INT8_K, packed, "int8"),
+    ]:
         proposer = MTPDraft(k=k, vocab=vocab)
-        _, measured = drafting_costs(model, proposer)
-        notes.append(f"MTP module, k={k}: {mtp_bytes(model, head) / 1e6:.1f} MB read per "
-                     f"forward ({paper:.3f} of the target's); measured, a draft of a verifying "
-                     f"step {measured:.3f} target steps.")  # fmt: skip
-        cut = f", head cut to {vocab.size} tokens" if vocab is not None else ""
-        rows.append((f"MTP module trained{cut}, k={k}, every step", proposer, paper, measured,
-                     0.0, ("free chat",)))  # fmt: skip
-    return model, rows
+        read = mtp_bytes(target, head_rows(target.mtp.body, ids))
+        paper = read / weight_bytes(model)
+        _, measured = drafting_costs(target, proposer)
+        notes.append(f"MTP module {dtype}, k={k}: {read / 1e6:.1f} MB read per forward "
+                     f"({paper:.3f} of the target's); measured, a draft of a verifying step "
+                     f"{measured:.3f} target steps.")  # fmt: skip
+        rows.append((f"MTP module trained, {dtype}{cut}, k={k}, every step", proposer, paper,
+                     measured, 0.0, ("free chat",), target))  # fmt: skip
+    return rows
 
 
 def decode_run(engine: Engine, prompt: list[int], stops) -> tuple:
@@ -191,7 +210,7 @@ def draft_bytes(proposer: DraftModel) -> int:
 def draft_rows(model, notes: list[str]) -> list[tuple]:
     """(name, proposer, paper draft cost, measured draft cost, tasks) of each draft model, in
     int8."""
-    target_bytes = weight_bytes(model.with_mtp(None))
+    target_bytes = weight_bytes(model)
     untrained = zoo.quantize(truncated_draft(model, 2), "int8")
     drafts = [("first 2 layers, untrained, int8", untrained, None, (True,), ("free chat",))]
     if DRAFT.exists():
@@ -226,7 +245,6 @@ def run(ceilings: Ceilings) -> Table:
     tokenizer = zoo.load_tokenizer(gguf)
     model = zoo.load_pretrained(gguf, quantized=False)
     notes = []
-    model, module_rows = mtp_rows(model, notes)
     notes[:0] = [
         f"Engine: 1 row, max_len {MAX_LEN}, {NEW_TOKENS} new tokens at most; the plain engine "
         f"beside the speculating one, {REPEATS} interleaved repeats, medians. Predicted: "
@@ -241,7 +259,7 @@ def run(ceilings: Ceilings) -> Table:
         (f"prompt lookup k={K}, every step", PromptLookup(k=K, adaptive=False), 0, 0, 0, TASKS),
         (f"prompt lookup k={K}, adaptive", PromptLookup(k=K), 0, 0, 0, TASKS),
         *draft_rows(model, notes),
-        *module_rows,
+        *mtp_rows(model, notes),
     ]
     table = Table("speculative", "Speculative decoding, SmolLM2-135M-Instruct float32, batch 1, "
                   "greedy", notes)  # fmt: skip
@@ -250,12 +268,12 @@ def run(ceilings: Ceilings) -> Table:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
-        for name, proposer, paper_draft, measured_draft, beside, tasks in proposers:
+        for name, proposer, paper_draft, measured_draft, beside, tasks, *on in proposers:
             if task not in tasks:
                 continue
-            k = proposer.k
-            plain = Engine(model, max_batch=1, max_len=MAX_LEN)
-            speculating = Engine(model, max_batch=1, max_len=MAX_LEN, speculative=proposer)
+            k, target = proposer.k, on[0] if on else model  # an MTP row's target has its module
+            plain = Engine(target, max_batch=1, max_len=MAX_LEN)
+            speculating = Engine(target, max_batch=1, max_len=MAX_LEN, speculative=proposer)
             runs = {"plain": [], "spec": []}
             for _ in range(REPEATS):
                 runs["plain"].append(decode_run(plain, prompt, stops))
@@ -314,5 +332,6 @@ def run(ceilings: Ceilings) -> Table:
                 "speedup, CPU-s per token": f"{plain_cpu / spec_cpu:.2f}x",
                 "same tokens": same,
             })  # fmt: skip
+            release_programs()
     notes.append(f"Load average at the end: {os.getloadavg()[0]:.1f}.")
     return table

@@ -5,7 +5,7 @@ tokenizer, for `python -m bench speculative` and `DraftModel(zoo.load_pretrained
 
     python -m examples.train_draft                      # 4 layers, ~1,240 chat prompts, 5 epochs
     python -m examples.train_draft --layers 2 --epochs 1 --out runs/draft2
-    python -m examples.train_draft --mtp                # a one-layer MTP module instead
+    python -m examples.train_draft --mtp                # a one-layer MTP module, 10 epochs
 
 `--mtp` trains a multi-token-prediction module for the target instead (training/mtp.py: one
 layer that reads the target's hidden state as well as the tokens, EAGLE's recipe on DeepSeek-V3's
@@ -258,8 +258,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=160, help="tokens per reply at most")
     p.add_argument("--seq-len", type=int, default=256, help="training sequence length")
     p.add_argument("--gen-batch", type=int, default=16, help="replies generated at once")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per training step")
-    p.add_argument("--epochs", type=int, default=5, help="passes over the replies")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per training step (default 4 for a draft, 8 with --mtp)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="passes over the replies (default 5 for a draft, 10 with --mtp)",
+    )
     p.add_argument(
         "--lr",
         type=float,
@@ -277,8 +287,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/draft", help="directory of the replies and the draft")
     args = p.parse_args(argv)
-    if args.lr is None:
-        args.lr = 2e-3 if args.mtp else 6e-4
+    defaults = {"lr": (6e-4, 2e-3), "batch_size": (4, 8), "epochs": (5, 10)}
+    for name, (draft, mtp) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, mtp if args.mtp else draft)
     return args
 
 
