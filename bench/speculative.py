@@ -290,7 +290,7 @@ def run(ceilings: Ceilings) -> Table:
             verify_paper_of = functools.partial(verify_on_paper, model.config, context, ceilings)
             verify_paper, verify = verify_paper_of(k), verify_measured[k]
             # An adaptive draft model's engine picks the drafts per row each step: its best k.
-            choices = range(1, k + 1) if proposer.adaptive and measured_draft else [k]
+            choices = range(1, k + 1) if speculating.adaptive and measured_draft else [k]
             needs = [
                 zmath.speculative_acceptance_needed(
                     SPEEDUP_GOAL, j, verify_cost=verify_measured[j], draft_cost=measured_draft
@@ -308,7 +308,7 @@ def run(ceilings: Ceilings) -> Table:
                     ("measured", verify_measured.get, measured_draft),
                 )
             }
-            if proposer.adaptive:  # it decodes plainly where speculating would lose
+            if speculating.adaptive:  # it decodes plainly where speculating would lose
                 floor = 1 / (1 + beside)  # a plain step with the draft's observation
                 predicted = {how: max(gain, floor) for how, gain in predicted.items()}
             table.add({
@@ -324,7 +324,7 @@ def run(ceilings: Ceilings) -> Table:
                 "predicted speedup paper / measured":
                     f"{predicted['paper']:.2f}x / {predicted['measured']:.2f}x",
                 "engine's verify cost": (
-                    f"{speculating.costs.verify_cost():.2f}" if proposer.adaptive else "-"
+                    f"{speculating.costs.verify_cost():.2f}" if speculating.adaptive else "-"
                 ),
                 "plain tok/s": f"{plain_rate:.1f}",
                 "speculative tok/s": f"{spec_rate:.1f}",

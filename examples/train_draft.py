@@ -163,18 +163,23 @@ def evaluate(run, arrays, size: int) -> dict[str, float]:
     return {name: value / total for name, value in sums.items()}
 
 
-def described(metrics) -> str:
-    return ", ".join(f"{name} {float(value):.3f}" for name, value in vars(metrics).items())
+def described(values: dict) -> str:
+    return ", ".join(f"{name} {float(value):.3f}" for name, value in values.items())
+
+
+def training_steps(split, args) -> int:
+    return args.epochs * (len(split["train"][0]) // args.batch_size)
 
 
 def fit(params, opt_state, step, run_eval, split, args, what: str):
     """`args.epochs` passes of `step(params, opt_state, batch)` over the training rows, with the
     held-out metrics (`run_eval(params, batch)`) before and after each."""
-    steps = args.epochs * (len(split["train"][0]) // args.batch_size)
+    steps = training_steps(split, args)
 
     def held_out(params):
-        metrics = evaluate(lambda b: run_eval(params, b), split["held-out"], args.batch_size)
-        return ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+        return described(
+            evaluate(lambda b: run_eval(params, b), split["held-out"], args.batch_size)
+        )
 
     print(f"held-out before: {held_out(params)}", flush=True)
     rng, done, started = np.random.default_rng(args.seed), 0, time.perf_counter()
@@ -183,14 +188,14 @@ def fit(params, opt_state, step, run_eval, split, args, what: str):
             params, opt_state, metrics = step(params, opt_state, batch)
             done += 1
             if done % 50 == 0 or done == steps:
-                print(f"  {what} step {done}/{steps}: {described(metrics)} "
+                print(f"  {what} step {done}/{steps}: {described(vars(metrics))} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
         print(f"held-out after epoch {epoch + 1}: {held_out(params)}", flush=True)
     return params
 
 
 def optimizer_for(split, args):
-    steps = args.epochs * (len(split["train"][0]) // args.batch_size)
+    steps = training_steps(split, args)
     schedule = learning_rate("cosine", peak=args.lr, steps=steps, warmup=steps // 20)
     return adamw(schedule, weight_decay=0.0)
 
