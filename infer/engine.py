@@ -152,9 +152,13 @@ def _logprobs(
 
     def compute():
         scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        best, best_tokens = jax.lax.top_k(scores, top)
+        # XLA:GPU sorts a single row over the vocabulary with CUB (a custom call that keeps this
+        # branch, and so the whole step, out of a command buffer: the host then waits for the
+        # device every step); two rows take its own sort kernel (bench/RESULTS.md, H200).
+        rows = scores if n > 1 else jnp.concatenate([scores, scores])
+        best, best_tokens = jax.lax.top_k(rows, top)
         chosen = jnp.take_along_axis(scores, tokens[:, None], axis=1)[:, 0]
-        return chosen, best_tokens.astype(jnp.int32), best
+        return chosen, best_tokens[:n].astype(jnp.int32), best[:n]
 
     def skip():
         return jnp.zeros(n), jnp.zeros((n, top), jnp.int32), jnp.zeros((n, top))

@@ -11,9 +11,14 @@ touch XLA:GPU's compiler; on a CPU they are parsed and ignored.
   (JAX's GPU performance guide; NVIDIA's JAX containers set it). It matters on more than one GPU.
 - `xla_gpu_enable_highest_priority_async_stream`: run those collectives on the highest-priority
   stream, so the overlapped communication is not starved by the compute kernels (same guide).
+- `xla_gpu_enable_command_buffer`: XLA's default kinds (fusions, cuBLAS, cuBLASLt, custom calls,
+  cuDNN) plus `CONDITIONAL` and `WHILE`, so a program's `lax.cond` and data-bounded loops run inside
+  the CUDA graph instead of splitting it. Without them the host copies each predicate back and
+  waits for the device, so the next call's launch cannot overlap this one: the serving engine's
+  step (a cond for sampling, one for log-probabilities, a bounded loop in the sampler's filters)
+  pays that every step (bench/RESULTS.md, "GPU: NVIDIA H200, 2026-11-28").
 
-No single-GPU measurement of these flags exists yet (no GPU has been lent to this project's
-sessions): bench/RESULTS.md records the flags each run used.
+bench/RESULTS.md records the flags each run used.
 """
 
 import os
@@ -23,6 +28,7 @@ from jax._src import xla_bridge
 GPU_DEFAULTS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_highest_priority_async_stream": "true",
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
 }
 
 

@@ -108,6 +108,15 @@ def test_tokens_accepted_from_a_verification_group_have_their_logprobs(llama):
         check(llama, request)
 
 
+def test_a_single_row_step_has_the_same_logprobs(llama):
+    """One row decoding alone: the step's top-k then runs over a single row of logits (taken
+    over the row twice, so XLA:GPU keeps it in its command buffer), with the same values."""
+    engine = Engine(llama, max_batch=1, max_len=32, page_size=8, chunk=16)
+    request = engine.submit(prompts([7], seed=3)[0], max_new_tokens=6, logprobs=MAX_LOGPROBS)
+    engine.run()
+    check(llama, request)
+
+
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, 2.0, True, "5"])
 def test_bad_logprobs_are_refused(llama, bad, without_runtime_typechecks):
     engine = Engine(llama, max_batch=1, max_len=32, page_size=8, chunk=16, warm_up=False)
