@@ -313,6 +313,13 @@ def main(argv=None):
     print(f"{len(texts)} prompts ({len(held_out)} held out); replies by the target ...", flush=True)
     rows = replies(target, tokenizer, texts, args, out / "replies.jsonl")
     split = packed(target, rows, held_out, args, out / "hidden.npz")
+    if training_steps(split, args) == 0:
+        raise SystemExit(
+            f"train_draft: the replies pack into {len(split['train'][0])} training sequences of "
+            f"{args.seq_len} tokens, fewer than --batch-size {args.batch_size}: no step would "
+            "train anything. Use more prompts (--limit), a smaller --batch-size or a shorter "
+            f"--seq-len; the replies are kept in {out / 'replies.jsonl'} and read back."
+        )
     size = target.config.vocab_size
     vocab = vocabulary(rows, held_out, args.draft_vocab, size) if args.draft_vocab else None
     where = out / ("mtp" if args.mtp else "model")
