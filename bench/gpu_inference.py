@@ -240,6 +240,9 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def engine_stage(run, deadline: float) -> None:
+    """The engine with every default: decode steps at 1 and 8 rows, 24 mixed requests, the cost
+    of a verification step, then 32 rows (the row the stage can best do without when its budget
+    runs out: an H200 run spent its budget before the mixed requests)."""
     name, config, policy, _, _, _ = _sizes(run.gpu)
     model = zoo.Transformer(config, policy=policy.replace(storage="unrolled"),
                             key=jax.random.key(0))  # fmt: skip
@@ -257,9 +260,9 @@ def engine_stage(run, deadline: float) -> None:
          "measured matmul rate + the fewest 8-row decode steps."],
     )  # fmt: skip
     vocab = config.vocab_size
-    for rows in (1, 8, 32) if run.gpu else (1,):
-        if time.monotonic() > deadline:
-            return
+    nan = float("nan")
+
+    def decode(rows: int) -> None:
         engine = Engine(model, max_batch=rows, max_len=max_len)
         for i in range(rows):
             engine.submit(_prompt(25, 300 + i, vocab), max_new_tokens=new)
@@ -270,48 +273,54 @@ def engine_stage(run, deadline: float) -> None:
         step_s = (time.perf_counter() - start) / (engine.steps - before)
         n_bytes = zoo.math.decode_step_bytes(config, rows, 25 + new // 2, model.policy)
         row = {"what": f"decode step, {rows} row(s)", "tokens/s": rows / step_s}
-        row |= roofline_cells(n_bytes / bandwidth, step_s, n_bytes, bandwidth, "GB/s")
-        table.add(row)
+        table.add(row | roofline_cells(n_bytes / bandwidth, step_s, n_bytes, bandwidth, "GB/s"))
+
+    def mixed_requests() -> None:
+        rng = np.random.default_rng(7)
+        cases = [(_prompt(int(rng.integers(4, longest + 1)), s, vocab),
+                  int(rng.integers(4, most_new + 1))) for s in range(mixed)]  # fmt: skip
+        engine = Engine(model, max_batch=8, max_len=max_len)
+        start = time.perf_counter()
+        for p, n in cases:
+            engine.submit(p, max_new_tokens=n)
+        engine.run()
+        seconds = time.perf_counter() - start
+        generated = sum(n for _, n in cases)
+        steps = -(-(generated - len(cases)) // 8)
+        flops = sum(len(p) * zoo.math.forward_flops_per_token(config, len(p)) for p, _ in cases)
+        predicted = flops / run.ceilings.matmul_flops(policy.compute_dtype) + steps * (
+            zoo.math.decode_step_bytes(config, 8, 100, model.policy) / bandwidth
+        )
+        table.add({
+            "what": f"{mixed} mixed requests, 8 rows ({engine.steps} engine steps, fewest {steps})",
+            "tokens/s": generated / seconds, "predicted ms": 1e3 * predicted,
+            "measured ms": 1e3 * seconds, "achieved GB/s": nan,
+            "% of ceiling": 100 * predicted / seconds,
+        })  # fmt: skip
+
+    def verification() -> None:
+        # Verification's cost: the adaptive proposer times its plain and its k-draft steps.
+        k = 6
+        engine = Engine(model, max_batch=1, max_len=max_len, speculative=PromptLookup(k=k))
+        engine.submit(_prompt(8, 1, vocab) * (8 if run.gpu else 4), max_new_tokens=new)
+        engine.run()
+        table.add({
+            "what": f"a verification step of k={k} drafts, 1 row: "
+            f"{engine.costs.verify_cost():.2f} plain steps",
+            "tokens/s": nan, "predicted ms": nan, "measured ms": nan, "achieved GB/s": nan,
+            "% of ceiling": nan,
+        })  # fmt: skip
+
+    parts = [lambda: decode(1)]
+    if run.gpu:
+        parts += [lambda: decode(8), mixed_requests, verification, lambda: decode(32)]
+    else:
+        parts += [mixed_requests, verification]
+    for part in parts:
+        if time.monotonic() > deadline:
+            return
+        part()
         run.write()
-    if time.monotonic() > deadline:
-        return
-    rng = np.random.default_rng(7)
-    cases = [(_prompt(int(rng.integers(4, longest + 1)), s, vocab),
-              int(rng.integers(4, most_new + 1))) for s in range(mixed)]  # fmt: skip
-    engine = Engine(model, max_batch=8, max_len=max_len)
-    start = time.perf_counter()
-    for p, n in cases:
-        engine.submit(p, max_new_tokens=n)
-    engine.run()
-    seconds = time.perf_counter() - start
-    generated = sum(n for _, n in cases)
-    steps = -(-(generated - len(cases)) // 8)
-    flops = sum(len(p) * zoo.math.forward_flops_per_token(config, len(p)) for p, _ in cases)
-    predicted = flops / run.ceilings.matmul_flops(policy.compute_dtype) + steps * (
-        zoo.math.decode_step_bytes(config, 8, 100, model.policy) / bandwidth
-    )
-    table.add({
-        "what": f"{mixed} mixed requests, 8 rows ({engine.steps} engine steps, fewest {steps})",
-        "tokens/s": generated / seconds, "predicted ms": 1e3 * predicted,
-        "measured ms": 1e3 * seconds, "achieved GB/s": float("nan"),
-        "% of ceiling": 100 * predicted / seconds,
-    })  # fmt: skip
-    run.write()
-    if time.monotonic() > deadline:
-        return
-    # Verification's cost: the adaptive proposer times its plain and its k-draft steps.
-    k = 6
-    engine = Engine(model, max_batch=1, max_len=max_len, speculative=PromptLookup(k=k))
-    engine.submit(_prompt(8, 1, vocab) * (8 if run.gpu else 4), max_new_tokens=new)
-    engine.run()
-    nan = float("nan")
-    table.add({
-        "what": f"a verification step of k={k} drafts, 1 row: "
-        f"{engine.costs.verify_cost():.2f} plain steps",
-        "tokens/s": nan, "predicted ms": nan, "measured ms": nan, "achieved GB/s": nan,
-        "% of ceiling": nan,
-    })  # fmt: skip
-    run.write()
 
 
 # --- the Pallas quantized kernel's plan, swept
