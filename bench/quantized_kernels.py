@@ -6,7 +6,9 @@ One decode step's weight matrices of GPT-2 124M (12 layers of q, k, v, o, up, do
 head, 124M weights), each multiplied by its own `[tokens, in]` activations in one jitted program,
 side by side in one run:
 
-- float32 weights, XLA matmul: the baseline;
+- float32 weights, XLA matmul: the baseline; the float32 kernel for a few tokens
+  (layers/kernels/cpu/dense.cc) on both of its walks: `x · W` (a `Linear`'s [in, out] layout)
+  and `x · W^T` (the tied head's [vocab, embed] table);
 - int8 weights through XLA: (a) convert + matmul, which XLA:CPU does not fuse; (b) int8 x int8
   -> int32 `dot_general` after per-token dynamic activation quantization; (c) dequantization
   tiled inside the product (a `lax.scan` over 1024-column tiles, each converted behind an
@@ -20,6 +22,8 @@ against dequantize + XLA matmul as the tokens grow, which sets `KERNEL_TOKENS` (
 serves decode and small batches; prefill and training take the XLA path).
 """
 
+from functools import partial
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,7 @@ import numpy as np
 
 import zoo
 from bench.harness import Ceilings, Table, error_note, median_seconds, roofline_cells
+from layers.kernels.cpu.dense import dense_matmul
 from layers.kernels.quantized import cpu_matmul, reference_matmul
 from layers.quantized import PackedWeight, pack
 from zoo.pretrained.gguf_blocks import PACKED_TYPES, Q
@@ -89,6 +94,8 @@ def formulations(shapes: list[tuple[int, int]]) -> dict[str, tuple]:
     kernel = cpu_matmul
     out = {
         "float32 XLA": (lambda x, w: x @ w.T, floats),
+        "float32 kernel x · W": (dense_matmul, [jnp.asarray(np.asarray(w).T) for w in floats]),
+        "float32 kernel x · W^T": (partial(dense_matmul, transposed=True), floats),
         "bfloat16 XLA": (
             lambda x, w: (x.astype(jnp.bfloat16) @ w.T).astype(jnp.float32),
             [w.astype(jnp.bfloat16) for w in floats],

@@ -26,6 +26,14 @@ def test_table_markdown_has_a_header_and_one_line_per_row():
     assert lines[4:] == ["| a | b |", "|---|---|", "| 1 | 0.5 |", "| 2 | 1,234 |"]
 
 
+def test_a_cpu_bandwidth_is_measured_past_the_last_level_cache(tmp_path):
+    for index, size in [(0, "48K"), (2, "2048K"), (3, "307200K")]:
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert harness.last_level_cache_bytes(tmp_path) == 300 * 2**20
+    assert harness.last_level_cache_bytes(tmp_path / "none") == 0
+
+
 def test_groups():
     assert trace_reading.group("all-reduce.3") == "collective"
     assert trace_reading.group("dot_general_fusion.2") == "matmul/fusion"

@@ -51,7 +51,7 @@ def test_the_kernel_is_the_product_within_the_float32_bound(k, n, portable, tran
     w = jax.random.normal(jax.random.key(0), (k, n))
     stored = w.T if transposed else w
     product = jax.jit(lambda x, w: dense_matmul(x, w, transposed=transposed, portable=portable))
-    for tokens in (1, 2, 3, 4, 5, 7, 8, 13):  # every tile (4, 2, 1 tokens) and its remainders
+    for tokens in (1, 2, 3, 4, 5, 7, 8, 13, 16):  # every tile (8, 4, 2, 1 tokens), remainders
         x = jax.random.normal(jax.random.key(tokens), (tokens, k))
         got = product(x, stored)
         assert got.shape == (tokens, n)

@@ -2,10 +2,14 @@
 // [K, N], for decode steps on a CPU (cpu.py: `dense_matmul`). XLA's product of a skinny x packs
 // W's panels (a second pass over the weight) and reads 8-row products at ~14 GB/s on a machine
 // that streams 1-row ones at ~23 (bench/RESULTS.md, "skinny products"). Here W is read once, in
-// 48-column panels walked down their K rows, each row's 3 cache lines multiplied into [4, 48]
-// accumulators held in registers; the lines PREFETCH rows ahead are requested into
-// L2 first, so the loads of a panel overlap the FMAs (without it the walk down a panel, one row
-// a page apart, waits on memory: 17.8 vs 23.5-26.9 GB/s measured at 8 tokens, 2 threads).
+// blocks of 32 rows: a block's rows are walked left to right in 48-column panels (3 cache lines
+// a row), each panel's 32 rows multiplied into [8, 48] accumulators held in registers for 8
+// tokens at a time (then 4, 2, 1; the panel's next tokens read it again from L1) and added to
+// y between blocks. So memory is read as 32 streams running along the rows, and while the
+// first tile walks a panel it asks for the same panel of the next block's rows into L2, so
+// loads overlap FMAs. (The walk this replaced went down each 48-column panel, one row a page
+// apart: on an Intel Xeon it read 11-13 GB/s at 8 tokens where this reads 16-20, and 8-token
+// tiles spilled no registers here; bench/RESULTS.md, "The float32 kernel's walk".)
 //
 // The tied head multiplies by a weight stored [N, K] (the embedding table): y = x · W^T. Its rows
 // are walked in order, 4 rows at a time with the next 4 requested ahead, each row's dot products
@@ -23,8 +27,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Rows of W requested ahead of the one being multiplied (measured best between 32 and 64).
-constexpr int64_t kPrefetch = 48;
+// Rows of W per block (measured at 16 and 32, 8 tokens: within the noise; 64 and more is
+// slower, its streams more than an L2 prefetcher follows).
+constexpr int64_t kBlockRows = 32;
 // Columns per panel: 3 vectors of 16 floats. The loops over tokens and vectors are unrolled by
 // GCC unroll pragmas (measured in one build without them: 12.4-14.1 GB/s at 8 tokens, with
 // them 17.4-20.6; from memory, 2 threads).
@@ -34,52 +39,60 @@ constexpr int64_t kPanel = 16 * kVectors;
 #if defined(__x86_64__)
 #define ZOO_DENSE __attribute__((target("avx512f,fma")))
 
-// Tokens [0, TB) of x (rows `k` floats apart) times columns [n0, n0 + 48) of W (masked past n).
+// Tokens [0, TB) of x (rows `k` floats apart) times rows [i0, i1) of columns [n0, n0 + 48) of W
+// (masked past n), added to y (set, for the first block): each output still summed in k order,
+// one FMA a term. `ahead`: also request the same columns of the next block's rows into L2.
 template <int TB>
-ZOO_DENSE void panel(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0) {
-  __m512 acc[TB][kVectors];
-  _Pragma("GCC unroll 4")
-  for (int t = 0; t < TB; ++t)
-      _Pragma("GCC unroll 4")
-      for (int v = 0; v < kVectors; ++v) acc[t][v] = _mm512_setzero_ps();
+ZOO_DENSE void panel(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0,
+                     int64_t i0, int64_t i1, bool ahead) {
   __mmask16 mask[kVectors];
   _Pragma("GCC unroll 4")
   for (int v = 0; v < kVectors; ++v) {
     const int64_t left = n - (n0 + 16 * v);
     mask[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
   }
-  const float* row = w + n0;
-  for (int64_t i = 0; i < k; ++i, row += n) {
-    if (i + kPrefetch < k)
+  __m512 acc[TB][kVectors];
+  _Pragma("GCC unroll 8")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v)
+        acc[t][v] = i0 == 0 ? _mm512_setzero_ps()
+                            : _mm512_maskz_loadu_ps(mask[v], y + t * n + n0 + 16 * v);
+  const float* row = w + i0 * n + n0;
+  for (int64_t i = i0; i < i1; ++i, row += n) {
+    if (ahead && i + kBlockRows < k)
           _Pragma("GCC unroll 4")
           for (int v = 0; v < kVectors; ++v)
-        if (mask[v]) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch * n + 16 * v), _MM_HINT_T1);
+        if (mask[v]) _mm_prefetch(reinterpret_cast<const char*>(row + kBlockRows * n + 16 * v), _MM_HINT_T1);
     __m512 wv[kVectors];
       _Pragma("GCC unroll 4")
       for (int v = 0; v < kVectors; ++v) wv[v] = _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
-      _Pragma("GCC unroll 4")
+      _Pragma("GCC unroll 8")
       for (int t = 0; t < TB; ++t) {
       const __m512 xb = _mm512_set1_ps(x[t * k + i]);
           _Pragma("GCC unroll 4")
           for (int v = 0; v < kVectors; ++v) acc[t][v] = _mm512_fmadd_ps(xb, wv[v], acc[t][v]);
     }
   }
-  _Pragma("GCC unroll 4")
+  _Pragma("GCC unroll 8")
   for (int t = 0; t < TB; ++t)
       _Pragma("GCC unroll 4")
       for (int v = 0; v < kVectors; ++v) _mm512_mask_storeu_ps(y + t * n + n0 + 16 * v, mask[v], acc[t][v]);
 }
 
-// Columns [c0, c1) for every token: 4 tokens at a time, then 2, 1. A panel's next 4 tokens read
-// it again from L2 (48 columns x K rows: 147 KB at K = 768): 8-token tiles, 24 accumulators,
-// spilled registers in this build and ran at 14.9 GB/s where 4-token ones give 20.1-20.6.
+// Columns [c0, c1) for every token, block by block: 8 tokens at a time (24 accumulators, 3
+// weight vectors and a broadcast: 28 of the 32 vector registers), then 4, 2, 1.
 ZOO_DENSE void columns_avx512(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
                               int64_t n, int64_t c0, int64_t c1) {
-  for (int64_t n0 = c0; n0 < c1; n0 += kPanel) {
-    int64_t t = 0;
-    for (; t + 4 <= tokens; t += 4) panel<4>(x + t * k, w, y + t * n, k, n, n0);
-    if (t + 2 <= tokens) panel<2>(x + t * k, w, y + t * n, k, n, n0), t += 2;
-    if (t < tokens) panel<1>(x + t * k, w, y + t * n, k, n, n0);
+  for (int64_t i0 = 0; i0 < k; i0 += kBlockRows) {
+    const int64_t i1 = std::min(k, i0 + kBlockRows);
+    for (int64_t n0 = c0; n0 < c1; n0 += kPanel) {
+      int64_t t = 0;
+      for (; t + 8 <= tokens; t += 8) panel<8>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0);
+      if (t + 4 <= tokens) panel<4>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0), t += 4;
+      if (t + 2 <= tokens) panel<2>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0), t += 2;
+      if (t < tokens) panel<1>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0);
+    }
   }
 }
 
@@ -177,10 +190,10 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
   const bool fast = !portable && has_avx512();
   const int64_t threads =
       tokens * k * n < kThreadedWork ? 1 : std::max<int64_t>(pool.num_threads(), 1);
-  // Whole panels (48 columns of W, or 48 rows of W^T) per item, about 4 items per thread (the
-  // items are claimed as threads free up).
+  // Whole panels (48 columns of W, or 48 rows of W^T) per item, about 4 items per thread for
+  // W^T and 2 for W (longer runs along its rows), claimed as threads free up.
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t per_item = std::max<int64_t>(1, panels / (4 * threads));
+  const int64_t per_item = std::max<int64_t>(1, panels / ((transposed ? 4 : 2) * threads));
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t p = 0; p < panels; p += per_item)
     items.emplace_back(p * kPanel, std::min(n, (p + per_item) * kPanel));
