@@ -19,9 +19,9 @@ A call's tokens form groups (layers/token_groups.py), each continuing one row of
 framework), the serving engine one group per decoding request and one per prompt chunk in the
 same call. Each layer's `PagedSlot` scatters the new keys and values into the rows' pages, then
 attends with `paged_attention` over the blocks of pages that hold visible keys: the decode
-kernel (`XlaPagedKernel()`, or the Pallas `PallasDecodeKernel()` on a GPU) for groups of one
-token, the XLA path for longer groups. Nothing reads a row's pages past its length, so a step
-costs the tokens the rows hold, not `max_len`.
+kernel (`XlaPagedKernel()`, the Pallas `PallasDecodeKernel()` on a GPU or the C++
+`CpuDecodeKernel()` on a CPU) for groups of one token, the XLA path for longer groups. Nothing
+reads a row's pages past its length, so a step costs the tokens the rows hold, not `max_len`.
 
 The page table and the lengths are host-managed (infer/engine.py allocates and frees pages): they
 are arguments of each call, so new tables never recompile anything.
@@ -109,7 +109,7 @@ class LatentPages(eqx.Module):
 
 
 def _prefill_kernel(kernel: PagedKernel | None) -> XlaPagedKernel:
-    """Groups of several tokens always take the XLA path (the Pallas kernel decodes only)."""
+    """Groups of several tokens always take the XLA path (the other kernels decode only)."""
     return kernel if isinstance(kernel, XlaPagedKernel) else XlaPagedKernel()
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from layers.kernels import AttentionKernel, kernel_named
 from layers.kernels.kernel import DEFAULT_PREFERENCE, KERNELS
-from layers.kernels.paged import PagedKernel, PallasDecodeKernel, XlaPagedKernel
+from layers.kernels.paged import CpuDecodeKernel, PagedKernel, PallasDecodeKernel, XlaPagedKernel
 from layers.kernels.support import Needs, default_kernel, refusal
 from layers.moe import Capacity, Dispatch, Dropless
 from shard.pipeline import SCHEDULES, Schedule
@@ -52,8 +52,9 @@ class Policy:
     "unrolled" (one block per layer, what decode wants); `fused`: q/k/v and gate/up as one
     projection each (fewer kernels per decode step; training, adapters, quantization and export
     need them separate); `decode_kernel`: the paged attention kernel of cached one-token steps
-    (`XlaPagedKernel()`, `PallasDecodeKernel()`, or None: the backend's default, the Pallas
-    kernel on a GPU where it serves the model and the XLA path elsewhere); `moe_dispatch`:
+    (`XlaPagedKernel()`, `PallasDecodeKernel()`, `CpuDecodeKernel()`, or None: the backend's
+    default, the Pallas kernel on a GPU and the C++ one on a CPU where they serve the model, the
+    XLA path elsewhere); `moe_dispatch`:
     `Dropless()`, `Capacity(factor)` or "dropless"/"capacity" (factor 1.25). On a mesh with a
     `pipeline` axis (zoo/pipeline.py; unused elsewhere): `microbatches`, how many micro-batches
     stream through the stages per forward; `pipeline_schedule`, "gpipe", "1f1b" or
@@ -113,11 +114,12 @@ class Policy:
         for name in ("scan_layers", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.decode_kernel, XlaPagedKernel | PallasDecodeKernel | None):
+        kernels = XlaPagedKernel | PallasDecodeKernel | CpuDecodeKernel | None
+        if not isinstance(self.decode_kernel, kernels):
             raise ValueError(
                 f"Policy.decode_kernel={self.decode_kernel!r} is not a paged attention kernel; "
-                "give layers.kernels.paged.XlaPagedKernel(), PallasDecodeKernel() or None (the "
-                "backend's default)"
+                "give layers.kernels.paged.XlaPagedKernel(), PallasDecodeKernel(), "
+                "CpuDecodeKernel() or None (the backend's default)"
             )
 
     @property

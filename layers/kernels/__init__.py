@@ -12,7 +12,7 @@ cudnn.
 `paged/` is attention over a paged KV pool (a decode step or a prefill chunk against pages):
 its own interface, `paged_attention(q, k_pages, v_pages, page_table, lengths, *, q_positions,
 sliding_window, softcap, kernel, layer)`, with `XlaPagedKernel()` (XLA: only the blocks of pages
-holding visible keys) or `PallasDecodeKernel(...)`.
+holding visible keys), `PallasDecodeKernel(...)` (GPU) or `CpuDecodeKernel()` (C++, CPU).
 """
 
 from layers.kernels.context import AllGatherKV, Ring
@@ -22,6 +22,7 @@ from layers.kernels.kernel import KERNELS, AttentionKernel, Cudnn, Flash, Naive,
 from layers.kernels.mask import AttentionMask, causal_mask
 from layers.kernels.naive import naive_attention
 from layers.kernels.paged import (
+    CpuDecodeKernel,
     PallasDecodeKernel,
     XlaPagedKernel,
     check_page_table,
@@ -36,6 +37,7 @@ __all__ = [
     "AttentionKernel",
     "AttentionMask",
     "BlockSizes",
+    "CpuDecodeKernel",
     "Cudnn",
     "Flash",
     "Naive",

@@ -14,7 +14,7 @@ import pytest
 import infer
 import infer.engine
 import zoo
-from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel
+from layers.kernels.paged import CpuDecodeKernel, PallasDecodeKernel, XlaPagedKernel
 from layers.paged_cache import PagedKVCache
 from shard.axes import is_array_like
 
@@ -56,6 +56,7 @@ DECODE_KERNELS = {
     "xla": XlaPagedKernel(),
     "xla-small-blocks": XlaPagedKernel(keys_per_block=16),  # several blocks per row
     "pallas": PallasDecodeKernel(keys_per_block=16, interpret=True),
+    "cpu": CpuDecodeKernel(),
 }
 
 

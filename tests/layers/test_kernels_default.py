@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from layers.kernels import Cudnn, PallasDecodeKernel, XlaPagedKernel, causal_mask
+from layers.kernels import CpuDecodeKernel, Cudnn, PallasDecodeKernel, XlaPagedKernel, causal_mask
 from layers.kernels.paged import Int8Pages
 from layers.kernels.paged.attention import default_decode_kernel
 from layers.paged_cache import POOL_AXES
@@ -17,7 +17,9 @@ def pools(head_dim: int, page_size: int = 16, dtype=jnp.float32):
 @pytest.mark.parametrize(
     "backend, seq, head_dim, page_size, layer, want",
     [
-        ("cpu", 1, 64, 16, None, XlaPagedKernel),
+        ("cpu", 1, 64, 16, None, CpuDecodeKernel),
+        ("cpu", 1, 64, 16, 0, CpuDecodeKernel),  # stacked layers: the C++ kernel takes the index
+        ("cpu", 4, 64, 16, None, XlaPagedKernel),  # a prefill chunk: the C++ kernel decodes only
         ("gpu", 1, 64, 16, None, PallasDecodeKernel),
         ("gpu", 4, 64, 16, None, XlaPagedKernel),  # a prefill chunk: Pallas decodes only
         ("gpu", 1, 80, 16, None, XlaPagedKernel),  # a head_dim Triton does not tile
@@ -25,7 +27,7 @@ def pools(head_dim: int, page_size: int = 16, dtype=jnp.float32):
         ("gpu", 1, 64, 16, 0, XlaPagedKernel),  # stacked layers: Pallas reads one layer's pool
     ],
 )
-def test_the_default_decode_kernel_is_pallas_on_a_gpu_where_it_serves(
+def test_the_default_decode_kernel_is_pallas_on_a_gpu_and_cpp_on_a_cpu_where_they_serve(
     monkeypatch, backend, seq, head_dim, page_size, layer, want
 ):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)

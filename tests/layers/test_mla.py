@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from layers.kernels import Flash, Naive, causal_mask
-from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel
+from layers.kernels.paged import CpuDecodeKernel, PallasDecodeKernel, XlaPagedKernel
 from layers.mla import MLA
 from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
 from layers.quantized import QuantizedLinear
@@ -70,7 +70,8 @@ def test_latent_cache_and_flash_equal_the_expanded_naive_form(q_rank):
 
 
 @pytest.mark.parametrize(
-    "decode_kernel", [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True)]
+    "decode_kernel",
+    [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True), CpuDecodeKernel()],
 )
 def test_paged_latent_pools_equal_the_expanded_form(decode_kernel):
     """Prefill 12 tokens into a row's pages (the XLA path), then decode one (the decode

@@ -1,8 +1,9 @@
-"""Paged attention: both kernels (the XLA path over the blocks of pages, the Pallas decode kernel
-interpreted on CPU) equal naive attention over the equivalent contiguous cache, also through a
-leading stacked-layers axis; the XLA path reads only the blocks that hold visible keys;
-write_pages scatters in place; bad inputs are refused; the Pallas kernel lowers for CUDA at
-GPU-like sizes.
+"""Paged attention: every kernel (the XLA path over the blocks of pages, the Pallas decode kernel
+interpreted on CPU, the C++ decode kernel) equals naive attention over the equivalent contiguous
+cache, also through a leading stacked-layers axis; a CPU's default decode kernel is the C++ one
+exactly where it serves the call, its derivative the XLA path's; the XLA path reads only the
+blocks that hold visible keys; write_pages scatters in place; bad inputs are refused; the Pallas
+kernel lowers for CUDA at GPU-like sizes.
 
 Pools are built from a contiguous cache by hand (numpy, pages in random pool order), every pool
 slot that no row owns holds large garbage, and table entries past a row's last page point at
@@ -16,15 +17,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import shard
 from layers.kernels import AttentionMask, naive_attention
 from layers.kernels.paged import (
+    CpuDecodeKernel,
+    Int8Pages,
     PallasDecodeKernel,
     XlaPagedKernel,
     check_page_table,
     paged_attention,
     write_pages,
 )
-from layers.kernels.paged.attention import CPU_BLOCK_FLOATS, keys_per_block_for
+from layers.kernels.paged.attention import (
+    CPU_BLOCK_FLOATS,
+    default_decode_kernel,
+    keys_per_block_for,
+)
 from tests.layers.test_flash import cuda_mesh
 
 EPS = float(np.finfo(np.float32).eps)
@@ -99,6 +107,7 @@ KERNELS = {
     "xla-blocks": XlaPagedKernel(keys_per_block=16),
     "pallas": PallasDecodeKernel(keys_per_block=16, splits=1),
     "pallas-splits": PallasDecodeKernel(keys_per_block=32, splits=3),
+    "cpu": CpuDecodeKernel(),
 }
 
 # One token, a partial last page, exactly full pages, and a long row; GQA and MQA; windows
@@ -129,7 +138,7 @@ def test_decode_equals_naive_over_contiguous_cache(name, kernel):
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
-@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits"])
+@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits", "cpu"])
 def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
     """A query at position i < length - 1 (later keys already written) sees keys <= i; one at
     i >= length (its own key not written yet) sees the row's keys only, not the slots after."""
@@ -150,7 +159,8 @@ def test_prefill_chunk_through_the_xla_path_equals_naive(window, keys_per_block)
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
-def test_a_stacked_layer_is_read_through_its_index():
+@pytest.mark.parametrize("kernel", ["xla-blocks", "cpu"])
+def test_a_stacked_layer_is_read_through_its_index(kernel):
     """Pools with a leading layers axis: `layer` picks one, as if it were the only pool."""
     case = Case(lengths=(5, 30, 17), window=12)
     paged, q_positions, contiguous = build(case, seed=7)
@@ -160,7 +170,7 @@ def test_a_stacked_layer_is_read_through_its_index():
     got = jax.jit(
         lambda *a: paged_attention(
             *a, q_positions=q_positions, sliding_window=case.window,
-            kernel=XlaPagedKernel(keys_per_block=16), layer=jnp.int32(1),
+            kernel=KERNELS[kernel], layer=jnp.int32(1),
         )
     )(q, *stacked, table, lengths)  # fmt: skip
     assert_close(got, reference(case, q, q_positions, contiguous), case, contiguous[1])
@@ -183,6 +193,50 @@ def test_the_xla_path_reads_only_the_blocks_that_hold_visible_keys():
     assert_close(got, reference(case, q, q_positions, contiguous), case, contiguous[1])
 
 
+def test_a_cpu_decodes_through_the_cpp_kernel_where_it_serves_the_call():
+    """One float32 query token per row, no sharding rules: the C++ kernel; bfloat16 or int8
+    pools, or a mesh's rules: the XLA path (prefill chunks: tests/layers/test_kernels_default).
+    Chosen explicitly where it cannot serve, it is refused with the reason."""
+    (q, k_pages, _, _, _), _ = inputs()
+    assert default_decode_kernel(q, k_pages, None) == CpuDecodeKernel()
+    bf16, _ = inputs(dtype=jnp.bfloat16)
+    int8 = Int8Pages.zeros(k_pages.shape, ("kv_heads", "pages", "page_size", "head_dim"))
+    for q_, pool in [(bf16[0], bf16[1]), (q, int8)]:
+        assert default_decode_kernel(q_, pool, None) == XlaPagedKernel()
+    with shard.rules.use_rules(shard.ShardingRules.preset("dp"), shard.mesh(data=8)):
+        assert default_decode_kernel(q, k_pages, None) == XlaPagedKernel()
+    args, q_positions = inputs(dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs float32 q and pools, got q bfloat16"):
+        paged_attention(*args, q_positions=q_positions, kernel=CpuDecodeKernel())
+    args, q_positions = inputs(t=4)
+    with pytest.raises(ValueError, match=r"seq == 1\), got seq=4; use XlaPagedKernel"):
+        paged_attention(*args, q_positions=q_positions, kernel=CpuDecodeKernel())
+
+
+def test_the_cpp_kernels_derivative_is_the_xla_paths():
+    """Forward mode through the C++ kernel (tests/infer/test_kv_int8.py's sensitivity of the
+    logits to the cache): the tangent is the XLA path's, exactly."""
+    case = Case(lengths=(3, 29, 50), window=20)
+    (q, k_pages, v_pages, table, lengths), q_positions, contiguous = build(case, seed=10)
+
+    def attend(kernel):
+        return lambda q, k, v: paged_attention(
+            q, k, v, table, lengths, q_positions=q_positions, sliding_window=case.window,
+            kernel=kernel,
+        )  # fmt: skip
+
+    tangents = [jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((q, k_pages))]
+    primals = (q, k_pages, v_pages)
+    cpu, d_cpu = jax.jit(lambda *t: jax.jvp(attend(CpuDecodeKernel()), primals, t))(
+        *tangents, jnp.zeros_like(v_pages)
+    )
+    xla, d_xla = jax.jit(lambda *t: jax.jvp(attend(XlaPagedKernel()), primals, t))(
+        *tangents, jnp.zeros_like(v_pages)
+    )
+    np.testing.assert_array_equal(d_cpu, d_xla)
+    assert_close(cpu, xla, case, contiguous[1])
+
+
 def test_the_default_block_on_a_cpu_holds_a_fixed_number_of_key_floats():
     """GPT-2's keys (12 heads x 64) walk in blocks of 64, SmolLM2's (3 x 64) in 256: the largest
     power of two whose keys fit `CPU_BLOCK_FLOATS` floats a row, within [16, 256]."""
@@ -202,7 +256,7 @@ def test_row_holding_nothing_outputs_zero(kernel):
     assert_close(got[1], want[1], case, contiguous[1])
 
 
-@pytest.mark.parametrize("kernel", ["xla", "pallas-splits"])
+@pytest.mark.parametrize("kernel", ["xla", "pallas-splits", "cpu"])
 def test_lengths_past_the_table_under_jit_see_the_table_only(kernel):
     """Under jit nothing can check a length against the table: keys past the table's slots do
     not exist (no read through the padding or past the row's last page)."""
@@ -214,9 +268,10 @@ def test_lengths_past_the_table_under_jit_see_the_table_only(kernel):
     assert_close(got, want, case, contiguous[1])
 
 
-def test_random_lengths_compile_once():
+@pytest.mark.parametrize("kernel", ["pallas-splits", "cpu"])
+def test_random_lengths_compile_once(kernel):
     """Lengths and page tables are runtime values: new ones reuse the compiled step."""
-    kernel = KERNELS["pallas-splits"]
+    kernel = KERNELS[kernel]
     step = jax.jit(
         lambda *a: paged_attention(*a[:5], q_positions=a[5], sliding_window=9, kernel=kernel)
     )

@@ -10,7 +10,12 @@ import pytest
 
 from layers.kernels import AttentionMask, causal_mask, flash_attention, naive_attention
 from layers.kernels.flash.tiles import tile_visibility
-from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel, paged_attention
+from layers.kernels.paged import (
+    CpuDecodeKernel,
+    PallasDecodeKernel,
+    XlaPagedKernel,
+    paged_attention,
+)
 from layers.kernels.xla import xla_attention
 from tests.layers.test_flash import SMALL, assert_close
 from tests.layers.test_paged import Case, build, reference
@@ -72,8 +77,8 @@ def test_traced_window_still_skips_tiles():
 
 @pytest.mark.parametrize(
     "kernel",
-    [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, splits=2)],
-    ids=["xla", "pallas"],
+    [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, splits=2), CpuDecodeKernel()],
+    ids=["xla", "pallas", "cpu"],
 )
 def test_paged_softcap_and_traced_window_match_naive(kernel):
     case = Case(lengths=(5, 37, 60), window=9)

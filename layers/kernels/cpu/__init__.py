@@ -1,7 +1,8 @@
 """The C++ CPU kernels, one library called through `jax.ffi`: matmul.cc (products with packed
-weights and their dequantize, for layers/kernels/quantized) and dense.cc (float32 products of a
-few tokens, `dense.py`). Built by `python -m layers.kernels.cpu.build` (the Makefile's install
-step runs it) into `_matmul.so` beside the sources; loaded and registered with XLA on first use.
+weights and their dequantize, for layers/kernels/quantized), dense.cc (float32 products of a
+few tokens, `dense.py`) and paged.cc (paged attention for decode, `paged.py`). Built by
+`python -m layers.kernels.cpu.build` (the Makefile's install step runs it) into `_matmul.so`
+beside the sources; loaded and registered with XLA on first use.
 A missing library, or one built from other versions of the sources (their hash is recorded
 beside it), is an error that says how to build it."""
 
@@ -15,6 +16,7 @@ from layers.kernels.cpu.build import LIBRARY, SOURCES, STAMP, source_hash
 QUANTIZED_TARGET = "zoo_quantized_matmul"
 DEQUANTIZE_TARGET = "zoo_quantized_dequantize"
 DENSE_TARGET = "zoo_dense_matmul"
+PAGED_TARGET = "zoo_paged_decode"
 
 
 class KernelNotBuilt(RuntimeError):
@@ -37,7 +39,8 @@ def _registered(digest: str) -> None:
     library = ctypes.cdll.LoadLibrary(str(LIBRARY))
     for target, symbol in [(QUANTIZED_TARGET, library.ZooQuantizedMatmul),
                            (DEQUANTIZE_TARGET, library.ZooQuantizedDequantize),
-                           (DENSE_TARGET, library.ZooDenseMatmul)]:  # fmt: skip
+                           (DENSE_TARGET, library.ZooDenseMatmul),
+                           (PAGED_TARGET, library.ZooPagedDecode)]:  # fmt: skip
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), "cpu")
 
 

@@ -1,14 +1,14 @@
 """Compile the CPU kernels (matmul.cc: packed weights; dense.cc: float32 products of a few
-tokens) into `_matmul.so` beside them: what `make setup` runs after
-installing the package (the Makefile's kernel target), and what to run by hand after editing the
-C++ or on a machine set up without make:
+tokens; paged.cc: paged attention for decode) into `_matmul.so` beside them: what `make setup`
+runs after installing the package (the Makefile's kernel target), and what to run by hand after
+editing the C++ or on a machine set up without make:
 
     python -m layers.kernels.cpu.build
 
 The headers come from jaxlib (`jax.ffi.include_dir()`), so the library matches the installed
-JAX's FFI. The code is built for the baseline of the machine's architecture; the AVX-512 path
-inside is compiled for AVX-512 alone and chosen at run time when the CPU has it, so a library
-built here runs on any x86-64 CPU.
+JAX's FFI. The code is built for the baseline of the machine's architecture; the AVX-512 paths
+inside are compiled for AVX-512 alone and chosen at run time when the CPU has it (paged.cc's by
+GCC's function clones), so a library built here runs on any x86-64 CPU.
 """
 
 import hashlib
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCES = (Path(__file__).with_name("matmul.cc"), Path(__file__).with_name("dense.cc"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.cc", "dense.cc", "paged.cc"))
 HEADERS = (Path(__file__).with_name("parallel.h"),)
 LIBRARY = Path(__file__).with_name("_matmul.so")
 STAMP = LIBRARY.with_suffix(".so.sha256")

@@ -1,9 +1,12 @@
 """`paged_attention`: attention from groups of query tokens to each group's pages of the pool,
-with two implementations chosen explicitly by the caller (never one falling back on the other):
+with three implementations chosen explicitly by the caller or by `default_decode_kernel` (never
+one falling back on another):
 
 - `XlaPagedKernel()`: XLA, any backend, any number of query tokens per group (decode and prefill
   chunks), walking only the blocks of pages that hold visible keys (blocked.py);
-- `PallasDecodeKernel(...)`: the Pallas decode kernel (GPU; interpreted on CPU), seq == 1 only.
+- `PallasDecodeKernel(...)`: the Pallas decode kernel (GPU; interpreted on CPU), seq == 1 only;
+- `CpuDecodeKernel()`: the C++ decode kernel (layers/kernels/cpu/paged.cc), CPU, float32,
+  seq == 1 only.
 """
 
 import dataclasses
@@ -13,11 +16,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from layers.kernels.cpu.paged import cpu_paged_decode
 from layers.kernels.flash.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from layers.kernels.paged.blocked import blocked_attention
 from layers.kernels.paged.decode import DecodePlan, default_splits, paged_decode
 from layers.kernels.paged.int8 import Int8Pages
 from layers.kernels.paged.pages import Pool, check_page_table, is_concrete
+from shard.rules import active
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -91,7 +96,14 @@ class PallasDecodeKernel:
             raise ValueError(f"PallasDecodeKernel.splits must be >= 1 or None, got {self.splits}")
 
 
-PagedKernel = XlaPagedKernel | PallasDecodeKernel
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CpuDecodeKernel:
+    """The C++ paged decode kernel of a CPU (layers/kernels/cpu/paged.cc): one query token per
+    row, float32 q and pools, each (row, K/V head) one item of XLA's thread pool reading its
+    pages in place. No settings: it walks a page at a time."""
+
+
+PagedKernel = XlaPagedKernel | PallasDecodeKernel | CpuDecodeKernel
 
 
 def _check_shapes(q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, layer):
@@ -163,6 +175,46 @@ def _pallas_refusal(q, k_pages) -> str | None:
     return None
 
 
+def _cpu_refusal(q, k_pages) -> str | None:
+    """Why the C++ decode kernel cannot serve this call, or None if it can."""
+    if jax.default_backend() != "cpu":
+        return f"the C++ decode kernel runs on a CPU, not {jax.default_backend()}"
+    if q.shape[1] != 1:
+        return (
+            f"the C++ decode kernel takes one query token per row (seq == 1), got seq="
+            f"{q.shape[1]}; use XlaPagedKernel() for prefill chunks"
+        )
+    if isinstance(k_pages, Int8Pages) or q.dtype != jnp.float32 or k_pages.dtype != jnp.float32:
+        return (
+            f"the C++ decode kernel needs float32 q and pools, got q {q.dtype} and pools "
+            f"{k_pages.dtype}; use XlaPagedKernel()"
+        )
+    if active() is not None:
+        return "the C++ decode kernel has no sharding rule; use XlaPagedKernel() under a mesh"
+    return None
+
+
+def _cpu_decode(q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer):
+    """The C++ kernel's call, its derivatives (forward mode) the XLA path's, as for the dense
+    kernel's products: the tangent of the same attention computed by XLA's ops."""
+    n_kv, d = k_pages.shape[-4], k_pages.shape[-1]
+
+    def xla(q, k_pages, v_pages):
+        return blocked_attention(
+            q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap,
+            keys_per_block=keys_per_block_for(n_kv * d), layer=layer,
+        )  # fmt: skip
+
+    @jax.custom_jvp
+    def call(q, k_pages, v_pages):
+        return cpu_paged_decode(
+            q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer
+        )
+
+    call.defjvp(lambda primals, tangents: (call(*primals), jax.jvp(xla, primals, tangents)[1]))
+    return call(q, k_pages, v_pages)
+
+
 def _compiled_on_gpu(interpret: bool) -> bool:
     return jax.default_backend() == "gpu" and not interpret
 
@@ -170,11 +222,15 @@ def _compiled_on_gpu(interpret: bool) -> bool:
 def default_decode_kernel(q, k_pages, layer) -> PagedKernel:
     """The kernel of a call whose cache names none: on a GPU the Pallas decode kernel wherever
     it serves the call (one token per row, one layer's pool, a head_dim, page_size and dtype it
-    tiles, in q's dtype or int8; faster than the XLA path on an H100, bench/RESULTS.md), the XLA
-    path everywhere else. An explicitly chosen kernel is never replaced."""
+    tiles, in q's dtype or int8; faster than the XLA path on an H100, bench/RESULTS.md), on a
+    CPU the C++ decode kernel wherever it serves the call (one token per row, float32, no
+    sharding rules; faster than the XLA path there, bench/RESULTS.md), the XLA path everywhere
+    else. An explicitly chosen kernel is never replaced."""
     serves = layer is None and _pallas_refusal(q, k_pages) is None
     if _compiled_on_gpu(False) and serves:
         return PallasDecodeKernel()
+    if _cpu_refusal(q, k_pages) is None:
+        return CpuDecodeKernel()
     return XlaPagedKernel()
 
 
@@ -224,10 +280,17 @@ def paged_attention(
             q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap,
             keys_per_block=keys_per_block, layer=layer,
         )  # fmt: skip
+    if isinstance(kernel, CpuDecodeKernel):
+        refusal = _cpu_refusal(q, k_pages)
+        if refusal is not None:
+            raise ValueError(f"paged attention: {refusal}")
+        return _cpu_decode(
+            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap, layer
+        )
     if not isinstance(kernel, PallasDecodeKernel):
         raise TypeError(
-            f"paged attention: kernel must be XlaPagedKernel() or PallasDecodeKernel(...), got "
-            f"{kernel!r}"
+            "paged attention: kernel must be XlaPagedKernel(), PallasDecodeKernel(...) or "
+            f"CpuDecodeKernel(), got {kernel!r}"
         )
     if layer is not None:
         raise ValueError(
