@@ -1,10 +1,10 @@
 // Paged attention for decode on a CPU (paged.py: `cpu_paged_decode`): one query token per row
 // attends over the keys its page table holds, read in place from the pool. The XLA path
 // (layers/kernels/paged/blocked.py) gathers each block of pages into a copy and transposes it
-// for XLA:CPU's batched products, and its loop runs per layer on one thread; here each (row, K/V
-// head) is one item of XLA's thread pool, and its pages are read once for the whole group of
-// query heads that share them (GQA), with an online softmax (running max, denominator and
-// unnormalised output per head, rescaled once per page; Milakov & Gimelshein 2018).
+// for XLA:CPU's batched products; here each (row, K/V head) is one item of XLA's thread pool,
+// reading its pages in place, once for the whole group of query heads that share them (GQA),
+// with an online softmax (running max, denominator and unnormalised output per head, rescaled
+// once per page; Milakov & Gimelshein 2018).
 //
 // Visibility is `pages.visible`: the key at position j is seen by the query at position i iff
 // j <= i, j < length (clamped to the row's table) and (no window or i - j < window); a query
@@ -46,9 +46,9 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return sum;
 }
 
-// out[0, d) = out * scale + weight * v.
-inline void scale_add(float* out, float scale, float weight, const float* v, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) out[i] = out[i] * scale + weight * v[i];
+// out[0, d) += weight * v.
+inline void add_scaled(float* out, float weight, const float* v, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) out[i] += weight * v[i];
 }
 
 struct Shapes {
@@ -65,7 +65,7 @@ ZOO_CLONES void row_head(const float* q, const float* k_pool, const float* v_poo
   const int64_t lo = window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
   if (q_pos < 0 || lo >= hi) return;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<float> qs(group * d), scores(group * ps);
+  std::vector<float> qs(group * d), scores(ps);
   for (int64_t i = 0; i < group * d; ++i) qs[i] = q[i] * scale;
   std::vector<float> top(group, -std::numeric_limits<float>::infinity()), denom(group, 0.0f);
   for (int64_t first = lo / ps * ps; first < hi; first += ps) {
@@ -76,7 +76,7 @@ ZOO_CLONES void row_head(const float* q, const float* k_pool, const float* v_poo
     const float* keys = k_pool + page * ps * d;
     const float* values = v_pool + page * ps * d;
     for (int64_t g = 0; g < group; ++g) {
-      float* sc = scores.data() + g * ps;
+      float* sc = scores.data();
       float page_top = top[g];
       for (int64_t j = j0; j < j1; ++j) {
         float x = dot(qs.data() + g * d, keys + (j - first) * d, d);
@@ -86,11 +86,12 @@ ZOO_CLONES void row_head(const float* q, const float* k_pool, const float* v_poo
       }
       const float rescale = std::exp(top[g] - page_top);
       float* out = o + g * d;
+      for (int64_t i = 0; i < d; ++i) out[i] *= rescale;
       float sum = 0.0f;
       for (int64_t j = j0; j < j1; ++j) {
         const float weight = std::exp(sc[j - j0] - page_top);
         sum += weight;
-        scale_add(out, j == j0 ? rescale : 1.0f, weight, values + (j - first) * d, d);
+        add_scaled(out, weight, values + (j - first) * d, d);
       }
       denom[g] = denom[g] * rescale + sum;
       top[g] = page_top;
