@@ -71,8 +71,11 @@ def test_latent_cache_and_flash_equal_the_expanded_naive_form(q_rank):
 
 @pytest.mark.parametrize(
     "decode_kernel",
-    [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True), CpuDecodeKernel()],
-)
+    [
+        XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True), CpuDecodeKernel(),
+        CpuDecodeKernel(portable=True),
+    ],
+)  # fmt: skip
 def test_paged_latent_pools_equal_the_expanded_form(decode_kernel):
     """Prefill 12 tokens into a row's pages (the XLA path), then decode one (the decode
     kernel): the expanded form's output at each position."""

@@ -108,6 +108,7 @@ KERNELS = {
     "pallas": PallasDecodeKernel(keys_per_block=16, splits=1),
     "pallas-splits": PallasDecodeKernel(keys_per_block=32, splits=3),
     "cpu": CpuDecodeKernel(),
+    "cpu-portable": CpuDecodeKernel(portable=True),
 }
 
 # One token, a partial last page, exactly full pages, and a long row; GQA and MQA; windows
@@ -138,7 +139,7 @@ def test_decode_equals_naive_over_contiguous_cache(name, kernel):
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
-@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits", "cpu"])
+@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits", "cpu", "cpu-portable"])
 def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
     """A query at position i < length - 1 (later keys already written) sees keys <= i; one at
     i >= length (its own key not written yet) sees the row's keys only, not the slots after."""
@@ -211,6 +212,29 @@ def test_a_cpu_decodes_through_the_cpp_kernel_where_it_serves_the_call():
     args, q_positions = inputs(t=4)
     with pytest.raises(ValueError, match=r"seq == 1\), got seq=4; use XlaPagedKernel"):
         paged_attention(*args, q_positions=q_positions, kernel=CpuDecodeKernel())
+
+
+# The C++ kernel's vector path at its edges: a head_dim that is not a multiple of 16 (a masked
+# last vector), more than 4 query heads per K/V head (two groups of heads take the values), pages
+# of more than 16 keys (two blocks of scores) or fewer, rows starting and ending mid-page.
+CPP_EDGE_CASES = {
+    "dim-24-group-5-pages-of-32": Case(
+        lengths=(3, 40, 77), heads=10, kv_heads=2, head_dim=24, page_size=32, row_pages=3
+    ),
+    "dim-72-group-8-pages-of-5": Case(
+        lengths=(1, 12, 23), heads=8, kv_heads=1, head_dim=72, page_size=5, row_pages=5,
+        window=9,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "cpu-portable"])
+@pytest.mark.parametrize("name", list(CPP_EDGE_CASES))
+def test_the_cpp_kernels_paths_equal_naive_at_odd_shapes(name, kernel):
+    case = CPP_EDGE_CASES[name]
+    paged, q_positions, contiguous = build(case, seed=11)
+    got = run(KERNELS[kernel], case, paged, q_positions)
+    assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
 def test_the_cpp_kernels_derivative_is_the_xla_paths():

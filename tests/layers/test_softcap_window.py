@@ -77,8 +77,13 @@ def test_traced_window_still_skips_tiles():
 
 @pytest.mark.parametrize(
     "kernel",
-    [XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, splits=2), CpuDecodeKernel()],
-    ids=["xla", "pallas", "cpu"],
+    [
+        XlaPagedKernel(),
+        PallasDecodeKernel(keys_per_block=16, splits=2),
+        CpuDecodeKernel(),
+        CpuDecodeKernel(portable=True),
+    ],
+    ids=["xla", "pallas", "cpu", "cpu-portable"],
 )
 def test_paged_softcap_and_traced_window_match_naive(kernel):
     case = Case(lengths=(5, 37, 60), window=9)

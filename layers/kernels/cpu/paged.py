@@ -24,10 +24,12 @@ def cpu_paged_decode(
     sliding_window: Int[Array, ""] | int | None,
     softcap: float | None,
     layer: Int[Array, ""] | None,
+    *,
+    portable: bool = False,
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`paged_attention` for a decode step, by paged.cc (arguments as there, already checked;
-    `v_pages=None`: the values are the keys). Under vmap the mapped calls run one after
-    another."""
+    `v_pages=None`: the values are the keys). `portable`: the plain C++ path instead of the
+    AVX-512 one (a test of both). Under vmap the mapped calls run one after another."""
     ensure_built()
     window = 0 if sliding_window is None else sliding_window
     call = jax.ffi.ffi_call(
@@ -43,4 +45,5 @@ def cpu_paged_decode(
         jnp.asarray(0 if layer is None else layer, jnp.int32),
         jnp.asarray(window, jnp.int32),
         softcap=np.float32(softcap or 0.0),
+        portable=portable,
     )

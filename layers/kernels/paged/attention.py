@@ -100,7 +100,10 @@ class PallasDecodeKernel:
 class CpuDecodeKernel:
     """The C++ paged decode kernel of a CPU (layers/kernels/cpu/paged.cc): one query token per
     row, float32 q and pools, each (row, K/V head) one item of XLA's thread pool reading its
-    pages in place. No settings: it walks a page at a time."""
+    pages in place, a page at a time. `portable`: the plain C++ path (one key at a time) even
+    where the CPU has AVX-512 (16 keys at a time), so a test can run both."""
+
+    portable: bool = False
 
 
 PagedKernel = XlaPagedKernel | PallasDecodeKernel | CpuDecodeKernel
@@ -194,7 +197,9 @@ def _cpu_refusal(q, k_pages) -> str | None:
     return None
 
 
-def _cpu_decode(q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer):
+def _cpu_decode(
+    q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer, portable
+):
     """The C++ kernel's call, its derivatives (forward mode) the XLA path's, as for the dense
     kernel's products: the tangent of the same attention computed by XLA's ops."""
     n_kv, d = k_pages.shape[-4], k_pages.shape[-1]
@@ -208,8 +213,9 @@ def _cpu_decode(q, k_pages, v_pages, page_table, lengths, q_positions, window, s
     @jax.custom_jvp
     def call(q, k_pages, v_pages):
         return cpu_paged_decode(
-            q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer
-        )
+            q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer,
+            portable=portable,
+        )  # fmt: skip
 
     call.defjvp(lambda primals, tangents: (call(*primals), jax.jvp(xla, primals, tangents)[1]))
     return call(q, k_pages, v_pages)
@@ -285,8 +291,9 @@ def paged_attention(
         if refusal is not None:
             raise ValueError(f"paged attention: {refusal}")
         return _cpu_decode(
-            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap, layer
-        )
+            q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap, layer,
+            kernel.portable,
+        )  # fmt: skip
     if not isinstance(kernel, PallasDecodeKernel):
         raise TypeError(
             "paged attention: kernel must be XlaPagedKernel(), PallasDecodeKernel(...) or "
