@@ -13,23 +13,30 @@ from tests.zoo.random_model import random_model
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [2, 7], [1, 8, 2, 8], [6], [5, 3, 5], [8, 9], [7, 9, 3], [2]]
 
 
+GREEDY = {"max_new_tokens": 5, "sampler": infer.Greedy(), "key": jax.random.key(0)}
+
+
+@pytest.fixture(scope="module")
+def unsharded(model):
+    """The model the sharded runs take (Llama with a 4-token window, so that every layer is a
+    ring) and its greedy tokens on one device, computed once for both presets."""
+    if model.config.position == "rope":
+        model = random_model(dataclasses.replace(model.config, sliding_window=4), 0)
+    return model, infer.generate(model, PROMPTS, **GREEDY)
+
+
 @pytest.mark.parametrize(
     "preset, sizes", [("tp", {"data": 4, "tensor": 2}), ("dp", {"data": 8})], ids=["tp", "dp"]
 )
-def test_sharded_greedy_equals_unsharded(model, preset, sizes):
-    if model.config.position == "rope":  # Llama with a 4-token window: every layer a ring
-        model = random_model(dataclasses.replace(model.config, sliding_window=4), 0)
-    prompts = PROMPTS[: sizes["data"]]
-    kwargs = {"max_new_tokens": 5, "sampler": infer.Greedy(), "key": jax.random.key(0)}
-    expected = infer.generate(model, prompts, **kwargs)
+def test_sharded_greedy_equals_unsharded(unsharded, preset, sizes):
+    model, expected = unsharded
     placement = shard.Placement(shard.mesh(**sizes), shard.ShardingRules.preset(preset))
     sharded = placement.place(model)
-    out = infer.generate(sharded, prompts, placement=placement, **kwargs)
-    assert out == expected
+    assert infer.generate(sharded, PROMPTS, placement=placement, **GREEDY) == expected
     # The pools (the rings, for the windowed Llama) are split as the rules split K/V heads (tp)
     # or rows (dp), and the weights stay where they are.
     engine = infer.Engine(
-        sharded, max_batch=len(prompts), max_len=64, placement=placement, warm_up=False
+        sharded, max_batch=len(PROMPTS), max_len=64, placement=placement, warm_up=False
     )
     pool = engine.state.pages[0][0].k
     expected_sharding = placement.array_shardings(engine.state.pages)[0][0].k
