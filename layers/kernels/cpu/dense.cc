@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx512.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,10 +48,7 @@ ZOO_DENSE void panel(const float* x, const float* w, float* y, int64_t k, int64_
                      int64_t i0, int64_t i1, bool ahead) {
   __mmask16 mask[kVectors];
   _Pragma("GCC unroll 4")
-  for (int v = 0; v < kVectors; ++v) {
-    const int64_t left = n - (n0 + 16 * v);
-    mask[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-  }
+  for (int v = 0; v < kVectors; ++v) mask[v] = zoo_cpu::first_lanes(n - (n0 + 16 * v));
   __m512 acc[TB][kVectors];
   _Pragma("GCC unroll 8")
   for (int t = 0; t < TB; ++t)
@@ -111,7 +109,7 @@ ZOO_DENSE void rows(const float* x, const float* w, float* y, int64_t k, int64_t
       _Pragma("GCC unroll 4")
       for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = k - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k - i)) - 1);
+    const __mmask16 mask = zoo_cpu::first_lanes(k - i);
     __m512 wv[R];
       _Pragma("GCC unroll 4")
       for (int r = 0; r < R; ++r) {
@@ -148,17 +146,11 @@ ZOO_DENSE void rows_avx512(const float* x, const float* w, float* y, int64_t tok
   for (; r + 4 <= c1; r += 4) row_group<4>(x, w, y, tokens, k, n, r);
   for (; r < c1; ++r) row_group<1>(x, w, y, tokens, k, n, r);
 }
-
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #else
 void columns_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                     int64_t) {}
 void rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                  int64_t) {}
-bool has_avx512() { return false; }
 #endif
 
 // The plain path (other CPUs, and `portable`), of both walks: W's element (i, j) at
@@ -187,7 +179,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
   const float* x = xb.typed_data();
   const float* w = wb.typed_data();
   float* y = out->typed_data();
-  const bool fast = !portable && has_avx512();
+  const bool fast = !portable && zoo_cpu::has_avx512f();
   const int64_t threads =
       tokens * k * n < kThreadedWork ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   // Whole panels (48 columns of W, or 48 rows of W^T) per item, about 4 items per thread for

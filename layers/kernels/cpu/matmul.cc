@@ -64,6 +64,7 @@
 #include <immintrin.h>
 #endif
 
+#include "avx512.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -207,7 +208,7 @@ struct Ordered {
 #define ZOO_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
 ZOO_AVX512 inline __m512 load_groups(const void* p, Type t, int64_t count) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  const __mmask16 mask = zoo_cpu::first_lanes(count);
   switch (t) {
     case Type::kF32: return _mm512_maskz_loadu_ps(mask, p);
     case Type::kF16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
@@ -291,7 +292,7 @@ ZOO_AVX512 void rows_avx512(const Weight& w, const float* x, int64_t stride, con
       const int64_t count = std::min<int64_t>(16, groups - g0);
       __m512 s, m;
       group_constants(w, n, g0, count, s, m);
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      const __mmask16 mask = zoo_cpu::first_lanes(count);
       for (int t = 0; t < TB; ++t) {
         acc[t] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, st + t * groups + g0), acc[t]);
       }
@@ -539,7 +540,7 @@ ZOO_VNNI void row_vnni(const Weight& w, const Ordered& o, const float* xsum, flo
       const int64_t count = std::min<int64_t>(16, groups - g0);
       __m512 s, m;
       group_constants(w, n, g0, count, s, m);
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      const __mmask16 mask = zoo_cpu::first_lanes(count);
       for (int t = 0; t < TB; ++t) {
         acc[t] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, st + t * groups + g0), acc[t]);
       }

@@ -14,10 +14,6 @@
 // j <= i, j < length (clamped to the row's table) and (no window or i - j < window); a query
 // that sees no key (a negative position, an idle row) outputs 0. Scores are q · k / sqrt(d),
 // then softcap * tanh(s / softcap) when softcap > 0 (Gemma 2).
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "avx512.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -122,6 +119,7 @@ ZOO_CLONES void row_head(const float* q, const float* k_pool, const float* v_poo
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+using zoo_cpu::first_lanes;
 #define ZOO_AVX512 __attribute__((target("avx512f")))
 
 // e^x in 16 lanes for x <= 0 (Cephes' expf: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its
@@ -164,11 +162,6 @@ ZOO_AVX512 inline __m512 sums16(const __m512 a[16]) {
   return _mm512_shuffle_f32x4(e, e, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-// Lanes [0, n) set.
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
 // Pages requested into L2 ahead of the one being read.
 constexpr int64_t kPagesAhead = 1;
 // Query heads whose outputs take a page's values together, 4 vectors (64 floats) of each at a
@@ -186,8 +179,7 @@ ZOO_AVX512 void row_head_avx512(const float* q, const float* k_pool, const float
   std::fill(o, o + group * d, 0.0f);
   const auto [lo, hi] = visible(length, q_pos, window, s);
   if (lo >= hi) return;
-  const int64_t vectors = (d + 15) / 16;
-  const __mmask16 tail = first_lanes(d - 16 * (vectors - 1));
+  const int64_t vectors = (d + 15) / 16;  // vector v holds lanes first_lanes(d - 16 * v)
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t stride = (ps + 15) / 16 * 16;  // a head's scores, 16 lanes a store
   std::vector<float> qs(group * d), scores(group * stride);
@@ -219,7 +211,7 @@ ZOO_AVX512 void row_head_avx512(const float* q, const float* k_pool, const float
         __m512 acc[16];
         for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
         for (int64_t v = 0; v < vectors; ++v) {
-          const __mmask16 m = v + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
+          const __mmask16 m = first_lanes(d - 16 * v);
           const __m512 qv = _mm512_maskz_loadu_ps(m, qg + 16 * v);
           const float* k = keys + jb * d + 16 * v;
           _Pragma("GCC unroll 16")
@@ -248,10 +240,7 @@ ZOO_AVX512 void row_head_avx512(const float* q, const float* k_pool, const float
       for (int64_t v0 = 0; v0 < vectors; v0 += kVectorsAtOnce) {
         __m512 acc[kHeadsAtOnce][kVectorsAtOnce];
         __mmask16 m[kVectorsAtOnce];
-        for (int u = 0; u < kVectorsAtOnce; ++u) {
-          const int64_t v = v0 + u;
-          m[u] = v >= vectors ? 0 : v + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
-        }
+        for (int u = 0; u < kVectorsAtOnce; ++u) m[u] = first_lanes(d - 16 * (v0 + u));
         for (int h = 0; h < kHeadsAtOnce; ++h)
           for (int u = 0; u < kVectorsAtOnce; ++u)
             if (h < heads)
@@ -279,15 +268,9 @@ ZOO_AVX512 void row_head_avx512(const float* q, const float* k_pool, const float
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < d; ++i) o[g * d + i] /= denom[g];
 }
-
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
 #else
 void row_head_avx512(const float*, const float*, const float*, const int32_t*, int64_t, int64_t,
                      int64_t, float, const Shapes&, float*) {}
-bool has_avx512() { return false; }
 #endif
 
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
@@ -313,7 +296,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const float* v_base = v_pages.typed_data() + at * pool_size;
   const int64_t win = window.typed_data()[0];
   const int64_t group = s.heads / s.kv_heads;
-  const bool fast = !portable && has_avx512();
+  const bool fast = !portable && zoo_cpu::has_avx512f();
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t kv = 0; kv < s.kv_heads; ++kv) items.emplace_back(b, kv);

@@ -1,0 +1,29 @@
+// AVX-512 helpers shared by the kernels of this library: the lane mask of a vector's first n
+// floats, and whether the running CPU has AVX-512F (with FMA), checked before a vector path is
+// taken (the paths are compiled for AVX-512 alone, so a library built anywhere runs anywhere).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+namespace zoo_cpu {
+
+// Lanes [0, n) of 16 set: none for n <= 0, all for n >= 16.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+inline bool has_avx512f() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+}  // namespace zoo_cpu
+#else
+namespace zoo_cpu {
+inline bool has_avx512f() { return false; }
+}  // namespace zoo_cpu
+#endif
