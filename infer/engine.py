@@ -48,7 +48,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jax.extend.random import threefry_2x32
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from infer.pages import PagePool
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
@@ -108,8 +109,8 @@ class RowState(eqx.Module):
 class RowParams(eqx.Module):
     """Each row's request settings on the device, uploaded when a request joins: its sampler,
     its stop tokens (`-1` pads), its budget of new tokens and its seed (a row's i-th new token
-    is drawn with `fold_in(fold_in(key, seed), i)`: the same request and seed give the same
-    tokens whatever else is in the batch), its LoRA adapter (-1: none; a model with
+    is drawn with `draw_keys(key, seed, i)`: the same request and seed give the same tokens
+    whatever else is in the batch), its LoRA adapter (-1: none; a model with
     `LoRABank`s, `zoo.bank_adapters`) and whether it wants log-probabilities."""
 
     sampling: SamplingParams
@@ -178,6 +179,20 @@ def _unpack_allowed(bits: Int[Array, "rows words"], vocab: int) -> Bool[Array, "
 
 def _stopped(tokens, stops, count, budget):
     return jnp.any(tokens[:, None] == stops, axis=1) | (count >= budget)
+
+
+def draw_keys(
+    key: UInt32[Array, "2"], seeds: Int[Array, " rows"], drawn: Int[Array, " rows"]
+) -> Key[Array, " rows"]:
+    """Each row's key for its next draw: the Threefry-2x32 hash (Salmon et al. 2011) of the
+    counter (seed, tokens drawn so far) under the engine's draw `key` (`Engine.draw_key`). A
+    request's i-th token depends only on its seed and i, never on the batch around it;
+    distinct (seed, i) are distinct counters, so no two draws share a key. One hash per row
+    where `fold_in(fold_in(key, seed), i)` hashed twice: each hash is a rolled loop of ~20
+    kernels on XLA:CPU, compiled into every step program."""
+    counters = jnp.concatenate([seeds, drawn]).astype(jnp.uint32)
+    bits = threefry_2x32(key, counters).reshape(2, -1)
+    return jax.random.wrap_key_data(bits.T, impl="threefry2x32")
 
 
 def _cut_at_stops(tokens, n, stops, count, budget):
@@ -257,12 +272,10 @@ def _step(model, state, params, plan, key, *, page_size, placement, keep_hidden=
         return jnp.concatenate([x, x[plan.row]]) if chunks else x  # (no gather: fewer kernels)
 
     # Each row's allowed tokens (a constrained request's grammar; all ones otherwise), and its
-    # keys: its i-th token is drawn from fold_in(fold_in(key, seed), i).
+    # keys (`draw_keys`).
     allowed = _unpack_allowed(plan.allowed, out.logits.shape[-1])
     drawn = jnp.concatenate([state.count, plan.had])  # how many tokens each sampled row has
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(key, s), i))(
-        sampled_rows(params.seed), drawn
-    )
+    keys = draw_keys(key, sampled_rows(params.seed), drawn)
     if group == 1:
         logits = jnp.where(sampled_rows(allowed), out.logits, -jnp.inf)
         sampled = sample(logits, jax.tree.map(sampled_rows, params.sampling), keys)
@@ -505,10 +518,21 @@ class Engine:
             )
         )
         if key is not None and not (
-            isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            isinstance(key, jax.Array)
+            and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            and key.shape == ()
         ):
-            raise ValueError(f"Engine key must be a jax.random.key(...), got {key!r}")
+            raise ValueError(
+                f"Engine key must be a jax.random.key(...) (one key, not a batch), got {key!r}"
+            )
         self.key = jax.random.key(0) if key is None else key
+        # The key of every row's draws (`draw_keys`): a threefry key's own words, or two words
+        # drawn from a key of another implementation.
+        self.draw_key = (
+            jax.random.key_data(self.key)
+            if str(jax.random.key_impl(self.key)) == "threefry2x32"
+            else jax.random.bits(self.key, (2,), jnp.uint32)
+        )
         self.max_stop_tokens, self.log_steps = max_stop_tokens, log_steps
         self.stop_tokens = self._checked_stops(stop_tokens)
         if speculative is not None and not isinstance(
@@ -909,7 +933,7 @@ class Engine:
         (the packed plan) beside what already lives on the device."""
         return [
             self._weights()[0], self._state, self._row_params(), pack(plan), plan.drafts,
-            plan.allowed, plan.q, self.key,
+            plan.allowed, plan.q, self.draw_key,
         ]  # fmt: skip
 
     @property

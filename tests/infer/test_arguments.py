@@ -40,7 +40,7 @@ def test_numpy_integer_counts_are_counts(llama):
         ({"max_len": "32"}, "max_len must be an int >= 1, got '32'"),
         ({"on_tokens": 3}, r"on_tokens must be callable \(new tokens per row -> None\)"),
         ({"sampler": "greedy"}, r"sampler must be an infer sampler \(Greedy\(\), "),
-        ({"key": 3}, r"key must be a jax.random.key\(...\), got 3"),
+        ({"key": 3}, r"key must be a jax.random.key\(...\) \(one key, not a batch\), got 3"),
         ({"stop_tokens": 5}, "stop_tokens must be a list of token ids, got 5"),
         ({"stop_tokens": "ab"}, "stop_tokens must hold integer token ids"),
         ({"tokenizer": "x"}, r"tokenizer must be a Tokenizer \(zoo.load_tokenizer\(path\)\)"),

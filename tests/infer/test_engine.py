@@ -279,7 +279,8 @@ def test_bad_requests_are_refused_at_submit(
         ({"page_size": True}, "page_size must be an int >= 1, got True"),
         ({"chunk": 0}, "chunk must be an int >= 1, got 0"),
         ({"token_budget": 17}, "token_budget=17 leaves no room for a prompt chunk: .* 2 tokens"),
-        ({"key": 3}, r"key must be a jax.random.key\(...\), got 3"),
+        ({"key": 3}, r"key must be a jax.random.key\(...\) \(one key, not a batch\), got 3"),
+        ({"key": jax.random.split(jax.random.key(0))}, r"\(one key, not a batch\), got Array"),
     ],
 )
 def test_bad_engines_are_refused(llama, kwargs, message, without_runtime_typechecks):

@@ -71,6 +71,17 @@ def test_a_seed_fixes_the_draws_whatever_shares_the_batch(llama):
         engine.submit([1], max_new_tokens=1, seed=2**31)
 
 
+def test_a_key_of_another_implementation_keys_the_draws_too(llama):
+    """The rows' draws are keyed from the engine's key whatever its implementation (here
+    XLA's RNG bit generator): the same key and seed give the same tokens, another key others."""
+    hot, runs = infer.Temperature(1.5), []
+    for seed in (7, 7, 8):
+        engine = engine_of(llama, key=jax.random.key(seed, impl="rbg"))
+        runs.append(engine.submit([1, 2, 3], max_new_tokens=12, sampler=hot, seed=42))
+        engine.run()
+    assert runs[0].tokens == runs[1].tokens != runs[2].tokens
+
+
 def test_the_allowed_mask_holds_on_the_device(llama):
     """A request allowed only tokens {5, 77, 200} (sampled hot, so the mask does the work)
     gets only those, its neighbour is unchanged, and nothing compiles."""
