@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Rebuilt whenever its source changes (a pull that edits the C++ needs no fresh venv).
-$(KERNEL): layers/kernels/cpu/matmul.cc layers/kernels/cpu/dense.cc layers/kernels/cpu/paged.cc layers/kernels/cpu/avx512.h layers/kernels/cpu/parallel.h $(KERNEL_BUILD) $(VENV)/.installed
+$(KERNEL): layers/kernels/cpu/matmul.cc layers/kernels/cpu/dense.cc layers/kernels/cpu/paged.cc layers/kernels/cpu/avx512.h layers/kernels/cpu/dense.h layers/kernels/cpu/parallel.h $(KERNEL_BUILD) $(VENV)/.installed
 	$(PY) $(KERNEL_BUILD)
 
 $(REF_VENV)/.installed: Makefile

@@ -1,7 +1,7 @@
 """The float32 CPU kernel for products of a few tokens (layers/kernels/cpu/dense.cc): equal to the
 exact product within the float32 bound of a length-k sum, on both its paths, for every token
 count and for widths that end inside a panel; `Linear` runs it exactly where
-`uses_dense_kernel` says (2-16 float32 tokens on a CPU, 2-32 for the tied head, no sharding
+`uses_dense_kernel` says (2-96 float32 tokens on a CPU, 2-32 for the tied head, no sharding
 rules), and its derivatives in both modes, under vmap, are XLA's.
 
 Tolerance: any order of summing k float32 products (the kernel's FMAs in k order, XLA's blocked
@@ -81,9 +81,10 @@ def calls_kernel(call, x) -> bool:
 
 @pytest.mark.parametrize(
     "shape, kernel",
-    [((1, 1, 6), False), ((1, 2, 6), True), ((4, 6), True), ((2, 8, 6), True), ((17, 6), False)],
-)
-def test_linear_takes_the_kernel_for_two_to_sixteen_float32_tokens(shape, kernel):
+    [((1, 1, 6), False), ((1, 2, 6), True), ((4, 6), True), ((2, 8, 6), True), ((4, 24, 6), True),
+     ((97, 6), False)],
+)  # fmt: skip
+def test_linear_takes_the_kernel_for_two_to_ninety_six_float32_tokens(shape, kernel):
     x = jax.random.normal(jax.random.key(1), shape)
     assert calls_kernel(LINEAR, x) is kernel
     y = eqx.filter_jit(lambda m, x: m(x))(LINEAR, x)

@@ -223,8 +223,9 @@ def test_activations_are_rounded_within_half_a_step():
                          ids=[c[0] for c in CASES + TAIL_CASES])  # fmt: skip
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
 def test_cpu_kernel_equals_dequantize_then_matmul(name, weight, portable):
-    # 1, 3 and 17 tokens: the kernel's blocks of 8, 4 and 2 tokens and the single-token tail.
-    # int8 activations: the kernel's input is x̂ (the module docstring), the same bound on it.
+    # 1, 3 and 17 tokens: the kernel's blocks of 8, 4 and 2 tokens and the single-token tail;
+    # 17 with float activations: blocks of rows dequantized once for every token. int8
+    # activations: the kernel's input is x̂ (the module docstring), the same bound on it.
     for tokens in (1, 3, 17):
         x = jax.random.normal(jax.random.key(tokens), (tokens, weight.cols))
         for int8, x_in in ((True, quantize_activations(x)), (False, x)):
@@ -260,15 +261,17 @@ def test_cpu_dequantize_takes_leading_dims_and_vmap():
     np.testing.assert_array_equal(np.asarray(mapped).view(np.uint32), reference)
 
 
-@pytest.mark.parametrize("sizes", [(2, 0, 3, 1), (0, 0, 6, 0), (1, 1, 1, 1)])
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_cpu_kernel_per_expert_equals_ragged_dot(sizes, kind):
+@pytest.mark.parametrize("sizes", [(2, 0, 3, 1), (0, 0, 6, 0), (1, 1, 1, 1), (1, 17, 0, 2)])
+@pytest.mark.parametrize("kind, int8", [("int8", True), ("int4", True), ("int4", False)])
+def test_cpu_kernel_per_expert_equals_ragged_dot(sizes, kind, int8):
+    # (1, 17, 0, 2) with float activations: the expert of 17 rows takes the blocked path, the
+    # others the per-token one.
     w = jax.random.normal(jax.random.key(0), (4, 40, 64)) * 0.05
     weight = pack(w, kind, axes=("experts", "mlp", "embed"))
-    x = jax.random.normal(jax.random.key(1), (7, 64))  # 6 rows belong to experts, one to none
+    x = jax.random.normal(jax.random.key(1), (sum(sizes) + 1, 64))  # the last row: no expert's
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    y = jax.jit(lambda *a: cpu_matmul(*a, int8_activations=True))(x, weight, group_sizes)
-    x = quantize_activations(x)  # what the kernel multiplies
+    y = jax.jit(lambda *a: cpu_matmul(*a, int8_activations=int8))(x, weight, group_sizes)
+    x = quantize_activations(x) if int8 else x  # what the kernel multiplies
     reference = reference_ragged_matmul(x, weight, group_sizes)
     assigned = sum(sizes)
     np.testing.assert_array_equal(y[assigned:], 0.0)

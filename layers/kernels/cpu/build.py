@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.cc", "dense.cc", "paged.cc"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("avx512.h", "parallel.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("avx512.h", "dense.h", "parallel.h"))
 LIBRARY = Path(__file__).with_name("_matmul.so")
 STAMP = LIBRARY.with_suffix(".so.sha256")
 

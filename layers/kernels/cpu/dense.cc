@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "avx512.h"
+#include "dense.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -200,6 +201,12 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
 }
 
 }  // namespace
+
+void zoo_cpu::dense_rows_transposed(const float* x, const float* w, float* y, int64_t tokens,
+                                    int64_t k, int64_t n, int64_t r0, int64_t r1) {
+  if (zoo_cpu::has_avx512f()) rows_avx512(x, w, y + r0, tokens, k, n, 0, r1 - r0);
+  else portable_walk(x, w, y + r0, tokens, k, n, 0, r1 - r0, 1, k);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooDenseMatmul, DenseMatmul,
                               ffi::Ffi::Bind()

@@ -2,8 +2,10 @@
 product of a skinny x packs W's panels first (a second pass over the weight) and reads an
 8-row product at about half the rate of the kernel, which reads W once for all the tokens with
 its next rows prefetched (bench/RESULTS.md, "A CPU kernel for decode's float32 products"). At
-1 row XLA's own product streams faster, and past 16 tokens (the kernel reading each panel again
-from L2 for every 4) it computes no faster than XLA, so `x · W` serves 2-16 tokens. The tied
+1 row XLA's own product streams faster; from 2 to ~100 tokens (an engine step's decode rows and
+a few prompt chunks) the kernel's walk is faster than XLA's product, past ~110 XLA's blocked
+product computes faster (bench/RESULTS.md, "Prompt chunks with packed weights"), so `x · W`
+serves 2-96 tokens. The tied
 head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its rows in
 order (`x · W^T`), faster than XLA's product up to 32 tokens (a mixed step's decode rows and
 prompt chunks' last tokens). `KERNEL_TOKENS` holds both ranges; the choice is made when the
@@ -20,7 +22,7 @@ from layers.kernels.cpu import DENSE_TARGET, ensure_built
 from shard.rules import active
 
 # Token counts each walk serves (x · W, x · W^T), measured against XLA's products in RESULTS.
-KERNEL_TOKENS = {False: range(2, 17), True: range(2, 33)}
+KERNEL_TOKENS = {False: range(2, 97), True: range(2, 33)}
 
 
 def dense_matmul(

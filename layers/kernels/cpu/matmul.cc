@@ -43,8 +43,10 @@
 //
 // Code paths: AVX-512 VNNI integer products (int8 activations; i8, linear u4, q4k, q6k with
 // group 16, 32, 64 or a multiple of 128 or a single group per row), AVX-512 float (NF4's table,
-// other groups, float activations), and a portable one that dequantizes one row at a time into
-// a K-float buffer (no float copy of W either), each chosen at run time by what the CPU has.
+// other groups, float activations; from kBlockTokens tokens a block of rows dequantized into an
+// L2 buffer and multiplied by every token with dense.cc's walk), and a portable one that
+// dequantizes one row at a time into a K-float buffer (no float copy of W either), each chosen at
+// run time by what the CPU has.
 //
 // Threads: rows are split into work items taken from an atomic counter by the calling thread
 // and by tasks on XLA's intra-op thread pool; a task that starts after the work is gone returns
@@ -65,6 +67,7 @@
 #endif
 
 #include "avx512.h"
+#include "dense.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -178,14 +181,14 @@ void rows_portable(const Weight& w, const float* x, int64_t stride, float* y, in
 }
 
 // Rows [n0, n1) of W as floats, one value at a time (dequantize_avx512's contract).
-void dequantize_portable(const Weight& w, float* out, int64_t n0, int64_t n1) {
+void dequantize_portable(const Weight& w, float* out, int64_t n0, int64_t n1, int64_t first) {
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t g = 0; g < w.groups(); ++g) {
       const float s = scale_of(w, n, g), m = min_of(w, n, g);
       for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) {
         const int32_t c = code_of(w, n, i);
         const float level = w.kind == Kind::kInt4 ? w.table[c] : c + w.offset;
-        out[n * w.k + i] = w.mins ? level * s + m : level * s;
+        out[(n - first) * w.k + i] = w.mins ? level * s + m : level * s;
       }
     }
   }
@@ -352,17 +355,18 @@ ZOO_AVX512 void rows_fast(const Weight& w, const float* x, int64_t stride, const
   }
 }
 
-// Rows [n0, n1) of W written out as floats (`out` [N, K]), each value computed as
+// Rows [n0, n1) of W written out as floats (row n at `out` row n - first), each value computed as
 // Weight::dequantize does in float32: level * scale, then + minimum where the format has one
 // (never + 0, which would turn a -0 into +0), so the result equals it bit for bit.
 template <Kind kKind>
-ZOO_AVX512 void dequantize_avx512(const Weight& w, float* out, int64_t n0, int64_t n1) {
+ZOO_AVX512 void dequantize_avx512(const Weight& w, float* out, int64_t n0, int64_t n1,
+                                  int64_t first) {
   const __m512 table = w.table ? _mm512_loadu_ps(w.table) : _mm512_setzero_ps();
   const __m512 offset = _mm512_set1_ps(kKind == Kind::kInt6K ? w.offset : 0.0f);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* codes = w.codes + n * w.codes_row();
     const uint8_t* high = w.high ? w.high + n * (w.k / 4) : nullptr;
-    float* row = out + n * w.k;
+    float* row = out + (n - first) * w.k;
     for (int64_t c = 0; c < w.k / 32; ++c) {
       __m512 lo, hi;
       chunk<kKind, kKind == Kind::kInt4>(w, codes, high, table, c, lo, hi);
@@ -383,12 +387,13 @@ ZOO_AVX512 void dequantize_avx512(const Weight& w, float* out, int64_t n0, int64
   }
 }
 
-ZOO_AVX512 void dequantize_fast(const Weight& w, float* out, int64_t n0, int64_t n1) {
+ZOO_AVX512 void dequantize_fast(const Weight& w, float* out, int64_t n0, int64_t n1,
+                                int64_t first) {
   switch (w.kind) {
-    case Kind::kInt8: return dequantize_avx512<Kind::kInt8>(w, out, n0, n1);
-    case Kind::kInt4: return dequantize_avx512<Kind::kInt4>(w, out, n0, n1);
-    case Kind::kInt4K: return dequantize_avx512<Kind::kInt4K>(w, out, n0, n1);
-    case Kind::kInt6K: return dequantize_avx512<Kind::kInt6K>(w, out, n0, n1);
+    case Kind::kInt8: return dequantize_avx512<Kind::kInt8>(w, out, n0, n1, first);
+    case Kind::kInt4: return dequantize_avx512<Kind::kInt4>(w, out, n0, n1, first);
+    case Kind::kInt4K: return dequantize_avx512<Kind::kInt4K>(w, out, n0, n1, first);
+    case Kind::kInt6K: return dequantize_avx512<Kind::kInt6K>(w, out, n0, n1, first);
   }
 }
 
@@ -579,7 +584,7 @@ bool has_vnni() {
 }
 #else
 bool has_avx512() { return false; }
-void dequantize_fast(const Weight&, float*, int64_t, int64_t) {}
+void dequantize_fast(const Weight&, float*, int64_t, int64_t, int64_t) {}
 void rows_fast(const Weight&, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 bool vnni_takes(const Weight&) { return false; }
 bool has_vnni() { return false; }
@@ -660,6 +665,15 @@ Weight expert_weight(const Weight& base, const std::vector<ffi::AnyBuffer>& a, i
   }
   return w;
 }
+
+// The many-token path (float activations, AVX-512): from this many tokens, blocks of W's rows
+// are dequantized into a buffer of this many floats (128 KiB, in L2) and every token multiplied
+// by each block with dense.cc's x · W^T walk. Dequantizing in registers per token is what makes
+// the float path compute-bound (~4.5 ms a token for SmolLM2's layers here); a block dequantized
+// once serves all tokens (~2 ms a token after ~34 ms for the blocks; bench/RESULTS.md, "Prompt
+// chunks with packed weights").
+constexpr int64_t kBlockTokens = 16;
+constexpr int64_t kBlockFloats = 1 << 15;
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
                   std::string_view format, int64_t group, int64_t experts, bool linear,
@@ -763,6 +777,17 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   parallel(pool, threads, items, [&](const Item& it) {
     const Weight w = weight(it.expert);
     const int64_t rows = first[it.expert + 1] - first[it.expert];
+    if (fast && !int8 && rows >= kBlockTokens) {
+      const int64_t block = std::max<int64_t>(4, (kBlockFloats / k) / 4 * 4);
+      std::vector<float> buffer(block * k);
+      for (int64_t r0 = it.n0; r0 < it.n1; r0 += block) {
+        const int64_t r1 = std::min(it.n1, r0 + block);
+        dequantize_fast(w, buffer.data(), r0, r1, r0);
+        zoo_cpu::dense_rows_transposed(x + first[it.expert] * k, buffer.data(),
+                                       y + first[it.expert] * n, rows, k, n, r0, r1);
+      }
+      return;
+    }
     const float* xe = padded.data() + first[it.expert] * stride;
     const float* se = xsum.data() + first[it.expert] * groups;
     float* ye = y + first[it.expert] * n;
@@ -809,9 +834,9 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
   const bool fast = has_avx512() && !portable;
   parallel(pool, threads, items, [&](const Item& it) {
     if (fast) {
-      dequantize_fast(w, y, it.n0, it.n1);
+      dequantize_fast(w, y, it.n0, it.n1, 0);
     } else {
-      dequantize_portable(w, y, it.n0, it.n1);
+      dequantize_portable(w, y, it.n0, it.n1, 0);
     }
   });
   return ffi::Error::Success();

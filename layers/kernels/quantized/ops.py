@@ -3,12 +3,13 @@
 another platform, as `lower(lowering_platforms=...)` can, needs the default backend set to it,
 e.g. by JAX_PLATFORMS):
 
-- CPU: the jax.ffi kernel (cpu.py) for up to `KERNEL_TOKENS` tokens (decode, small batches):
-  each weight is read once, packed, and dequantized in registers; with the weight's
-  `activations == "int8"` (the default) it computes `quantize_activations(x) · W^T`. More
-  tokens (prefill, training): the library's dequantize (`cpu_dequantize`, bit for bit the
-  specification's float weight) and one XLA matmul;
-- GPU: the Pallas kernel (pallas.py) for up to `KERNEL_TOKENS` tokens, for the formats it
+- CPU: the jax.ffi kernel (cpu.py) for up to `KERNEL_TOKENS` tokens (decode, small batches, an
+  engine step's prompt chunks): each weight is read once, packed, and dequantized in registers
+  (with float activations and 16 tokens or more, a block of rows at a time into a buffer that
+  serves every token); with the weight's `activations == "int8"` (the default) it computes
+  `quantize_activations(x) · W^T`. More tokens (prefill, training): the library's dequantize
+  (`cpu_dequantize`, bit for bit the specification's float weight) and one XLA matmul;
+- GPU: the Pallas kernel (pallas.py) for up to `PALLAS_TOKENS` tokens, for the formats it
   implements (`pallas.SUPPORTED`);
 - otherwise (more tokens on a GPU; other backends or formats): dequantize to the compute dtype
   with XLA ops and one XLA matmul (the specification the kernels are tested against).
@@ -29,9 +30,12 @@ from layers.kernels.quantized import pallas
 from layers.kernels.quantized.cpu import cpu_dequantize, cpu_matmul
 from layers.quantized.formats import PackedWeight
 
-# Up to this many tokens (rows of x) a kernel runs; beyond it, dequantize + XLA matmul
-# (bench/quantized_kernels.py measures the crossover on this CPU).
-KERNEL_TOKENS = 32
+# Up to this many tokens (rows of x) the CPU kernel runs; beyond it, dequantize + XLA matmul.
+# Measured on SmolLM2's packed layers (bench/RESULTS.md, "Prompt chunks with packed weights"):
+# the kernel is faster up to ~110 tokens with int8 activations and ~150 with float ones.
+KERNEL_TOKENS = 96
+# The same for the Pallas GPU kernel (bench/quantized_kernels.py measures the crossover).
+PALLAS_TOKENS = 32
 
 
 def reference_matmul(
@@ -73,14 +77,12 @@ def quantized_matmul(
 ) -> Float[Array, "tokens rows"]:
     """`x · W^T` in x's dtype for `weight` `[rows, cols]` (see the module docstring)."""
     backend = jax.default_backend()
-    if x.shape[0] > KERNEL_TOKENS:
-        return x @ dequantized(weight, x.dtype).T
-    if backend == "cpu":
+    if backend == "cpu" and x.shape[0] <= KERNEL_TOKENS:
         int8 = weight.activations == "int8"
         return cpu_matmul(x, weight, int8_activations=int8).astype(x.dtype)
-    if backend == "gpu" and pallas.supports(weight):
+    if backend == "gpu" and x.shape[0] <= PALLAS_TOKENS and pallas.supports(weight):
         return pallas.pallas_matmul(x, weight)
-    return reference_matmul(x, weight)
+    return x @ dequantized(weight, x.dtype).T  # `reference_matmul`, by one call on a CPU
 
 
 def _matmul_fwd(x, weight):
