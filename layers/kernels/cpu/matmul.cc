@@ -713,13 +713,22 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   const int64_t used = first[stack];  // rows of x that belong to an expert (all, without)
   // Rows of x past sum(group_sizes) belong to no expert: zeros, as ragged_dot gives.
   std::fill(y + used * n, y + tokens * n, 0.0f);
+  const bool fast = has_avx512() && !portable;
+  // Whether expert e's rows take the blocked path (which reads x as it is); if every expert with
+  // rows does, the per-token paths' copies and sums of x below are not made.
+  auto blocked = [&](int64_t e) {
+    return fast && !int8 && first[e + 1] - first[e] >= kBlockTokens;
+  };
+  bool per_token = false;
+  for (int64_t e = 0; e < stack; ++e) per_token |= first[e + 1] > first[e] && !blocked(e);
+  const int64_t prepared = per_token ? used : 0;
   // x (or x̂, with int8 activations) copied at a row stride of K + 16 floats: rows exactly
   // 4 KiB apart (K = 1024) would share L1 sets, and a token block reads them side by side.
   const int64_t stride = k + 16, chunks = k / 32;
-  std::vector<float> padded(used * stride);
-  std::vector<int8_t> q(int8 ? used * k : 0);
-  std::vector<float> steps(int8 ? used * chunks : 0);
-  for (int64_t t = 0; t < used; ++t) {
+  std::vector<float> padded(prepared * stride);
+  std::vector<int8_t> q(int8 ? prepared * k : 0);
+  std::vector<float> steps(int8 ? prepared * chunks : 0);
+  for (int64_t t = 0; t < prepared; ++t) {
     float* row = &padded[t * stride];
     if (!int8) {
       std::copy(x + t * k, x + (t + 1) * k, row);
@@ -733,8 +742,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   }
   // Sums of x (x̂) over each group, per token (what the minimums and offsets multiply).
   const int64_t groups = k / group;
-  std::vector<float> xsum(used * groups);
-  for (int64_t t = 0; t < used; ++t) {
+  std::vector<float> xsum(prepared * groups);
+  for (int64_t t = 0; t < prepared; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.0f;
       for (int64_t i = g * group; i < (g + 1) * group; ++i) s += padded[t * stride + i];
@@ -773,11 +782,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     if (first[e + 1] == first[e]) continue;
     for (int64_t n0 = 0; n0 < n; n0 += step) items.push_back({e, n0, std::min(n, n0 + step)});
   }
-  const bool fast = has_avx512() && !portable;
   parallel(pool, threads, items, [&](const Item& it) {
     const Weight w = weight(it.expert);
     const int64_t rows = first[it.expert + 1] - first[it.expert];
-    if (fast && !int8 && rows >= kBlockTokens) {
+    if (blocked(it.expert)) {
       const int64_t block = std::max<int64_t>(4, (kBlockFloats / k) / 4 * 4);
       std::vector<float> buffer(block * k);
       for (int64_t r0 = it.n0; r0 < it.n1; r0 += block) {
