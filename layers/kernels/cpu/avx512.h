@@ -1,9 +1,19 @@
-// AVX-512 helpers shared by the kernels of this library: the lane mask of a vector's first n
+// CPU-feature helpers shared by the kernels of this library: the lane mask of a vector's first n
 // floats, and whether the running CPU has AVX-512F (with FMA), checked before a vector path is
-// taken (the paths are compiled for AVX-512 alone, so a library built anywhere runs anywhere).
+// taken (the paths are compiled for AVX-512 alone, so a library built anywhere runs anywhere);
+// and ZOO_CLONES, which gives a plain C++ function (the portable paths) one clone per vector
+// width, picked by the loader for the running CPU: without it they run the x86-64 baseline's
+// 4-float vectors on a CPU with AVX2's 8 (measured on an AMD EPYC without AVX-512, where the
+// portable paths are the ones taken: bench/RESULTS.md, "CPUs without AVX-512").
 #pragma once
 
 #include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ZOO_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#else
+#define ZOO_CLONES
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

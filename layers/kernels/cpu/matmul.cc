@@ -44,9 +44,9 @@
 // Code paths: AVX-512 VNNI integer products (int8 activations; i8, linear u4, q4k, q6k with
 // group 16, 32, 64 or a multiple of 128 or a single group per row), AVX-512 float (NF4's table,
 // other groups, float activations; from kBlockTokens tokens a block of rows dequantized into an
-// L2 buffer and multiplied by every token with dense.cc's walk), and a portable one that
-// dequantizes one row at a time into a K-float buffer (no float copy of W either), each chosen at
-// run time by what the CPU has.
+// L2 buffer and multiplied by every token with dense.cc's walk), and a portable one that does
+// the same at every token count in plain C++ the compiler vectorizes (avx512.h's ZOO_CLONES;
+// no float copy of W either), each chosen at run time by what the CPU has.
 //
 // Threads: rows are split into work items taken from an atomic counter by the calling thread
 // and by tasks on XLA's intra-op thread pool; a task that starts after the work is gone returns
@@ -96,6 +96,10 @@ struct Weight {
   int64_t groups() const { return k / group; }
 };
 
+// A float16 as float32, exactly, in integer and float arithmetic (no F16C instruction or library
+// call, which the portable path's clones would otherwise make per group): the exponent and
+// mantissa moved to float32's places and scaled by 2^(127 - 15), which is exact for normal and
+// subnormal halves alike; infinities and NaNs keep an all-ones exponent.
 inline float half(uint16_t h) {
   _Float16 f;
   std::memcpy(&f, &h, 2);
@@ -126,18 +130,6 @@ inline float min_of(const Weight& w, int64_t n, int64_t g) {
   return m;
 }
 
-// The code of weight i of row n (before table, offset and scale).
-inline int32_t code_of(const Weight& w, int64_t n, int64_t i) {
-  if (w.kind == Kind::kInt8) return reinterpret_cast<const int8_t*>(w.codes)[n * w.k + i];
-  const uint8_t byte = w.codes[n * (w.k / 2) + (i / 32) * 16 + i % 16];
-  int32_t c = (i % 32 < 16) ? (byte & 15) : (byte >> 4);
-  if (w.kind == Kind::kInt6K) {
-    const uint8_t h = w.high[n * (w.k / 4) + (i / 16) * 4 + i % 4];
-    c |= ((h >> (2 * ((i % 16) / 4))) & 3) << 4;
-  }
-  return c;
-}
-
 // --- int8 activations ------------------------------------------------------------------------
 
 // One 32-input chunk of x rounded to int8: d = max|x| / 127, q = round-half-even(x * (1 / d))
@@ -158,39 +150,73 @@ float round_chunk(const float* x, int8_t* q) {
   return d;
 }
 
-// --- portable path: one row dequantized into a buffer, then a dot per token -----------------
+// --- portable path: rows dequantized in plain C++ that the compiler vectorizes --------------
 
-void rows_portable(const Weight& w, const float* x, int64_t stride, float* y, int64_t tokens, int64_t n_out,
-                   int64_t n0, int64_t n1) {
-  std::vector<float> row(w.k);
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t g = 0; g < w.groups(); ++g) {
-      const float s = scale_of(w, n, g), m = min_of(w, n, g);
-      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) {
-        const int32_t c = code_of(w, n, i);
-        const float level = (w.kind == Kind::kInt4 && !w.linear) ? w.table[c] : c + w.offset;
-        row[i] = level * s + m;
-      }
-    }
-    for (int64_t t = 0; t < tokens; ++t) {
-      float sum = 0.0f;
-      for (int64_t i = 0; i < w.k; ++i) sum += row[i] * x[t * stride + i];
-      y[t * n_out + n] = sum;
+// The codes of chunk c (weights 32c .. 32c + 31) of a row, before table, offset and scale: int8
+// codes as they are; 4-bit ones from byte j's low nibble (weight j) and high one (j + 16); Q6_K's
+// with the 2 high bits of weight j of each 16 from bit pair (j / 4) of its planes' byte j % 4.
+template <Kind kKind>
+inline __attribute__((always_inline)) void chunk_codes(const uint8_t* codes, const uint8_t* high,
+                                                       int64_t c, int32_t* out) {
+  if constexpr (kKind == Kind::kInt8) {
+    const int8_t* chunk = reinterpret_cast<const int8_t*>(codes) + 32 * c;
+    for (int i = 0; i < 32; ++i) out[i] = chunk[i];
+  } else {
+    const uint8_t* bytes = codes + 16 * c;
+    for (int i = 0; i < 16; ++i) out[i] = bytes[i] & 15;
+    for (int i = 0; i < 16; ++i) out[16 + i] = bytes[i] >> 4;
+    if constexpr (kKind == Kind::kInt6K) {  // 8 bytes of 2-bit planes per chunk
+      const uint8_t* planes = high + 8 * c;
+      for (int i = 0; i < 32; ++i)
+        out[i] |= ((planes[(i / 16) * 4 + i % 4] >> (2 * ((i % 16) / 4))) & 3) << 4;
     }
   }
 }
 
-// Rows [n0, n1) of W as floats, one value at a time (dequantize_avx512's contract).
-void dequantize_portable(const Weight& w, float* out, int64_t n0, int64_t n1, int64_t first) {
+// Rows [n0, n1) of W as floats (dequantize_avx512's contract, bit for bit: level * scale, then
+// + minimum where the format has one), a chunk of 32 codes at a time.
+template <Kind kKind, bool kTable>
+inline __attribute__((always_inline)) void dequantize_rows(const Weight& w, float* out, int64_t n0,
+                                                           int64_t n1, int64_t first) {
+  // Locals, not w's fields: a store to `out` could alias them and have them read again.
+  const int64_t k = w.k;
+  const float offset = w.offset;
+  float table[16];
+  if (kTable) std::memcpy(table, w.table, sizeof table);
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t g = 0; g < w.groups(); ++g) {
-      const float s = scale_of(w, n, g), m = min_of(w, n, g);
-      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) {
-        const int32_t c = code_of(w, n, i);
-        const float level = w.kind == Kind::kInt4 ? w.table[c] : c + w.offset;
-        out[(n - first) * w.k + i] = w.mins ? level * s + m : level * s;
+    const uint8_t* codes = w.codes + n * w.codes_row();
+    const uint8_t* high = w.high ? w.high + n * (k / 4) : nullptr;
+    float* __restrict row = out + (n - first) * k;
+    for (int64_t c = 0; c < k / 32; ++c) {
+      int32_t code[32];
+      chunk_codes<kKind>(codes, high, c, code);
+      float level[32];
+      for (int i = 0; i < 32; ++i)
+        level[i] = kTable ? table[code[i]] : code[i] + offset;  // equal where `linear`
+      for (int half = 0; half < 2; ++half) {  // a chunk's halves are two groups when G == 16
+        const int64_t g = (32 * c + 16 * half) / w.group;
+        const float s = scale_of(w, n, g), m = min_of(w, n, g);
+        float* __restrict o = row + 32 * c + 16 * half;
+        const float* l = level + 16 * half;
+        if (w.mins) {
+          for (int i = 0; i < 16; ++i) o[i] = l[i] * s + m;
+        } else {
+          for (int i = 0; i < 16; ++i) o[i] = l[i] * s;
+        }
       }
     }
+  }
+}
+
+ZOO_CLONES void dequantize_portable(const Weight& w, float* out, int64_t n0, int64_t n1,
+                                    int64_t first) {
+  switch (w.kind) {
+    case Kind::kInt8: return dequantize_rows<Kind::kInt8, false>(w, out, n0, n1, first);
+    case Kind::kInt4:
+      if (w.linear) return dequantize_rows<Kind::kInt4, false>(w, out, n0, n1, first);
+      return dequantize_rows<Kind::kInt4, true>(w, out, n0, n1, first);
+    case Kind::kInt4K: return dequantize_rows<Kind::kInt4K, false>(w, out, n0, n1, first);
+    case Kind::kInt6K: return dequantize_rows<Kind::kInt6K, false>(w, out, n0, n1, first);
   }
 }
 
@@ -671,9 +697,23 @@ Weight expert_weight(const Weight& base, const std::vector<ffi::AnyBuffer>& a, i
 // by each block with dense.cc's x · W^T walk. Dequantizing in registers per token is what makes
 // the float path compute-bound (~4.5 ms a token for SmolLM2's layers here); a block dequantized
 // once serves all tokens (~2 ms a token after ~34 ms for the blocks; bench/RESULTS.md, "Prompt
-// chunks with packed weights").
+// chunks with packed weights"). The portable path takes it at every token count.
 constexpr int64_t kBlockTokens = 16;
 constexpr int64_t kBlockFloats = 1 << 15;
+
+// Rows [n0, n1) of y for `tokens` rows of x (K floats apart): W's rows dequantized a block at a
+// time into the buffer, each block multiplied by every token (AVX-512 unless `portable`).
+void blocked_rows(const Weight& w, const float* x, float* y, int64_t tokens, int64_t n,
+                  int64_t n0, int64_t n1, bool portable) {
+  const int64_t k = w.k, block = std::max<int64_t>(4, (kBlockFloats / k) / 4 * 4);
+  std::vector<float> buffer(block * k);
+  for (int64_t r0 = n0; r0 < n1; r0 += block) {
+    const int64_t r1 = std::min(n1, r0 + block);
+    if (portable) dequantize_portable(w, buffer.data(), r0, r1, r0);
+    else dequantize_fast(w, buffer.data(), r0, r1, r0);
+    zoo_cpu::dense_rows_transposed(x, buffer.data(), y, tokens, k, n, r0, r1, portable);
+  }
+}
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
                   std::string_view format, int64_t group, int64_t experts, bool linear,
@@ -714,17 +754,19 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   // Rows of x past sum(group_sizes) belong to no expert: zeros, as ragged_dot gives.
   std::fill(y + used * n, y + tokens * n, 0.0f);
   const bool fast = has_avx512() && !portable;
-  // Whether expert e's rows take the blocked path (which reads x as it is); if every expert with
-  // rows does, the per-token paths' copies and sums of x below are not made.
+  // Whether expert e's rows take the blocked path with x as it is (float activations: on the
+  // portable path always, with AVX-512 from kBlockTokens rows); if every expert with rows does,
+  // the per-token paths' copies and sums of x below are not made.
   auto blocked = [&](int64_t e) {
-    return fast && !int8 && first[e + 1] - first[e] >= kBlockTokens;
+    return !int8 && (!fast || first[e + 1] - first[e] >= kBlockTokens);
   };
   bool per_token = false;
   for (int64_t e = 0; e < stack; ++e) per_token |= first[e + 1] > first[e] && !blocked(e);
   const int64_t prepared = per_token ? used : 0;
-  // x (or x̂, with int8 activations) copied at a row stride of K + 16 floats: rows exactly
-  // 4 KiB apart (K = 1024) would share L1 sets, and a token block reads them side by side.
-  const int64_t stride = k + 16, chunks = k / 32;
+  // x (or x̂, with int8 activations) copied at a row stride of K + 16 floats for the AVX-512
+  // paths: rows exactly 4 KiB apart (K = 1024) would share L1 sets, and a token block reads them
+  // side by side. The portable path's walk takes x̂ at K floats.
+  const int64_t stride = fast ? k + 16 : k, chunks = k / 32;
   std::vector<float> padded(prepared * stride);
   std::vector<int8_t> q(int8 ? prepared * k : 0);
   std::vector<float> steps(int8 ? prepared * chunks : 0);
@@ -785,20 +827,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   parallel(pool, threads, items, [&](const Item& it) {
     const Weight w = weight(it.expert);
     const int64_t rows = first[it.expert + 1] - first[it.expert];
+    float* ye = y + first[it.expert] * n;
     if (blocked(it.expert)) {
-      const int64_t block = std::max<int64_t>(4, (kBlockFloats / k) / 4 * 4);
-      std::vector<float> buffer(block * k);
-      for (int64_t r0 = it.n0; r0 < it.n1; r0 += block) {
-        const int64_t r1 = std::min(it.n1, r0 + block);
-        dequantize_fast(w, buffer.data(), r0, r1, r0);
-        zoo_cpu::dense_rows_transposed(x + first[it.expert] * k, buffer.data(),
-                                       y + first[it.expert] * n, rows, k, n, r0, r1);
-      }
+      blocked_rows(w, x + first[it.expert] * k, ye, rows, n, it.n0, it.n1, !fast);
       return;
     }
     const float* xe = padded.data() + first[it.expert] * stride;
     const float* se = xsum.data() + first[it.expert] * groups;
-    float* ye = y + first[it.expert] * n;
     if (integer) {
       const Ordered o{blocks, lanes_per_block, ordered.data() + first[it.expert] * blocks * 128,
                       lanes.data() + first[it.expert] * blocks * lanes_per_block};
@@ -806,7 +841,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     } else if (fast) {
       rows_fast(w, xe, stride, se, ye, rows, n, it.n0, it.n1);
     } else {
-      rows_portable(w, xe, stride, ye, rows, n, it.n0, it.n1);
+      blocked_rows(w, xe, ye, rows, n, it.n0, it.n1, true);
     }
   });
   return ffi::Error::Success();

@@ -31,14 +31,9 @@ namespace {
 
 // The portable path's 16-lane sums are written lane by lane so that the compiler vectorizes them
 // without reordering a sum it was not given (the library is built with -ffp-contract=off); its
-// clones give AVX-512 CPUs 16-float vectors and the rest the baseline's.
+// clones (avx512.h's ZOO_CLONES) give AVX-512 CPUs 16-float vectors, AVX2 ones 8 and the rest
+// the baseline's 4.
 constexpr int kLanes = 16;
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ZOO_CLONES __attribute__((target_clones("avx512f", "default")))
-#else
-#define ZOO_CLONES
-#endif
 
 inline float dot(const float* a, const float* b, int64_t d) {
   float lanes[kLanes] = {};
