@@ -44,9 +44,11 @@
 // Code paths: AVX-512 VNNI integer products (int8 activations; i8, linear u4, q4k, q6k with
 // group 16, 32, 64 or a multiple of 128 or a single group per row), AVX-512 float (NF4's table,
 // other groups, float activations; from kBlockTokens tokens a block of rows dequantized into an
-// L2 buffer and multiplied by every token with dense.cc's walk), and a portable one that does
-// the same at every token count in plain C++ the compiler vectorizes (avx512.h's ZOO_CLONES;
-// no float copy of W either), each chosen at run time by what the CPU has.
+// L2 buffer and multiplied by every token with dense.cc's walk), and on other CPUs the same at
+// every token count: the block dequantized with AVX2 where the CPU has it (but a 4-bit table's),
+// else in plain C++ the compiler vectorizes (avx512.h's ZOO_CLONES), then dense.cc's plain walk;
+// no float copy of W either. Each is chosen at run time by what the CPU has; `portable` takes
+// the plain C++ of both (a test of it).
 //
 // Threads: rows are split into work items taken from an atomic counter by the calling thread
 // and by tasks on XLA's intra-op thread pool; a task that starts after the work is gone returns
@@ -429,6 +431,106 @@ bool has_avx512() {
   return yes;
 }
 
+// --- AVX2 path: the dequantize of CPUs without AVX-512 -------------------------------------
+
+#define ZOO_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Chunk c (weights 32c .. 32c + 31) of a row's codes plus `offset`, as four 8-float vectors:
+// dequantize_avx512's `chunk` at half the width (no table: those formats take the plain loop).
+template <Kind kKind>
+ZOO_AVX2 inline void chunk_avx2(const uint8_t* codes, const uint8_t* high, int64_t c, float offset,
+                                __m256 out[4]) {
+  __m256i v[4];
+  if constexpr (kKind == Kind::kInt8) {
+    for (int q = 0; q < 4; ++q)
+      v[q] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * c + 8 * q)));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(bytes, nibble), top = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    v[0] = _mm256_cvtepu8_epi32(low);
+    v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
+    v[2] = _mm256_cvtepu8_epi32(top);
+    v[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(top, 8));
+    if constexpr (kKind == Kind::kInt6K) {  // weight i of each 16: bit pair i / 4 of byte i % 4
+      const __m256i first = _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26);
+      const __m256i second = _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30);
+      const __m256i three = _mm256_set1_epi32(3);
+      uint32_t four[2];
+      std::memcpy(four, high + 8 * c, 8);
+      for (int q = 0; q < 4; ++q) {
+        const __m256i planes = _mm256_set1_epi32(static_cast<int>(four[q / 2]));
+        const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(planes, q % 2 ? second : first), three);
+        v[q] = _mm256_or_si256(v[q], _mm256_slli_epi32(bits, 4));
+      }
+    }
+  }
+  for (int q = 0; q < 4; ++q) out[q] = _mm256_add_ps(_mm256_cvtepi32_ps(v[q]), _mm256_set1_ps(offset));
+}
+
+// Chunk c's 32 floats: levels times the scale of each half (`s_lo`, `s_hi`: the same group's
+// unless G == 16), then plus its minimum where the format has one.
+ZOO_AVX2 inline void store_chunk(__m256 v[4], float s_lo, float s_hi, const float* m, float* out) {
+  const float scale[2] = {s_lo, s_hi};
+  for (int q = 0; q < 4; ++q) {
+    v[q] = _mm256_mul_ps(v[q], _mm256_set1_ps(scale[q / 2]));
+    if (m) v[q] = _mm256_add_ps(v[q], _mm256_set1_ps(m[q / 2]));
+    _mm256_storeu_ps(out + 8 * q, v[q]);
+  }
+}
+
+// Rows [n0, n1) of W as floats, dequantize_avx512's contract (bit for bit), for formats
+// without a table. A row's group scales and minimums are computed first, one pass each: taken
+// per chunk (a division for its group, a type switch and a float16 conversion) they cost more
+// than the chunk (measured with perf on an AMD EPYC).
+template <Kind kKind>
+ZOO_AVX2 void dequantize_avx2(const Weight& w, float* out, int64_t n0, int64_t n1, int64_t first) {
+  const int64_t groups = w.groups(), chunks_per_group = std::max<int64_t>(w.group / 32, 1);
+  std::vector<float> scales(groups), mins(groups);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* codes = w.codes + n * w.codes_row();
+    const uint8_t* high = w.high ? w.high + n * (w.k / 4) : nullptr;
+    float* row = out + (n - first) * w.k;
+    for (int64_t g = 0; g < groups; ++g) scales[g] = scale_of(w, n, g);
+    if (w.mins)
+      for (int64_t g = 0; g < groups; ++g) mins[g] = min_of(w, n, g);
+    if (w.group == 16) {  // a chunk's halves are groups 2c and 2c + 1
+      for (int64_t c = 0; c < w.k / 32; ++c) {
+        __m256 v[4];
+        chunk_avx2<kKind>(codes, high, c, w.offset, v);
+        store_chunk(v, scales[2 * c], scales[2 * c + 1], w.mins ? &mins[2 * c] : nullptr, row + 32 * c);
+      }
+      continue;
+    }
+    for (int64_t g = 0, c = 0; g < groups; ++g) {
+      const float m[2] = {mins[g], mins[g]};
+      for (int64_t end = c + chunks_per_group; c < end; ++c) {
+        __m256 v[4];
+        chunk_avx2<kKind>(codes, high, c, w.offset, v);
+        store_chunk(v, scales[g], scales[g], w.mins ? m : nullptr, row + 32 * c);
+      }
+    }
+  }
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+
+// Whether the AVX2 dequantize takes the weight (every format but a 4-bit table's), and does it.
+bool dequantize_avx2_takes(const Weight& w, float* out, int64_t n0, int64_t n1, int64_t first) {
+  if (!has_avx2() || (w.kind == Kind::kInt4 && !w.linear)) return false;
+  switch (w.kind) {
+    case Kind::kInt8: dequantize_avx2<Kind::kInt8>(w, out, n0, n1, first); break;
+    case Kind::kInt4: dequantize_avx2<Kind::kInt4>(w, out, n0, n1, first); break;
+    case Kind::kInt4K: dequantize_avx2<Kind::kInt4K>(w, out, n0, n1, first); break;
+    case Kind::kInt6K: dequantize_avx2<Kind::kInt6K>(w, out, n0, n1, first); break;
+  }
+  return true;
+}
+
 // --- AVX-512 VNNI path: integer products of codes (int8 activations) ------------------------
 
 #define ZOO_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")))
@@ -614,6 +716,7 @@ void dequantize_fast(const Weight&, float*, int64_t, int64_t, int64_t) {}
 void rows_fast(const Weight&, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 bool vnni_takes(const Weight&) { return false; }
 bool has_vnni() { return false; }
+bool dequantize_avx2_takes(const Weight&, float*, int64_t, int64_t, int64_t) { return false; }
 void rows_integer(const Weight&, const Ordered&, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
@@ -702,16 +805,19 @@ constexpr int64_t kBlockTokens = 16;
 constexpr int64_t kBlockFloats = 1 << 15;
 
 // Rows [n0, n1) of y for `tokens` rows of x (K floats apart): W's rows dequantized a block at a
-// time into the buffer, each block multiplied by every token (AVX-512 unless `portable`).
+// time into the buffer, each block multiplied by every token. `avx512`: that path's dequantize
+// and walk; else the plain walk, with the AVX2 dequantize where the CPU has it, unless `plain`
+// (the kernel's `portable`: the plain C++ of both, a test of it).
 void blocked_rows(const Weight& w, const float* x, float* y, int64_t tokens, int64_t n,
-                  int64_t n0, int64_t n1, bool portable) {
+                  int64_t n0, int64_t n1, bool avx512, bool plain) {
   const int64_t k = w.k, block = std::max<int64_t>(4, (kBlockFloats / k) / 4 * 4);
   std::vector<float> buffer(block * k);
   for (int64_t r0 = n0; r0 < n1; r0 += block) {
     const int64_t r1 = std::min(n1, r0 + block);
-    if (portable) dequantize_portable(w, buffer.data(), r0, r1, r0);
-    else dequantize_fast(w, buffer.data(), r0, r1, r0);
-    zoo_cpu::dense_rows_transposed(x, buffer.data(), y, tokens, k, n, r0, r1, portable);
+    if (avx512) dequantize_fast(w, buffer.data(), r0, r1, r0);
+    else if (plain || !dequantize_avx2_takes(w, buffer.data(), r0, r1, r0))
+      dequantize_portable(w, buffer.data(), r0, r1, r0);
+    zoo_cpu::dense_rows_transposed(x, buffer.data(), y, tokens, k, n, r0, r1, !avx512);
   }
 }
 
@@ -829,7 +935,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     const int64_t rows = first[it.expert + 1] - first[it.expert];
     float* ye = y + first[it.expert] * n;
     if (blocked(it.expert)) {
-      blocked_rows(w, x + first[it.expert] * k, ye, rows, n, it.n0, it.n1, !fast);
+      blocked_rows(w, x + first[it.expert] * k, ye, rows, n, it.n0, it.n1, fast, portable);
       return;
     }
     const float* xe = padded.data() + first[it.expert] * stride;
@@ -841,7 +947,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     } else if (fast) {
       rows_fast(w, xe, stride, se, ye, rows, n, it.n0, it.n1);
     } else {
-      blocked_rows(w, xe, ye, rows, n, it.n0, it.n1, true);
+      blocked_rows(w, xe, ye, rows, n, it.n0, it.n1, false, portable);
     }
   });
   return ffi::Error::Success();
@@ -878,7 +984,7 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
   parallel(pool, threads, items, [&](const Item& it) {
     if (fast) {
       dequantize_fast(w, y, it.n0, it.n1, 0);
-    } else {
+    } else if (portable || !dequantize_avx2_takes(w, y, it.n0, it.n1, 0)) {
       dequantize_portable(w, y, it.n0, it.n1, 0);
     }
   });

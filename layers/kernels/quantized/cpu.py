@@ -47,7 +47,7 @@ def cpu_matmul(
     `[experts, rows, cols]` weight: rows of x sorted by expert, `group_sizes[e]` of them for
     expert e (rows past their sum give zeros). `int8_activations`: `quantize_activations(x) ·
     W^T` instead (the module docstring). `portable` runs the kernel's plain C++ path instead of
-    its AVX-512 ones (a test of both)."""
+    its AVX-512 (or, without AVX-512, AVX2) ones (a test of both)."""
     ensure_built()
     rows, _ = weight.shape
     experts = 0 if group_sizes is None else weight.lead[-1]
@@ -76,8 +76,9 @@ def cpu_dequantize(
     weight: PackedWeight, *, portable: bool = False
 ) -> Float[Array, "... rows cols"]:
     """`weight.dequantize(jnp.float32)`, equal bit for bit, `[*lead, rows, cols]`, computed by
-    the library (threaded over rows, AVX-512 where the CPU has it; `portable`: its plain C++
-    path). Under vmap the batch becomes one more leading dim (the kernel takes any)."""
+    the library (threaded over rows, AVX-512 where the CPU has it, else AVX2 but for a 4-bit
+    table; `portable`: its plain C++ path). Under vmap the batch becomes one more leading dim
+    (the kernel takes any)."""
     ensure_built()
     attrs = weight.kernel_attrs()
     call = jax.ffi.ffi_call(
