@@ -98,10 +98,6 @@ struct Weight {
   int64_t groups() const { return k / group; }
 };
 
-// A float16 as float32, exactly, in integer and float arithmetic (no F16C instruction or library
-// call, which the portable path's clones would otherwise make per group): the exponent and
-// mantissa moved to float32's places and scaled by 2^(127 - 15), which is exact for normal and
-// subnormal halves alike; infinities and NaNs keep an all-ones exponent.
 inline float half(uint16_t h) {
   _Float16 f;
   std::memcpy(&f, &h, 2);
