@@ -1,8 +1,8 @@
 """The serving engine's host cost per decode step: where a step's wall time goes when every row
 decodes, split into the host's Python (scheduling, the plan, reading the previous step's tokens,
-streaming), the call of the compiled step program (arguments, copies to the device, the launch
-of its kernels) and the wait for the previous step's tokens, beside the same compiled program
-called alone, back to back (the step's cost once the host keeps up).
+streaming), the calls of the step's two compiled programs, forward and sampling (arguments,
+copies to the device, the launch of their kernels) and the wait for the previous step's tokens,
+beside the same programs called alone, back to back (the step's cost once the host keeps up).
 
     python -m bench engine-host
 
@@ -45,9 +45,7 @@ def _timed_engine(model, rows: int) -> tuple[Engine, dict[str, float]]:
     spent = {"call": 0.0, "wait": 0.0}
     compiled, consume = engine._compiled, engine._consume
 
-    def timed_compiled(plan):
-        program = compiled(plan)
-
+    def timed(program):
         def call(*args):
             start = time.perf_counter()
             out = program(*args)
@@ -55,6 +53,9 @@ def _timed_engine(model, rows: int) -> tuple[Engine, dict[str, float]]:
             return out
 
         return call
+
+    def timed_compiled(plan):
+        return tuple(timed(program) for program in compiled(plan))
 
     def timed_consume(launched):
         start = time.perf_counter()
@@ -89,18 +90,16 @@ def _split(model, rows: int) -> dict[str, float]:
 
 
 def _alone_ms(engine: Engine) -> float:
-    """The engine's decode-only program on its running rows' plan, called back to back."""
+    """The engine's decode-only programs (forward, then sampling) on its running rows' plan,
+    launched back to back."""
     plan = engine._plan([r for r in engine.rows if r is not None], [], 0)
-    program = engine._compiled(plan)
-    args = engine._arguments(plan)
     for _ in range(WARM_STEPS):
-        args[1], report, *_ = program(*args)
+        report, _ = engine._launch(plan, [])
     report.block_until_ready()
     start = time.perf_counter()
     for _ in range(STEPS):
-        args[1], report, *_ = program(*args)
+        report, _ = engine._launch(plan, [])
     report.block_until_ready()
-    engine._state = args[1]
     return 1e3 * (time.perf_counter() - start) / STEPS
 
 
@@ -110,10 +109,10 @@ def run(ceilings: Ceilings) -> Table:
         "engine-host",
         "The engine's host cost per decode step (every row decoding)",
         [
-            "Median ms of `engine.step()` split into the host's Python, the step program's call "
-            "and the wait for the previous step's tokens; 'alone': the compiled program called "
-            f"back to back on the same rows. {STEPS} steps after {WARM_STEPS}. Predicted: "
-            "Python well below the program's time, so step = alone."
+            "Median ms of `engine.step()` split into the host's Python, the step programs' "
+            "calls and the wait for the previous step's tokens; 'alone': the compiled programs "
+            f"called back to back on the same rows. {STEPS} steps after {WARM_STEPS}. "
+            "Predicted: Python well below the programs' time, so step = alone."
         ],
     )
     for name, model in _models().items():

@@ -5,14 +5,18 @@ one step behind, streaming, prefix reuse, preemption.
 - A fixed batch of `max_batch` rows. A request takes a free row when the page pool holds its
   prompt; a finished row is freed and a waiting request joins at the next step. Requests submitted
   while `run()` is going join too.
-- One program per step: a ragged batch of tokens run as one forward over the paged cache
-  (layers/token_groups.py), so the weights are read once per step. A step holds at most
+- One forward per step: a ragged batch of tokens run as one forward over the paged cache
+  (layers/token_groups.py), so the weights are read once per step. Sampling, verification, stop
+  checks and log-probabilities follow in a second program whose shapes are the rows' alone
+  (each row samples from one group of logits the forward lays out), so one sampling program
+  serves every step shape: its compile work is paid once per engine (and once for engines of
+  the same rows and vocabulary), not once per shape. A step holds at most
   `token_budget` tokens (vLLM's scheduler): every decoding row's next token first, then prompt
   chunks of `chunk` tokens, oldest request first, as many as fit: several prompts' chunks, and
   several consecutive chunks of one prompt, in one step. Attention reads only the pages each row
   holds. The prompt part comes in a few fixed sizes (`Engine.prompt_shapes`: 1, 4, 16, ...
   chunks up to the budget; a step takes the largest size its waiting chunks fill, so padding is
-  at most each prompt's last chunk), each one compiled program, all compiled when the engine
+  at most each prompt's last chunk), each one compiled forward, all compiled when the engine
   starts beside the decode-only one; no prompt length, batch mix or sampler setting compiles
   anything new.
 - The device keeps what the next step needs: each row's last token, how many it generated and
@@ -42,6 +46,7 @@ import dataclasses
 import functools
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -49,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry_2x32
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from infer.pages import PagePool
@@ -205,56 +211,91 @@ def _cut_at_stops(tokens, n, stops, count, budget):
     return n, jnp.any(stop, axis=1) | (count + n >= budget)
 
 
+class RowPlan(typing.NamedTuple):
+    """What a step's sampling needs of its plan, one entry per engine row (the forward program
+    derives it, so the sampling program's shapes are the same for every prompt part): whether
+    the row decodes in this step and is not done (`live`), how many of its `drafts` are real
+    (`k`, 0 unless live), whether its prompt ends in this step (`ends`: its first token is drawn
+    from its last chunk's logits) and how many tokens it had then (`had`)."""
+
+    live: Bool[Array, " rows"]
+    k: Int[Array, " rows"]
+    drafts: Int[Array, "rows drafts"]
+    ends: Bool[Array, " rows"]
+    had: Int[Array, " rows"]
+
+
+def row_sharding(placement: Placement, ndim: int, *, vocab: bool = False):
+    """How an array of the engine's rows lies on the mesh: its leading dim split over the batch
+    axes, a trailing vocabulary dim (`vocab`) as the rules split it, the rest whole (None
+    without a mesh). What one step program hands the other is pinned to it, so its sharding is
+    the same whatever the step's shape."""
+    if not placement.sharded:
+        return None
+    (batch,), (split,) = (placement.rules.partition_spec((n,)) for n in ("batch", "vocab"))
+    spec = (batch, *[None] * (ndim - 1 - vocab), *[split] * vocab)
+    return NamedSharding(placement.mesh, PartitionSpec(*spec))
+
+
+def _pin_rows(tree, placement: Placement, *, vocab: bool = False):
+    """Inside a step program: `tree`'s arrays pinned to `row_sharding`."""
+    if not placement.sharded:
+        return tree
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, row_sharding(placement, x.ndim, vocab=vocab)),
+        tree,
+    )
+
+
 @functools.partial(
     jax.jit,
     donate_argnums=1,
-    static_argnames=("model_def", "state_def", "layout", "page_size", "placement", "keep_hidden"),
+    static_argnames=("model_def", "pages_def", "layout", "page_size", "placement", "keep_hidden"),
 )
-def _step_program(
-    weights, state, params, ints, drafts, allowed, q, key, *, model_def, state_def,
+def _forward_program(
+    weights, pages, last, done, adapter, ints, drafts, *, model_def, pages_def,
     layout: PlanLayout, page_size, placement, keep_hidden=False,
 ):  # fmt: skip
-    """`_step` as the engine calls it, on arguments that cost the host little per call: the
-    model and the `RowState` as flat lists of leaves (`weights` and `state`; `model_def` and
-    `state_def` their structures: flattening the layers' modules on every call costs the host
+    """`_forward` as the engine calls it, on arguments that cost the host little per call: the
+    model and the page pools as flat lists of leaves (`weights` and `pages`; `model_def` and
+    `pages_def` their structures: flattening the layers' modules on every call costs the host
     more than a small step) and the plan packed into one int32 vector `ints` beside its
-    `drafts`, `allowed` and `q` (infer/step_plan.py). Returns the state's leaves."""
+    `drafts` (infer/step_plan.py). Returns the pools' leaves, then as `_forward`."""
     model = jax.tree.unflatten(model_def, weights)
-    plan = layout.unpack(ints, drafts, allowed, q)
-    state, *out = _step(
-        model, jax.tree.unflatten(state_def, state), params, plan, key, page_size=page_size,
-        placement=placement, keep_hidden=keep_hidden,
+    plan = layout.unpack(ints, drafts, allowed=None, q=None)
+    pages, *out = _forward(
+        model, jax.tree.unflatten(pages_def, pages), last, done, adapter, plan,
+        page_size=page_size, placement=placement, keep_hidden=keep_hidden,
     )  # fmt: skip
-    return jax.tree.leaves(state), *out
+    return jax.tree.leaves(pages), *out
 
 
-def _step(model, state, params, plan, key, *, page_size, placement, keep_hidden=False):
-    """One engine step: decode rows (each its last token and its drafts, a group of
-    `k_max + 1`) and prompt chunks through one forward, then sampling or verification (each row
-    its own keys and allowed tokens), stop checks and the rows' state. Returns the state,
-    `[rows, k_max + 3]` int32: each row's new tokens `[k_max + 1]`, how many it emitted,
-    whether it is done, their `Logprobs` (computed when a row that emits asks for them), and
-    with `keep_hidden` the last layer's output at every token `[tokens, embed]` (what
-    DeepSeek's MTP module drafts from; None otherwise)."""
+def _forward(model, pages, last, done, adapter, plan, *, page_size, placement, keep_hidden):
+    """A step's forward: decode rows (each its `last` token and its drafts, a group of
+    `k_max + 1`) and prompt chunks as one ragged batch over the paged cache. Returns the
+    pools, the logits each row samples from `[rows, k_max + 1, vocab]` (a decoding row's
+    group; a row whose prompt ends here its last chunk's at slot 0), the `RowPlan`, and with
+    `keep_hidden` the last layer's output at every token `[tokens, embed]` (what DeepSeek's MTP
+    module drafts from; None otherwise). One program per prompt-part shape and width."""
     rows, (chunks, width) = plan.decoding.shape[0], plan.tokens.shape
     group = plan.drafts.shape[1] + 1
     kind = f"mixed {chunks}x{width}" if chunks else "decode"
     TRACES[kind + (f" k={group - 1}" if group > 1 else "")] += 1
-    live = plan.decoding & ~state.done
+    live = plan.decoding & ~done
     k = jnp.where(live, plan.k, 0)
     in_chunk = jnp.arange(width)[None, :] < plan.n[:, None]
     in_group = live[:, None] & (jnp.arange(group)[None, :] <= k[:, None])
-    tokens = jnp.concatenate([state.last[:, None], plan.drafts], axis=1).reshape(-1)
+    tokens = jnp.concatenate([last[:, None], plan.drafts], axis=1).reshape(-1)
     tokens = jnp.concatenate([tokens, plan.tokens.reshape(-1)])
     valid = jnp.concatenate([in_group.reshape(-1), in_chunk.reshape(-1)])
     last_of_chunk = rows * group + jnp.arange(chunks) * width + jnp.maximum(plan.n - 1, 0)
     if adapters_in(model):  # each token's row's adapter: decode groups, then the prompt chunks
-        adapter = jnp.concatenate(
-            [jnp.repeat(params.adapter, group), jnp.repeat(params.adapter[plan.row], width)]
+        model = with_adapter_rows(
+            model,
+            jnp.concatenate([jnp.repeat(adapter, group), jnp.repeat(adapter[plan.row], width)]),
         )
-        model = with_adapter_rows(model, adapter)
     cache = PagedKVCache(
-        state.pages,
+        pages,
         jnp.concatenate([plan.table, plan.table[plan.row]]),
         jnp.concatenate([plan.lengths, plan.start]),
         rows=jnp.concatenate([jnp.arange(rows), plan.row]),
@@ -267,56 +308,66 @@ def _step(model, state, params, plan, key, *, page_size, placement, keep_hidden=
             tokens[:, None], valid=valid[:, None], cache=cache,
             logits_at=jnp.concatenate([jnp.arange(rows * group), last_of_chunk]),
         )  # fmt: skip
-
-    def sampled_rows(x):  # each sampled row's x: the decode rows', then the prompt chunks' rows'
-        return jnp.concatenate([x, x[plan.row]]) if chunks else x  # (no gather: fewer kernels)
-
-    # Each row's allowed tokens (a constrained request's grammar; all ones otherwise), and its
-    # keys (`draw_keys`).
-    allowed = _unpack_allowed(plan.allowed, out.logits.shape[-1])
-    drawn = jnp.concatenate([state.count, plan.had])  # how many tokens each sampled row has
-    keys = draw_keys(key, sampled_rows(params.seed), drawn)
-    if group == 1:
-        logits = jnp.where(sampled_rows(allowed), out.logits, -jnp.inf)
-        sampled = sample(logits, jax.tree.map(sampled_rows, params.sampling), keys)
-        new, n, first = sampled[:rows, None], live.astype(jnp.int32), sampled[rows:]
-    else:
-        logits = out.logits[: rows * group].reshape(rows, group, -1)
-        logits = jnp.where(allowed[:, None, :], logits, -jnp.inf)
-        new, n = verify(logits, plan.drafts, k, plan.q, params.sampling, keys[:rows])
-        n = jnp.where(live, n, 0)
-        chunk_logits = jnp.where(allowed[plan.row], out.logits[rows * group :], -jnp.inf)
-        chunk_sampling = jax.tree.map(lambda x: x[plan.row], params.sampling)
-        first = sample(chunk_logits, chunk_sampling, keys[rows:])
-    # Log-probabilities of every position's emitted token: the decode groups' (a verified
-    # group's accepted drafts and its extra token), then the prompt chunks' first tokens.
-    wanted = jnp.concatenate(
-        [jnp.repeat(live & params.logprobs, group), plan.final & params.logprobs[plan.row]]
-    )
-    scores = _logprobs(out.logits, jnp.concatenate([new.reshape(-1), first]), wanted)
-    n, stopped = _cut_at_stops(new, n, params.stops, state.count, params.budget)
-    count = state.count + n
-    done = state.done | (live & stopped)
-    ends = jnp.take_along_axis(new, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
-    last = jnp.where(n > 0, ends, state.last)
-    # Rows whose prompt ends here: their first token (chunks that do not end write nothing).
+    # Rows whose prompt ends here take their last chunk's logits (other chunks write nothing).
     row = jnp.where(plan.final, plan.row, rows)
-    had = plan.had + 1
-    ended = _stopped(first, params.stops[plan.row], had, params.budget[plan.row])
-    last = last.at[row].set(first, mode="drop")
-    new = new.at[row, 0].set(first, mode="drop")
-    count = count.at[row].set(had, mode="drop")
-    done = done.at[row].set(ended, mode="drop")
-    n = n.at[row].set(1, mode="drop")
-    report = jnp.concatenate([new, n[:, None], done[:, None].astype(jnp.int32)], axis=1)
-
-    def by_row(x):  # laid out as `new`: a prompt's first token at its row's slot 0
-        grouped = x[: rows * group].reshape(rows, group, *x.shape[1:])
-        return grouped.at[row, 0].set(x[rows * group :], mode="drop")
-
-    logprobs = Logprobs(*(by_row(x) for x in scores))
+    logits = out.logits[: rows * group].reshape(rows, group, -1)
+    logits = logits.at[row, 0].set(out.logits[rows * group :], mode="drop")
+    ends = jnp.zeros(rows, bool).at[row].set(True, mode="drop")
+    had = jnp.zeros(rows, jnp.int32).at[row].set(plan.had, mode="drop")
     hidden = out.hidden[:, 0] if keep_hidden else None
-    return RowState(out.cache.layers, last, count, done), report, logprobs, hidden
+    rows_plan = _pin_rows(RowPlan(live, k, plan.drafts, ends, had), placement)
+    return out.cache.layers, _pin_rows(logits, placement, vocab=True), rows_plan, hidden
+
+
+@functools.partial(jax.jit, static_argnames="placement")
+def _sample_program(
+    logits, plan: RowPlan, last, count, done, params, allowed, q, key, *, placement
+):
+    """A step's sampling or verification (each row its own keys and allowed tokens), stop
+    checks and the rows' `last`, `count` and `done`, from `_forward`'s logits and `RowPlan`.
+    Its shapes are the rows', the width's and the vocabulary's only: one program serves every
+    prompt-part shape of an engine (and engines of the same rows and vocabulary). Returns the
+    rows' new `(last, count, done)`, `[rows, k_max + 3]` int32: each row's new tokens
+    `[k_max + 1]`, how many it emitted, whether it is done, and their `Logprobs` (computed when
+    a row that emits asks for them)."""
+    rows, group, vocab = logits.shape
+    TRACES["sample" + (f" k={group - 1}" if group > 1 else "")] += 1
+    live, k, ends = plan.live, plan.k, plan.ends
+    allowed = _unpack_allowed(allowed, vocab)[:, None, :]
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    # Each row's keys (`draw_keys`): a row whose prompt ends draws its first token.
+    keys = draw_keys(key, params.seed, jnp.where(ends, plan.had, count))
+    if group == 1:
+        new = sample(masked[:, 0], params.sampling, keys)[:, None]
+        n, first = live.astype(jnp.int32), new[:, 0]
+    else:
+        new, n = verify(masked, plan.drafts, k, q, params.sampling, keys)
+        n = jnp.where(live, n, 0)
+        first = jax.lax.cond(
+            jnp.any(ends),
+            lambda: sample(masked[:, 0], params.sampling, keys),
+            lambda: jnp.zeros(rows, jnp.int32),
+        )
+    n, stopped = _cut_at_stops(new, n, params.stops, count, params.budget)
+    ended = jnp.take_along_axis(new, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+    last = jnp.where(n > 0, ended, last)
+    count, done = count + n, done | (live & stopped)
+    # Rows whose prompt ends here: their first token.
+    had = plan.had + 1
+    last = jnp.where(ends, first, last)
+    new = new.at[:, 0].set(jnp.where(ends, first, new[:, 0]))
+    count = jnp.where(ends, had, count)
+    done = jnp.where(ends, _stopped(first, params.stops, had, params.budget), done)
+    n = jnp.where(ends, 1, n)
+    report = jnp.concatenate([new, n[:, None], done[:, None].astype(jnp.int32)], axis=1)
+    # Log-probabilities of every position's emitted token, from the raw logits: the decode
+    # groups' (a verified group's accepted drafts and its extra token), a prompt's first token.
+    wanted = params.logprobs[:, None] & (
+        live[:, None] | (ends[:, None] & (jnp.arange(group) == 0)[None, :])
+    )
+    scores = _logprobs(logits.reshape(rows * group, vocab), new.reshape(-1), wanted.reshape(-1))
+    logprobs = Logprobs(*(x.reshape(rows, group, *x.shape[1:]) for x in scores))
+    return _pin_rows((last, count, done), placement), report, logprobs
 
 
 def _token_logprobs(scores: Logprobs, row: int, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -607,12 +658,12 @@ class Engine:
         self._everything_allowed = jnp.full(
             (max_batch, allowed_words(model.config.vocab_size)), -1, jnp.int32
         )
-        self.state = RowState(
-            pages,
-            jnp.zeros(max_batch, jnp.int32),
-            jnp.zeros(max_batch, jnp.int32),
-            jnp.ones(max_batch, bool),
-        )
+        rows = jax.device_put(
+            (jnp.zeros(max_batch, jnp.int32), jnp.zeros(max_batch, jnp.int32),
+             jnp.ones(max_batch, bool)),
+            row_sharding(self.placement, 1),
+        )  # fmt: skip
+        self.state = RowState(pages, *rows)
         self._params_host = {
             "temperature": np.zeros(max_batch, np.float32),
             "top_k": np.zeros(max_batch, np.int32),
@@ -646,8 +697,10 @@ class Engine:
             page_size=page_size, placement=self.placement,
             keep_hidden=isinstance(speculative, MTPDraft),
         )  # fmt: skip
-        # Each step shape's compiled program, by (prompt chunks, drafts per row).
+        # Each step shape's compiled forward, by (prompt chunks, drafts per row), and each
+        # width's sampling program, by (drafts per row, whether drafts come with their `q`).
         self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         # `self.model`'s leaves, flattened once per model (`_weights`), and its structure.
         self._flat: tuple[Transformer, list, jax.tree_util.PyTreeDef] | None = None
         # A step that verifies nothing passes these (an upload of nothing still costs a call).
@@ -874,20 +927,28 @@ class Engine:
     def _warm_up(self) -> None:
         """Compile the programs now: without prompt chunks and with each of `prompt_shapes`,
         at each width (one token per row and, speculating, `k + 1`), and run each once per
-        process (`_RUN_ONCE`). A draft model's or MTP module's programs compile by running,
-        every row idle (nothing written, nothing emitted); an adaptive engine then times its
-        decode-only programs (`time_steps`)."""
-        for drafts in self._widths():
-            for chunks in (0, *self.prompt_shapes):
-                plan = self._plan([], [], chunks, {}, drafts)
-                if self.drafter is None:
-                    executable = id(self._compiled(plan).runtime_executable())
-                    if executable not in _RUN_ONCE:
-                        _RUN_ONCE.add(executable)
-                        self._launch(plan, [])  # every row idle: nothing written or emitted
-                    continue
+        process (`_RUN_ONCE`). All are compiled before any runs: a program lowered for the
+        engine's fresh state is the one another engine of this configuration looks up (the
+        state a run leaves is committed to its devices, which is another lowering). A draft
+        model's or MTP module's programs compile by running, every row idle (nothing written,
+        nothing emitted); an adaptive engine then times its decode-only programs
+        (`time_steps`)."""
+        plans = [
+            self._plan([], [], chunks, {}, drafts)
+            for drafts in self._widths()
+            for chunks in (0, *self.prompt_shapes)
+        ]
+        if self.drafter is None:
+            programs = [self._compiled(plan) for plan in plans]
+            for plan, compiled in zip(plans, programs, strict=True):
+                executables = {id(program.runtime_executable()) for program in compiled}
+                if executables - _RUN_ONCE:
+                    _RUN_ONCE.update(executables)
+                    self._launch(plan, [])  # every row idle: nothing written or emitted
+        else:
+            for plan in plans:
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
-            self.state.last.block_until_ready()
+        self._rows[0].block_until_ready()
         if self.adaptive:
             self.time_steps(WARM_UP_TIMINGS)
 
@@ -910,41 +971,53 @@ class Engine:
                 self._launch(plan, [])[0].block_until_ready()
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
 
-    def _compiled(self, plan: StepPlan) -> jax.stages.Compiled:
-        """The step program of `plan`'s shape, compiled ahead of its first run (JAX keeps what
-        it lowered and compiled: engines of one configuration share the programs, and a later
-        engine's warm-up only looks them up)."""
+    def _compiled(self, plan: StepPlan) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+        """The step's two programs for `plan`'s shape, compiled ahead of their first run: its
+        forward (one per prompt-part shape and width) and its sampling program (one per width,
+        whatever the prompt part). JAX keeps what it lowered and compiled: engines of one
+        configuration share the programs, and a later engine's warm-up only looks them up."""
         shape = (plan.tokens.shape[0], plan.drafts.shape[1])
         if shape not in self._programs:
             self._programs[shape] = self._lower(plan, self.state).compile()
-        return self._programs[shape]
+        forward = self._programs[shape]
+        width = (plan.drafts.shape[1], plan.q is None)
+        if width not in self._samplers:
+            _, logits, row_plan, _ = forward.out_info
+            args = (logits, row_plan, *self._rows, self._row_params(), plan.allowed, plan.q)
+            self._samplers[width] = _sample_program.lower(
+                *args, self.draw_key, placement=self.placement
+            ).compile()
+        return forward, self._samplers[width]
 
     def _lower(self, plan: StepPlan, state: RowState) -> jax.stages.Lowered:
-        """The step program lowered for `plan`'s shape and `state` (real or abstract)."""
+        """The step's forward lowered for `plan`'s shape and `state` (real or abstract)."""
         args = self._arguments(plan)
-        args[1], state_def = jax.tree.flatten(state)
-        return _step_program.lower(
-            *args, model_def=self._weights()[1], state_def=state_def, layout=PlanLayout.of(plan),
+        args[1], pages_def = jax.tree.flatten(state.pages)
+        return _forward_program.lower(
+            *args, model_def=self._weights()[1], pages_def=pages_def, layout=PlanLayout.of(plan),
             **self._static,
         )  # fmt: skip
 
     def _arguments(self, plan: StepPlan) -> list:
-        """The step program's arguments for `plan`, in order (`_step_program`): one host array
-        (the packed plan) beside what already lives on the device."""
+        """The step's forward's arguments for `plan`, in order (`_forward_program`): one host
+        array (the packed plan) beside what already lives on the device."""
+        last, _, done = self._rows
         return [
-            self._weights()[0], self._state, self._row_params(), pack(plan), plan.drafts,
-            plan.allowed, plan.q, self.draw_key,
+            self._weights()[0], self._pages, last, done, self._row_params().adapter, pack(plan),
+            plan.drafts,
         ]  # fmt: skip
 
     @property
     def state(self) -> RowState:
-        """What the device carries from step to step. The engine holds its leaves (what the
-        step program takes and returns: no modules to flatten per step)."""
-        return jax.tree.unflatten(self._state_def, self._state)
+        """What the device carries from step to step. The engine holds the pools' leaves (what
+        the forward takes and returns: no modules to flatten per step) and the rows' `last`,
+        `count` and `done` (what the sampling program takes and returns)."""
+        return RowState(jax.tree.unflatten(self._pages_def, self._pages), *self._rows)
 
     @state.setter
     def state(self, state: RowState) -> None:
-        self._state, self._state_def = jax.tree.flatten(state)
+        self._pages, self._pages_def = jax.tree.flatten(state.pages)
+        self._rows = (state.last, state.count, state.done)
 
     def _weights(self) -> tuple[list, jax.tree_util.PyTreeDef]:
         """`self.model`'s leaves and structure, flattened when the model was replaced (new
@@ -975,20 +1048,22 @@ class Engine:
         if self.adaptive and plan.drafts.shape[1] == 0:
             if not (warm_up or sequences or any(r.draft_tokens for r, *_ in pieces)):
                 return plan, None
-            return plan, self.drafter.observe(
-                plan, sequences, self.state.last, sampling, self.steps
-            )
+            return plan, self.drafter.observe(plan, sequences, self._rows[0], sampling, self.steps)
         forwards = int(plan.k.max(initial=0)) if forwards is None else forwards
         proposed = self.drafter.propose(
-            plan, sequences, self.state.last, sampling, self.steps, forwards
+            plan, sequences, self._rows[0], sampling, self.steps, forwards
         )
         return proposed, None
 
     def _launch(self, plan: StepPlan, chunks: list[tuple[list[int], int, int]]):
-        """Run the step program on `plan` (and an MTP module over what it added: `chunks` the
-        step's prompt chunks as `(sequence, start, n)`, in the plan's order); the step's report
-        and logprobs."""
-        self._state, report, logprobs, hidden = self._compiled(plan)(*self._arguments(plan))
+        """Run the step's programs on `plan` (and an MTP module over what it added: `chunks`
+        the step's prompt chunks as `(sequence, start, n)`, in the plan's order); the step's
+        report and logprobs."""
+        forward, sampler = self._compiled(plan)
+        self._pages, logits, row_plan, hidden = forward(*self._arguments(plan))
+        self._rows, report, logprobs = sampler(
+            logits, row_plan, *self._rows, self._row_params(), plan.allowed, plan.q, self.draw_key
+        )
         if hidden is not None:
             following = chunk_next_tokens(chunks, plan.tokens.shape[0], self.chunk)
             self.drafter.after_step(

@@ -3,7 +3,7 @@
 The host builds a plan as numpy arrays; a dozen small arrays would be a dozen host-to-device
 copies per step, each costing the host more than its bytes (on a GPU a staged copy and a launch
 each). So the integer and boolean fields travel packed in one int32 vector (`pack`) whose
-layout (`PlanLayout`) is static, and the step program cuts them back out (`PlanLayout.unpack`,
+layout (`PlanLayout`) is static, and the step's forward cuts them back out (`PlanLayout.unpack`,
 slices and reshapes that cost nothing on the device). The fields that may already live on the
 device (a draft model's `drafts` and `q`) or rarely change (`allowed`) travel as they are.
 """
@@ -56,7 +56,7 @@ PACKED = (
 class PlanLayout:
     """Where each packed field lies in the vector: the shapes of a plan of `rows` rows of
     `row_pages` pages and a prompt part of `chunks` chunks of `chunk` tokens. Hashable: a
-    static argument of the step program (a layout is one program shape)."""
+    static argument of the step's forward (a layout is one program shape)."""
 
     rows: int
     row_pages: int
@@ -77,7 +77,7 @@ class PlanLayout:
         }  # fmt: skip
 
     def unpack(self, ints: Int[Array, " packed"], drafts, allowed, q) -> StepPlan:
-        """Inside the step program: the plan of the packed vector `ints` (`pack`) and the
+        """Inside the step's forward: the plan of the packed vector `ints` (`pack`) and the
         fields that travel as they are."""
         fields, at, shapes = {}, 0, self.shapes()
         for name, boolean in PACKED:

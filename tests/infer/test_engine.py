@@ -1,9 +1,11 @@
 """The serving engine: continuous batching over a paged KV cache, decode rows and prompt chunks in
-one program per step, gives every request the tokens it would get alone (every family's tiny
+one forward per step, gives every request the tokens it would get alone (every family's tiny
 config unrolled, and stacked where its stacks differ); nothing recompiles after the start; pages
 come and go with the requests, and a dry pool preempts the youngest request without losing a
 token; prefixes are shared; bad input is refused at submit without disturbing what is in
 flight."""
+
+import collections
 
 import equinox as eqx
 import jax
@@ -310,22 +312,27 @@ def test_new_weights_of_the_same_structure_compile_nothing(llama):
 
 
 def test_a_decode_step_uploads_one_array_and_passes_the_weights_flat(llama):
-    """What the host hands the step program in decode-only steps: the model as the flat list
-    of leaves it flattened once (flattening the model's modules on every call costs the host
-    more than a small step), and one host array, the packed plan; everything else already
-    lives on the device. New weights are flattened once, at the next step."""
+    """What the host hands the step's programs in decode-only steps: the forward gets the
+    model as the flat list of leaves it flattened once (flattening the model's modules on every
+    call costs the host more than a small step) and one host array, the packed plan; the
+    sampling program gets nothing from the host. Everything else already lives on the device.
+    New weights are flattened once, at the next step."""
     engine = Engine(llama, **SHAPE)
-    calls = []
+    calls, sampled = [], []
     compiled = engine._compiled
 
     def recording(plan):
-        program = compiled(plan)
+        forward, sampler = compiled(plan)
 
         def call(*args):
             calls.append(args)
-            return program(*args)
+            return forward(*args)
 
-        return call
+        def sample(*args):
+            sampled.append(args)
+            return sampler(*args)
+
+        return call, sample
 
     engine._compiled = recording
     engine.submit([1, 2, 3], max_new_tokens=8)
@@ -337,7 +344,40 @@ def test_a_decode_step_uploads_one_array_and_passes_the_weights_flat(llama):
         assert type(weights) is list and all(isinstance(x, jax.Array) for x in weights)
         uploads = [x for x in jax.tree.leaves(rest) if not isinstance(x, jax.Array)]
         assert len(uploads) == 1 and uploads[0].dtype == np.int32 and uploads[0].ndim == 1
+    assert len(sampled) == len(calls)
+    assert all(isinstance(x, jax.Array) for args in sampled for x in jax.tree.leaves(args))
     engine.model = zoo.Transformer(LLAMA, key=jax.random.key(1))
     engine.submit([1, 2, 3], max_new_tokens=2)
     engine.run()
     assert calls[-1][0] is not decode[0][0]
+
+
+def _lowerings(run) -> int:
+    """How many programs `run()` lowered (JAX's lowering event: a program it did not have)."""
+    events = []
+
+    def listen(event, *_, **__):
+        events.append(event == "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return sum(events)
+
+
+def test_engines_share_the_sampling_program_and_a_second_engine_compiles_nothing(llama):
+    """A step is a forward per step shape and one sampling program whose shapes are the rows',
+    the width's and the vocabulary's only: every shape of an engine runs the same one, and so
+    does an engine of another model with the same rows and vocabulary (only its forwards are
+    traced). A second engine of a configuration already started builds no program at all."""
+    Engine(llama, **SHAPE)
+    before = collections.Counter(TRACES)
+    other = zoo.Transformer(FAMILIES["gpt2"], key=jax.random.key(0))
+    assert other.config.vocab_size == LLAMA.vocab_size
+    engine = Engine(other, **SHAPE)
+    traced = collections.Counter(TRACES) - before
+    assert traced == {"decode": 1, **{f"mixed {c}x16": 1 for c in engine.prompt_shapes}}
+    assert _lowerings(lambda: Engine(other, **SHAPE)) == 0
+    assert _lowerings(lambda: Engine(other, **{**SHAPE, "max_batch": 3})) > 0  # the count counts
