@@ -225,7 +225,7 @@ class RowPlan(typing.NamedTuple):
     had: Int[Array, " rows"]
 
 
-def row_sharding(placement: Placement, ndim: int, *, vocab: bool = False):
+def _row_sharding(placement: Placement, ndim: int, *, vocab: bool = False):
     """How an array of the engine's rows lies on the mesh: its leading dim split over the batch
     axes, a trailing vocabulary dim (`vocab`) as the rules split it, the rest whole (None
     without a mesh). What one step program hands the other is pinned to it, so its sharding is
@@ -238,11 +238,13 @@ def row_sharding(placement: Placement, ndim: int, *, vocab: bool = False):
 
 
 def _pin_rows(tree, placement: Placement, *, vocab: bool = False):
-    """Inside a step program: `tree`'s arrays pinned to `row_sharding`."""
+    """Inside a step program: `tree`'s arrays pinned to `_row_sharding`."""
     if not placement.sharded:
         return tree
     return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, row_sharding(placement, x.ndim, vocab=vocab)),
+        lambda x: jax.lax.with_sharding_constraint(
+            x, _row_sharding(placement, x.ndim, vocab=vocab)
+        ),
         tree,
     )
 
@@ -661,7 +663,7 @@ class Engine:
         rows = jax.device_put(
             (jnp.zeros(max_batch, jnp.int32), jnp.zeros(max_batch, jnp.int32),
              jnp.ones(max_batch, bool)),
-            row_sharding(self.placement, 1),
+            _row_sharding(self.placement, 1),
         )  # fmt: skip
         self.state = RowState(pages, *rows)
         self._params_host = {
