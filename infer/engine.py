@@ -54,10 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry_2x32
-from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from infer.pages import PagePool
+from infer.rows import pin_rows, row_sharding
 from infer.sampling import Greedy, Sampler, SamplingParams, sample
 from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, drafts_that_pay
 from infer.speculative.draft import DraftModel, DraftRunner
@@ -225,30 +225,6 @@ class RowPlan(typing.NamedTuple):
     had: Int[Array, " rows"]
 
 
-def _row_sharding(placement: Placement, ndim: int, *, vocab: bool = False):
-    """How an array of the engine's rows lies on the mesh: its leading dim split over the batch
-    axes, a trailing vocabulary dim (`vocab`) as the rules split it, the rest whole (None
-    without a mesh). What one step program hands the other is pinned to it, so its sharding is
-    the same whatever the step's shape."""
-    if not placement.sharded:
-        return None
-    (batch,), (split,) = (placement.rules.partition_spec((n,)) for n in ("batch", "vocab"))
-    spec = (batch, *[None] * (ndim - 1 - vocab), *[split] * vocab)
-    return NamedSharding(placement.mesh, PartitionSpec(*spec))
-
-
-def _pin_rows(tree, placement: Placement, *, vocab: bool = False):
-    """Inside a step program: `tree`'s arrays pinned to `_row_sharding`."""
-    if not placement.sharded:
-        return tree
-    return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(
-            x, _row_sharding(placement, x.ndim, vocab=vocab)
-        ),
-        tree,
-    )
-
-
 @functools.partial(
     jax.jit,
     donate_argnums=1,
@@ -317,8 +293,8 @@ def _forward(model, pages, last, done, adapter, plan, *, page_size, placement, k
     ends = jnp.zeros(rows, bool).at[row].set(True, mode="drop")
     had = jnp.zeros(rows, jnp.int32).at[row].set(plan.had, mode="drop")
     hidden = out.hidden[:, 0] if keep_hidden else None
-    rows_plan = _pin_rows(RowPlan(live, k, plan.drafts, ends, had), placement)
-    return out.cache.layers, _pin_rows(logits, placement, vocab=True), rows_plan, hidden
+    rows_plan = pin_rows(RowPlan(live, k, plan.drafts, ends, had), placement)
+    return out.cache.layers, pin_rows(logits, placement, vocab=True), rows_plan, hidden
 
 
 @functools.partial(jax.jit, static_argnames="placement")
@@ -369,7 +345,7 @@ def _sample_program(
     )
     scores = _logprobs(logits.reshape(rows * group, vocab), new.reshape(-1), wanted.reshape(-1))
     logprobs = Logprobs(*(x.reshape(rows, group, *x.shape[1:]) for x in scores))
-    return _pin_rows((last, count, done), placement), report, logprobs
+    return pin_rows((last, count, done), placement), report, logprobs
 
 
 def _token_logprobs(scores: Logprobs, row: int, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -663,7 +639,7 @@ class Engine:
         rows = jax.device_put(
             (jnp.zeros(max_batch, jnp.int32), jnp.zeros(max_batch, jnp.int32),
              jnp.ones(max_batch, bool)),
-            _row_sharding(self.placement, 1),
+            row_sharding(self.placement, 1),
         )  # fmt: skip
         self.state = RowState(pages, *rows)
         self._params_host = {

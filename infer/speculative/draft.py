@@ -4,14 +4,17 @@ own paged cache. Its pools are indexed by the target's page table (the same page
 pools: a page the engine gives a row holds the row's tokens in both models), so the engine's
 host bookkeeping serves both and prefix sharing shares both.
 
-Each step (`draft_program`): one forward over each decoding row's catch-up (the one or two
-tokens the target holds that the draft does not yet: the row's last token, and the last kept
-draft when every draft was kept) together with the step's prompt chunks, then up to `K - 1`
+Each step, two programs, as the engine's own step: `catch_up_program` (one per prompt part's
+shape) runs one forward over each decoding row's catch-up (the one or two tokens the target
+holds that the draft does not yet: the row's last token, and the last kept draft when every
+draft was kept) together with the step's prompt chunks; `drafts_program` (one per drafts per
+row, shared by every shape) draws the first draft from its logits, then runs up to `K - 1`
 one-token forwards (a loop bounded by the step's drafts per row, which the engine chooses by
 cost: infer/speculative/adaptive.py), each drawing the next draft from the draft's distribution
-under the row's sampler (argmax for greedy rows), which is `q` in the rejection rule. The row's
-last token is read from the device (the engine's row state), so the draft keeps up with steps
-whose tokens the host has not read yet.
+under the row's sampler (argmax for greedy rows), which is `q` in the rejection rule. The
+one-token loop and the draws are the same in every shape, so they compile once, not once per
+shape. The row's last token is read from the device (the engine's row state), so the draft
+keeps up with steps whose tokens the host has not read yet.
 
 Adaptive (`DraftModel(adaptive=True)`, the default; infer/speculative/adaptive.py): the engine
 verifies only in steps where the rows' running acceptance and the measured step costs make it
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from infer.rows import pin_rows
 from infer.sampling import SamplingParams
 from infer.speculative.proposer import check_k
 from infer.speculative.verify import target_probs
@@ -45,7 +49,7 @@ from zoo.transformer import HeadRows, Transformer
 
 CATCH_UP = 2  # tokens a row's draft cache may lag its target's by (module docstring)
 DRAFT_VOCAB = "draft_vocab.json"  # a draft checkpoint's vocabulary (`draft_vocab`)
-# How many times the draft program was traced (= compiled), as infer.engine.TRACES counts the
+# How many times the draft's programs were traced (= compiled), as infer.engine.TRACES counts the
 # engine's: per shape and static setting, never per step.
 TRACES = collections.Counter()
 
@@ -222,28 +226,22 @@ def draw_drafts(
     return vocab[token], every
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnames=("drafts", "page_size", "placement"))
-def draft_program(
-    draft, pages, table, catch_up, catch_up_n, last, lengths, k, forwards, chunks, sampling, key,
-    step, *, drafts, page_size, placement,
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("page_size", "placement"))
+def catch_up_program(
+    draft, pages, table, catch_up, catch_up_n, last, lengths, chunks, *, page_size, placement
 ):  # fmt: skip
-    """The draft's work for one engine step (`draft` the `DraftModel`: its model, and its head
-    and vocabulary when cut). `table` `[rows, row_pages]` the engine's page
-    table; per row: `catch_up` `[rows, CATCH_UP]` tokens (`catch_up_n` real, 0 for a row that is
-    not decoding), the last of which is replaced by `last` `[rows]` (the row's last token, on
-    the device), `lengths` the tokens its draft cache holds, `k` its drafts; `forwards` the
-    step's draft forwards (at least every row's `k`, at most `drafts`: a loop, so a step whose
-    rows draft fewer than `drafts` pays only for what they draft); `chunks` the step's prompt
-    chunks `(row, tokens, n, start)`; `sampling` each row's sampler. Returns the pools, the
-    drafts `[rows, drafts]` and their distributions `[rows, drafts, vocab]` (past `forwards`:
-    zeros)."""
-    model, vocab, head = draft.model, draft.vocab, draft.head
+    """The draft's first forward of one engine step (`draft` the `DraftModel`): one per prompt
+    part's shape. `table` `[rows, row_pages]` the engine's page table; per row: `catch_up`
+    `[rows, CATCH_UP]` tokens (`catch_up_n` real, 0 for a row that is not decoding), the last of
+    which is replaced by `last` `[rows]` (the row's last token, on the device), `lengths` the
+    tokens its draft cache holds; `chunks` the step's prompt chunks `(row, tokens, n, start)`.
+    Returns the pools and each row's logits at its last catch-up token `[rows, n]` (the head's
+    `n` rows: every token, or the draft vocabulary), pinned to one sharding whatever the shape,
+    for `drafts_program`."""
+    model, head = draft.model, draft.head
     row, chunk_tokens, n, start = chunks
     rows, (n_chunks, width) = table.shape[0], chunk_tokens.shape
-    TRACES[("mixed" if n_chunks else "decode") + f" k={drafts}"] += 1
-    draw = functools.partial(
-        draw_drafts, params=sampling, vocab=vocab, vocab_size=model.config.vocab_size
-    )
+    TRACES["mixed" if n_chunks else "decode"] += 1
     in_chunk = jnp.arange(width)[None, :] < n[:, None]
     in_catch_up = jnp.arange(CATCH_UP)[None, :] < catch_up_n[:, None]
     is_last = jnp.arange(CATCH_UP)[None, :] == (catch_up_n - 1)[:, None]
@@ -261,15 +259,36 @@ def draft_program(
     tokens = jnp.concatenate([catch_up.reshape(-1), chunk_tokens.reshape(-1)])
     valid = jnp.concatenate([in_catch_up.reshape(-1), in_chunk.reshape(-1)])
     at = jnp.arange(rows) * CATCH_UP + jnp.maximum(catch_up_n - 1, 0)
-    key = jax.random.fold_in(key, step)
     with placement.context():
         out = model.forward(
             tokens[:, None], valid=valid[:, None], cache=cache, logits_at=at, head=head
         )
-    token, q = draw(out.logits, key=jax.random.fold_in(key, 0))
+    return out.cache.layers, pin_rows(out.logits, placement, vocab=True)
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("drafts", "page_size", "placement"))
+def drafts_program(
+    draft, pages, table, lengths, k, forwards, logits, sampling, key, step, *, drafts, page_size,
+    placement,
+):  # fmt: skip
+    """The draft's proposals of one engine step, after `catch_up_program`: one per `drafts`
+    (the most per row), whatever the step's prompt part. Each row's first draft is drawn from
+    `logits` `[rows, n]` under its sampler (`sampling`; argmax for greedy rows), then up to
+    `drafts - 1` one-token forwards each draw the next (a loop bounded by `forwards`, at least
+    every row's `k` and at most `drafts`, so a step whose rows draft fewer than `drafts` pays
+    only for what they draft). `lengths` `[rows]` the tokens each row's draft cache holds after
+    the catch-up. Returns the pools, the drafts `[rows, drafts]` and their distributions
+    `[rows, drafts, vocab]` (past `forwards`: zeros)."""
+    model, vocab, head = draft.model, draft.vocab, draft.head
+    rows = table.shape[0]
+    TRACES[f"k={drafts}"] += 1
+    draw = functools.partial(
+        draw_drafts, params=sampling, vocab=vocab, vocab_size=model.config.vocab_size
+    )
+    key = jax.random.fold_in(key, step)
+    token, q = draw(logits, key=jax.random.fold_in(key, 0))
     proposed = jnp.zeros((rows, drafts), jnp.int32).at[:, 0].set(token)
     probs = jnp.zeros((rows, drafts, q.shape[-1]), q.dtype).at[:, 0].set(q)
-    lengths = lengths + catch_up_n
 
     def next_draft(carry):
         j, token, lengths, pages, proposed, probs = carry
@@ -283,7 +302,7 @@ def draft_program(
         proposed, probs = proposed.at[:, j].set(token), probs.at[:, j].set(q)
         return j + 1, token, lengths + live, out.cache.layers, proposed, probs
 
-    carry = (1, token, lengths, out.cache.layers, proposed, probs)
+    carry = (1, token, lengths, pages, proposed, probs)
     if drafts > 1:
         carry = jax.lax.while_loop(lambda c: c[0] < forwards, next_draft, carry)
     return carry[3], carry[4], carry[5]
@@ -334,10 +353,14 @@ class DraftRunner:
         for row, n, start in zip(plan.row, plan.n, plan.start, strict=True):
             if n:
                 self.lengths[row] = start + n
-        self.pages, proposed, q = draft_program(
+        self.pages, logits = catch_up_program(
             self.draft, self.pages, plan.table, catch_up, catch_up_n, last, lengths,
-            plan.k, np.int32(forwards), (plan.row, plan.tokens, plan.n, plan.start), sampling,
-            self.key, np.int32(step), drafts=drafts, page_size=self.page_size,
+            (plan.row, plan.tokens, plan.n, plan.start), page_size=self.page_size,
+            placement=self.placement,
+        )  # fmt: skip
+        self.pages, proposed, q = drafts_program(
+            self.draft, self.pages, plan.table, lengths + catch_up_n, plan.k, np.int32(forwards),
+            logits, sampling, self.key, np.int32(step), drafts=drafts, page_size=self.page_size,
             placement=self.placement,
         )  # fmt: skip
         return proposed, q

@@ -3,7 +3,9 @@ own `mtp`, zoo/mtp.py): drafts from the target's final hidden state at each row'
 accepted position, with the module's own KV pages (indexed by the engine's page table, as a
 draft model's are).
 
-After each engine step (`mtp_program`, on the device, before the host reads anything):
+After each engine step, on the device, before the host reads anything (two programs, as the
+engine's own step: `catch_up_program`, one per step shape, runs 1 and step 2's forward;
+`drafts_program`, one per drafts per row and shared by every shape, the draws and step 3):
 1. Catch-up: one forward of the module over every position the step added to the target's
    cache, each with its next token and the target's hidden state there (the step program hands
    them over): a decoding row's emitted tokens (its last token and the drafts kept, each
@@ -31,13 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from infer.rows import pin_rows
 from infer.speculative.draft import checked_vocab, draw_drafts, head_rows
 from infer.speculative.proposer import check_k
 from layers.paged_cache import PagedKVCache
 from zoo.transformer import Transformer
 
 MTP_FILE = "mtp.safetensors"  # a trained module's file in its directory (examples/train_draft.py)
-# How many times the module's program was traced (= compiled), as infer.engine.TRACES counts.
+# How many times the module's programs were traced (= compiled), as infer.engine.TRACES counts.
 TRACES = collections.Counter()
 
 
@@ -68,20 +71,21 @@ class MTPDraft(eqx.Module):
             checked_vocab(self.vocab, target.config.vocab_size, "MTPDraft")
 
 
-@functools.partial(jax.jit, donate_argnums=4, static_argnames=("drafts", "page_size", "placement"))
-def mtp_program(
-    target, mtp, head, vocab, pages, plan, report, hidden, chunk_next, sampling, key, step, *,
-    drafts, page_size, placement,
+@functools.partial(jax.jit, donate_argnums=3, static_argnames=("page_size", "placement"))
+def catch_up_program(
+    target, mtp, head, pages, plan, report, hidden, chunk_next, *, page_size, placement
 ):  # fmt: skip
-    """The module's work after one engine step (module docstring): `head` and `vocab` its head
-    cut to the draft vocabulary and its ids (None: every token), `plan` the step's StepPlan,
-    `report` its `[rows, group + 2]` report, `hidden` the target's last-layer output at each of
-    its tokens (`[tokens, embed]`, the step's layout), `chunk_next` `[chunks, chunk]` the prompt
-    token after each chunk token (the host's; the prompt's last is replaced by the token drawn).
-    Returns the pools, the drafts `[rows, drafts]` and their distributions."""
+    """Steps 1 and 2's forward after one engine step (module docstring), one per step shape:
+    `head` the module's head cut to the draft vocabulary (None: every token), `plan` the step's
+    StepPlan, `report` its `[rows, group + 2]` report, `hidden` the target's last-layer output
+    at each of its tokens (`[tokens, embed]`, the step's layout), `chunk_next` `[chunks, chunk]`
+    the prompt token after each chunk token (the host's; the prompt's last is replaced by the
+    token drawn). Returns the pools and, per row, for `drafts_program` (pinned to one sharding
+    whatever the shape): the module's logits `[rows, n]` and its output `[rows, embed]` at the
+    row's last new position, whether the row has one, and the tokens its cache then holds."""
     rows, group = plan.decoding.shape[0], plan.drafts.shape[1] + 1
     chunks, width = plan.tokens.shape
-    TRACES[("mixed" if chunks else "decode") + f" k={drafts}"] += 1
+    TRACES["mixed" if chunks else "decode"] += 1
     new, emitted = report[:, :group], report[:, group]
     positions = jnp.arange(group)[None, :]
     # Rows that finished their prompt this step report 1 token without decoding.
@@ -112,19 +116,36 @@ def mtp_program(
         kernel=mtp.body.policy.decode_kernel,
         page_size=page_size,
     )
-    key = jax.random.fold_in(key, step)
     with placement.context():
         out = mtp.forward(
             tokens[:, None], target.final_norm(hidden)[:, None], valid=valid[:, None],
             cache=cache, logits_at=at, head=head,
         )  # fmt: skip
-    vocab_size = target.config.vocab_size
-    token, q = draw_drafts(out.logits, sampling, jax.random.fold_in(key, 0), vocab, vocab_size)
     own = out.hidden.reshape(-1, out.hidden.shape[-1])[at]
-    proposed, probs, pages = [token], [q], out.cache.layers
+    logits = pin_rows(out.logits, placement, vocab=True)
+    return out.cache.layers, logits, *pin_rows((own, has, length), placement)
+
+
+@functools.partial(
+    jax.jit, donate_argnums=2, static_argnames=("drafts", "vocab_size", "page_size", "placement")
+)
+def drafts_program(
+    mtp, head, pages, table, logits, own, has, length, vocab, sampling, key, step, *, drafts,
+    vocab_size, page_size, placement,
+):  # fmt: skip
+    """Steps 2 and 3 (module docstring), one per `drafts`, whatever the step's shape: the first
+    draft drawn from `catch_up_program`'s `logits`, then `drafts - 1` more, each one token
+    through the module with its own previous output `own` in place of the target's hidden state
+    (`vocab` the draft vocabulary's ids, None: every token of the target's `vocab_size`).
+    Returns the pools, the drafts `[rows, drafts]` and their distributions `[rows, drafts,
+    vocab]`."""
+    TRACES[f"k={drafts}"] += 1
+    key = jax.random.fold_in(key, step)
+    token, q = draw_drafts(logits, sampling, jax.random.fold_in(key, 0), vocab, vocab_size)
+    proposed, probs = [token], [q]
     for j in range(1, drafts):
         cache = PagedKVCache(
-            pages, plan.table, length, kernel=mtp.body.policy.decode_kernel, page_size=page_size
+            pages, table, length, kernel=mtp.body.policy.decode_kernel, page_size=page_size
         )
         with placement.context():
             out = mtp.forward(
@@ -165,9 +186,13 @@ class MTPRunner:
 
     def after_step(self, model: Transformer, plan, report, hidden, chunk_next, sampling, step):
         """Run the module over what the step added and draw the next step's drafts."""
-        self.pages, self.drafts, self.q = mtp_program(
-            model, model.mtp, self.head, self.draft.vocab, self.pages, plan, report, hidden,
-            chunk_next, sampling, self.key, np.int32(step), drafts=self.draft.k,
+        self.pages, *handed = catch_up_program(
+            model, model.mtp, self.head, self.pages, plan, report, hidden, chunk_next,
+            page_size=self.page_size, placement=self.placement,
+        )  # fmt: skip
+        self.pages, self.drafts, self.q = drafts_program(
+            model.mtp, self.head, self.pages, plan.table, *handed, self.draft.vocab, sampling,
+            self.key, np.int32(step), drafts=self.draft.k, vocab_size=model.config.vocab_size,
             page_size=self.page_size, placement=self.placement,
         )  # fmt: skip
 
