@@ -16,8 +16,10 @@ group along each row:
   absmax (+ float32 rounding).
 """
 
+import functools
 from typing import Literal, get_args
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -68,6 +70,15 @@ def pack(
     cols = w.shape[-1]
     group = group_size(kind, group, cols)
     check_cols(cols, group, what=f"{what} ({kind})")
+    return _packed(w, kind, group, axes)
+
+
+# One program per weight shape and kind: eagerly, each of its dozen ops would compile for every
+# new shape and pass over the whole weight once.
+@functools.partial(jax.jit, static_argnames=("kind", "group", "axes"))
+def _packed(w: Float[Array, "... rows cols"], kind: Kind, group: int, axes: tuple[str, ...]):
+    """`pack`'s arithmetic, for a `group` that divides the rows."""
+    cols = w.shape[-1]
     grouped = w.astype(jnp.float32).reshape(*w.shape[:-1], cols // group, group)
     if kind == "int8":
         scales = jnp.max(jnp.abs(grouped), axis=-1) / INT8_MAX

@@ -29,6 +29,10 @@ def stored(model: zoo.Transformer, storage: str) -> zoo.Transformer:
     return model.with_policy(scan_layers=storage == "scan")
 
 
+# One compiled program per model and shape: an op-by-op forward compiles each op at each new shape.
+_forward = eqx.filter_jit(lambda model, tokens, **kwargs: model.forward(tokens, **kwargs))
+
+
 def close(actual, expected):
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -188,13 +192,13 @@ def test_a_ragged_step_equals_its_parts(window):
     tokens = np.concatenate([decode_tokens, second.reshape(-1)])[:, None]
     valid = np.ones((12, 1), bool)
     valid[-1] = False  # the second chunk has 4 real tokens
-    out = model.forward(jnp.asarray(tokens), cache=ragged, valid=jnp.asarray(valid))
+    out = _forward(model, jnp.asarray(tokens), cache=ragged, valid=jnp.asarray(valid))
     np.testing.assert_array_equal(out.cache.lengths, [10, 10, 5, 4])
-    alone = model.forward(jnp.asarray(np.concatenate([first, decode_tokens[:, None]], 1)))
+    alone = _forward(model, jnp.asarray(np.concatenate([first, decode_tokens[:, None]], 1)))
     close(out.logits[:2, 0], alone.logits[:, -1])
     for g, n in ((0, 5), (1, 4)):
         logits = out.logits[2 + 5 * g : 2 + 5 * g + n, 0]
-        close(logits, model(jnp.asarray(second[g : g + 1, :n]))[0])
+        close(logits, _forward(model, jnp.asarray(second[g : g + 1, :n])).logits[0])
 
 
 # --- MoE: interleaved dense and MoE layers --------------------------------------------------

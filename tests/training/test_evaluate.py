@@ -33,13 +33,27 @@ def loaded(checkpoint):
     return evaluate.load_model(str(checkpoint))
 
 
+# One compiled forward for every length: op-by-op forwards of a new length each compile every op.
+_log_softmax = eqx.filter_jit(
+    lambda model, tokens: jax.nn.log_softmax(model(tokens)[0].astype(jnp.float32))
+)
+
+
+def _log_probs(model, ids: list[int]):
+    """`[len(ids), vocab]`: one plain forward's log-probabilities at each of `ids`, the row
+    right-padded to the model's max_seq_len (under the causal mask padding changes no earlier
+    position)."""
+    padded = ids + [0] * (model.config.max_seq_len - len(ids))
+    return _log_softmax(model, jnp.asarray([padded]))[: len(ids)]
+
+
 def _direct_nll(model, ids: list[int], eot: int, window: int) -> tuple[float, int]:
     """Summed NLL of every id of a document: <eot> + ids in windows of `window` predicted tokens,
     each window a separate forward starting one token before it."""
     full, total, count = [eot, *ids], 0.0, 0
     for start in range(1, len(full), window):
         piece = full[start - 1 : start + window]
-        logprobs = jax.nn.log_softmax(model(jnp.asarray([piece[:-1]]))[0].astype(jnp.float32))
+        logprobs = _log_probs(model, piece[:-1])
         for k in range(1, len(piece)):
             total -= float(logprobs[k - 1, piece[k]])
             count += 1
@@ -95,7 +109,7 @@ def test_multiple_choice_picks_what_per_choice_forwards_pick(loaded, tmp_path):
         logps = []
         for choice in row["choices"]:
             ids = encoding.encode_ordinary(choice)
-            logprobs = jax.nn.log_softmax(model(jnp.asarray([context + ids]))[0])
+            logprobs = _log_probs(model, context + ids)
             logps.append(sum(float(logprobs[len(context) - 1 + j, t]) for j, t in enumerate(ids)))
         answer = row.get("answer", row.get("label"))
         lengths = [len(c.encode()) for c in row["choices"]]
