@@ -77,7 +77,7 @@ def pack(
 # new shape and pass over the whole weight once.
 @functools.partial(jax.jit, static_argnames=("kind", "group", "axes"))
 def _packed(w: Float[Array, "... rows cols"], kind: Kind, group: int, axes: tuple[str, ...]):
-    """`pack`'s arithmetic, for a `group` that divides the rows."""
+    """`pack`'s arithmetic, for a `group` that divides the columns (`pack` checks it)."""
     cols = w.shape[-1]
     grouped = w.astype(jnp.float32).reshape(*w.shape[:-1], cols // group, group)
     if kind == "int8":
