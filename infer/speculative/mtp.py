@@ -73,11 +73,13 @@ class MTPDraft(eqx.Module):
 
 @functools.partial(jax.jit, donate_argnums=3, static_argnames=("page_size", "placement"))
 def catch_up_program(
-    target, mtp, head, pages, plan, report, hidden, chunk_next, *, page_size, placement
+    final_norm, mtp, head, pages, plan, report, hidden, chunk_next, *, page_size, placement
 ):  # fmt: skip
     """Steps 1 and 2's forward after one engine step (module docstring), one per step shape:
-    `head` the module's head cut to the draft vocabulary (None: every token), `plan` the step's
-    StepPlan, `report` its `[rows, group + 2]` report, `hidden` the target's last-layer output
+    `final_norm` the target's final norm (the module takes normed hidden states: the target's
+    norm alone is passed, not the whole target, which each call would flatten), `head` the
+    module's head cut to the draft vocabulary (None: every token), `plan` the step's StepPlan,
+    `report` its `[rows, group + 2]` report, `hidden` the target's last-layer output
     at each of its tokens (`[tokens, embed]`, the step's layout), `chunk_next` `[chunks, chunk]`
     the prompt token after each chunk token (the host's; the prompt's last is replaced by the
     token drawn). Returns the pools and, per row, for `drafts_program` (pinned to one sharding
@@ -118,7 +120,7 @@ def catch_up_program(
     )
     with placement.context():
         out = mtp.forward(
-            tokens[:, None], target.final_norm(hidden)[:, None], valid=valid[:, None],
+            tokens[:, None], final_norm(hidden)[:, None], valid=valid[:, None],
             cache=cache, logits_at=at, head=head,
         )  # fmt: skip
     own = out.hidden.reshape(-1, out.hidden.shape[-1])[at]
@@ -187,7 +189,7 @@ class MTPRunner:
     def after_step(self, model: Transformer, plan, report, hidden, chunk_next, sampling, step):
         """Run the module over what the step added and draw the next step's drafts."""
         self.pages, *handed = catch_up_program(
-            model, model.mtp, self.head, self.pages, plan, report, hidden, chunk_next,
+            model.final_norm, model.mtp, self.head, self.pages, plan, report, hidden, chunk_next,
             page_size=self.page_size, placement=self.placement,
         )  # fmt: skip
         self.pages, self.drafts, self.q = drafts_program(
