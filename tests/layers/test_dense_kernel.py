@@ -1,12 +1,15 @@
 """The float32 CPU kernel for products of a few tokens (layers/kernels/cpu/dense.cc): equal to the
-exact product within the float32 bound of a length-k sum, on both its paths, for every token
-count and for widths that end inside a panel; `Linear` runs it exactly where
+exact product within the float32 bound of a length-k sum, on each of its builds (the CPU's
+fastest, AVX2, plain C++; a CPU without AVX2 refuses that one), for every token count and for
+widths that end inside a panel; `Linear` runs it exactly where
 `uses_dense_kernel` says (2-96 float32 tokens on a CPU, 2-32 for the tied head, no sharding
 rules), and its derivatives in both modes, under vmap, are XLA's.
 
 Tolerance: any order of summing k float32 products (the kernel's FMAs in k order, XLA's blocked
 sums) errs from the exact sum by at most gamma_k * sum_i |x_i w_i|, gamma_k = k u / (1 - k u),
 u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.5)."""
+
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -17,7 +20,7 @@ import pytest
 import shard
 from layers import Embedding, Linear
 from layers.kernels.cpu import DENSE_TARGET
-from layers.kernels.cpu.dense import dense_matmul, uses_dense_kernel
+from layers.kernels.cpu.dense import WALKS, dense_matmul, uses_dense_kernel
 
 U = 2.0**-24
 
@@ -41,21 +44,37 @@ def assert_within_bound(got, x, w, *, added=None):
     assert (err <= limit).all(), float((err / limit).max())
 
 
+def cpu_has_avx2_fma() -> bool:
+    """The running CPU's flags (Linux's /proc/cpuinfo) name AVX2 and FMA."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return {"avx2", "fma"} <= flags
+
+
 # Widths: one vector, a panel and a bit (masked tail), several panels; k: odd, long. Transposed
 # (W stored [n, k], the tied head's walk): k's 16-lane tail masked, n's last rows past a group
 # of 4.
 @pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 201)])
-@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize("transposed", [False, True], ids=["x.w", "x.wT"])
-def test_the_kernel_is_the_product_within_the_float32_bound(k, n, portable, transposed):
+def test_the_kernel_is_the_product_within_the_float32_bound(k, n, walk, transposed):
     w = jax.random.normal(jax.random.key(0), (k, n))
     stored = w.T if transposed else w
-    product = jax.jit(lambda x, w: dense_matmul(x, w, transposed=transposed, portable=portable))
+    product = jax.jit(lambda x, w: dense_matmul(x, w, transposed=transposed, walk=walk))
+    if walk == "avx2" and not cpu_has_avx2_fma():
+        with pytest.raises(Exception, match="needs a CPU with AVX2 and FMA"):
+            product(jnp.ones((2, k)), stored).block_until_ready()
+        return
     for tokens in (1, 2, 3, 4, 5, 7, 8, 13, 16):  # every tile (8, 4, 2, 1 tokens), remainders
         x = jax.random.normal(jax.random.key(tokens), (tokens, k))
         got = product(x, stored)
         assert got.shape == (tokens, n)
         assert_within_bound(got, x, w)
+
+
+def test_an_unknown_walk_is_refused():
+    with pytest.raises(ValueError, match="walk must be one of"):
+        dense_matmul(jnp.ones((2, 4)), jnp.ones((4, 3)), walk="avx512")
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["x.w", "x.wT"])

@@ -1,10 +1,10 @@
 // CPU-feature helpers shared by the kernels of this library: the lane mask of a vector's first n
-// floats, and whether the running CPU has AVX-512F (with FMA), checked before a vector path is
-// taken (the paths are compiled for AVX-512 alone, so a library built anywhere runs anywhere);
-// and ZOO_CLONES, which gives a plain C++ function (the portable paths) one clone per vector
-// width, picked by the loader for the running CPU: without it they run the x86-64 baseline's
-// 4-float vectors on a CPU with AVX2's 8 (measured on an AMD EPYC without AVX-512, where the
-// portable paths are the ones taken: bench/RESULTS.md, "CPUs without AVX-512").
+// floats, and whether the running CPU has AVX-512F or AVX2 (each with FMA), checked before a
+// vector path is taken (each path is compiled for its own ISA alone, so a library built anywhere
+// runs anywhere); and ZOO_CLONES, which gives a plain C++ function (the portable paths) one clone
+// per vector width, picked by the loader for the running CPU: without it they run the x86-64
+// baseline's 4-float vectors on a CPU with AVX2's 8 (measured on an AMD EPYC without AVX-512,
+// where the portable paths were the ones taken: bench/RESULTS.md, "CPUs without AVX-512").
 #pragma once
 
 #include <cstdint>
@@ -31,9 +31,16 @@ inline bool has_avx512f() {
   return yes;
 }
 
+// AVX2 with FMA (x86-64-v3: every x86 server CPU of the last decade): 8-float vectors, 16 of them.
+inline bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
 }  // namespace zoo_cpu
 #else
 namespace zoo_cpu {
 inline bool has_avx512f() { return false; }
+inline bool has_avx2_fma() { return false; }
 }  // namespace zoo_cpu
 #endif

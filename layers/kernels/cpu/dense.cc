@@ -14,6 +14,10 @@
 // The tied head multiplies by a weight stored [N, K] (the embedding table): y = x · W^T. Its rows
 // are walked in order, 4 rows at a time with the next 4 requested ahead, each row's dot products
 // with 4 tokens summed in [4, 4] vector accumulators over K, then across their 16 lanes.
+//
+// Three builds of each walk, picked for the running CPU: AVX-512 (above), AVX2 + FMA (8-float
+// vectors and 16 registers: the same walks at half the width, below) and a plain C++ one (the
+// `portable` specification, and CPUs with neither).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -147,16 +151,136 @@ ZOO_DENSE void rows_avx512(const float* x, const float* w, float* y, int64_t tok
   for (; r + 4 <= c1; r += 4) row_group<4>(x, w, y, tokens, k, n, r);
   for (; r < c1; ++r) row_group<1>(x, w, y, tokens, k, n, r);
 }
+
+// The same walks with AVX2 and FMA (CPUs without AVX-512): 8-float vectors and 16 registers, so
+// a panel is 24 columns (3 vectors) for at most 4 tokens at a time (12 accumulators, 3 weight
+// vectors and a broadcast), and the row walk dots 2 rows with 4 tokens (8 accumulators). Each
+// column output is still summed in k order with one FMA a term, as the AVX-512 panel sums it;
+// a row's dot product is summed in 8 lanes, then across them.
+#define ZOO_AVX2 __attribute__((target("avx2,fma")))
+constexpr int64_t kPanel8 = 8 * kVectors;
+
+// Lanes [0, n) of 8 set, as a mask for AVX2's masked loads and stores.
+ZOO_AVX2 inline __m256i first_lanes8(int64_t n) {
+  const int32_t lanes = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+ZOO_AVX2 inline float sum_lanes8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// `panel` with 8-float vectors: tokens [0, TB) times rows [i0, i1) of columns [n0, n0 + 24).
+template <int TB>
+ZOO_AVX2 void panel8(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0,
+                     int64_t i0, int64_t i1, bool ahead) {
+  __m256i mask[kVectors];
+  _Pragma("GCC unroll 4")
+  for (int v = 0; v < kVectors; ++v) mask[v] = first_lanes8(n - (n0 + 8 * v));
+  const int live = static_cast<int>(std::clamp<int64_t>((n - n0 + 7) / 8, 0, kVectors));
+  __m256 acc[TB][kVectors];
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v)
+        acc[t][v] = i0 == 0 ? _mm256_setzero_ps()
+                            : _mm256_maskload_ps(y + t * n + n0 + 8 * v, mask[v]);
+  const float* row = w + i0 * n + n0;
+  for (int64_t i = i0; i < i1; ++i, row += n) {
+    if (ahead && i + kBlockRows < k)
+      for (int v = 0; v < live; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kBlockRows * n + 8 * v), _MM_HINT_T1);
+    __m256 wv[kVectors];
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v) wv[v] = _mm256_maskload_ps(row + 8 * v, mask[v]);
+      _Pragma("GCC unroll 4")
+      for (int t = 0; t < TB; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(x + t * k + i);
+          _Pragma("GCC unroll 4")
+          for (int v = 0; v < kVectors; ++v) acc[t][v] = _mm256_fmadd_ps(xb, wv[v], acc[t][v]);
+    }
+  }
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kVectors; ++v)
+        _mm256_maskstore_ps(y + t * n + n0 + 8 * v, mask[v], acc[t][v]);
+}
+
+ZOO_AVX2 void columns_avx2(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
+                           int64_t n, int64_t c0, int64_t c1) {
+  for (int64_t i0 = 0; i0 < k; i0 += kBlockRows) {
+    const int64_t i1 = std::min(k, i0 + kBlockRows);
+    for (int64_t n0 = c0; n0 < c1; n0 += kPanel8) {
+      int64_t t = 0;
+      for (; t + 4 <= tokens; t += 4) panel8<4>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0);
+      if (t + 2 <= tokens) panel8<2>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0), t += 2;
+      if (t < tokens) panel8<1>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0);
+    }
+  }
+}
+
+// `rows` with 8-float vectors: rows [r0, r0 + R) of W dotted with tokens [0, TB) of x.
+template <int TB, int R>
+ZOO_AVX2 void rows8(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t r0) {
+  __m256 acc[TB][R];
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256i mask = first_lanes8(k - i);
+    __m256 wv[R];
+      _Pragma("GCC unroll 4")
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + kRowsAhead) * k + i), _MM_HINT_T1);
+        wv[r] = _mm256_maskload_ps(w + (r0 + r) * k + i, mask);
+      }
+      _Pragma("GCC unroll 4")
+      for (int t = 0; t < TB; ++t) {
+      const __m256 xv = _mm256_maskload_ps(x + t * k + i, mask);
+          _Pragma("GCC unroll 4")
+          for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+    }
+  }
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4")
+      for (int r = 0; r < R; ++r) y[t * n + r0 + r] = sum_lanes8(acc[t][r]);
+}
+
+template <int R>
+ZOO_AVX2 void row_group8(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
+                         int64_t n, int64_t r0) {
+  int64_t t = 0;
+  for (; t + 4 <= tokens; t += 4) rows8<4, R>(x + t * k, w, y + t * n, k, n, r0);
+  if (t + 2 <= tokens) rows8<2, R>(x + t * k, w, y + t * n, k, n, r0), t += 2;
+  if (t < tokens) rows8<1, R>(x + t * k, w, y + t * n, k, n, r0);
+}
+
+ZOO_AVX2 void rows_avx2(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
+                        int64_t n, int64_t c0, int64_t c1) {
+  int64_t r = c0;
+  for (; r + 2 <= c1; r += 2) row_group8<2>(x, w, y, tokens, k, n, r);
+  for (; r < c1; ++r) row_group8<1>(x, w, y, tokens, k, n, r);
+}
 #else
 void columns_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                     int64_t) {}
 void rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                  int64_t) {}
+void columns_avx2(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                  int64_t) {}
+void rows_avx2(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+               int64_t) {}
 #endif
 
-// The plain paths (CPUs without AVX-512, and `portable`), in plain C++ that the compiler
-// vectorizes (ZOO_CLONES: 8-float vectors with AVX2) without reordering a sum: one multiply and
-// one add a term where the AVX-512 walks take one FMA, so the two agree to float32 rounding.
+// The plain paths (`portable`, and CPUs with neither AVX-512 nor AVX2), in plain C++ that the
+// compiler vectorizes (ZOO_CLONES: 8-float vectors with AVX2) without reordering a sum: one
+// multiply and one add a term where the vector walks take one FMA, so they agree to float32
+// rounding.
 //
 // x · W: W's rows in blocks of kBlockRows, within tiles of kPortableColumns columns (a block's
 // tile, 128 KiB, stays in L2 while each token's outputs of the tile, 4 KiB, stay in L1): each
@@ -222,7 +346,7 @@ ZOO_CLONES void portable_rows(const float* x, const float* w, float* y, int64_t 
 constexpr int64_t kThreadedWork = 1 << 21;
 
 ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buffer<ffi::F32> wb,
-                       ffi::ResultBuffer<ffi::F32> out, bool transposed, bool portable) {
+                       ffi::ResultBuffer<ffi::F32> out, bool transposed, int32_t walk) {
   const int64_t tokens = xb.dimensions()[0], k = xb.dimensions()[1];
   const int64_t n = wb.dimensions()[transposed ? 0 : 1];
   if (wb.dimensions()[transposed ? 1 : 0] != k || out->dimensions()[0] != tokens ||
@@ -231,7 +355,15 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
   const float* x = xb.typed_data();
   const float* w = wb.typed_data();
   float* y = out->typed_data();
-  const bool fast = !portable && zoo_cpu::has_avx512f();
+  // `walk` (dense.py's WALKS): 0 the CPU's fastest, 1 the AVX2 walk, 2 the plain C++ one.
+  if (walk < 0 || walk > 2)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "dense matmul: walk must be 0 (fastest), 1 (avx2) or 2 (portable)");
+  if (walk == 1 && !zoo_cpu::has_avx2_fma())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "dense matmul: the avx2 walk needs a CPU with AVX2 and FMA");
+  const bool fast = walk == 0 && zoo_cpu::has_avx512f();
+  const bool avx2 = walk != 2 && !fast && zoo_cpu::has_avx2_fma();
   const int64_t threads =
       tokens * k * n < kThreadedWork ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   // Whole panels (48 columns of W, or 48 rows of W^T) per item, about 4 items per thread for
@@ -242,10 +374,12 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
   for (int64_t p = 0; p < panels; p += per_item)
     items.emplace_back(p * kPanel, std::min(n, (p + per_item) * kPanel));
   auto run = [&](const std::pair<int64_t, int64_t>& item) {
-    if (!fast && transposed) portable_rows(x, w, y, tokens, k, n, item.first, item.second);
-    else if (!fast) portable_columns(x, w, y, tokens, k, n, item.first, item.second);
-    else if (transposed) rows_avx512(x, w, y, tokens, k, n, item.first, item.second);
-    else columns_avx512(x, w, y, tokens, k, n, item.first, item.second);
+    if (fast && transposed) rows_avx512(x, w, y, tokens, k, n, item.first, item.second);
+    else if (fast) columns_avx512(x, w, y, tokens, k, n, item.first, item.second);
+    else if (avx2 && transposed) rows_avx2(x, w, y, tokens, k, n, item.first, item.second);
+    else if (avx2) columns_avx2(x, w, y, tokens, k, n, item.first, item.second);
+    else if (transposed) portable_rows(x, w, y, tokens, k, n, item.first, item.second);
+    else portable_columns(x, w, y, tokens, k, n, item.first, item.second);
   };
   zoo_cpu::parallel(pool, threads, items, run);
   return ffi::Error::Success();
@@ -256,6 +390,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
 void zoo_cpu::dense_rows_transposed(const float* x, const float* w, float* y, int64_t tokens,
                                     int64_t k, int64_t n, int64_t r0, int64_t r1, bool portable) {
   if (!portable && zoo_cpu::has_avx512f()) rows_avx512(x, w, y + r0, tokens, k, n, 0, r1 - r0);
+  else if (!portable && zoo_cpu::has_avx2_fma()) rows_avx2(x, w, y + r0, tokens, k, n, 0, r1 - r0);
   else portable_rows(x, w, y + r0, tokens, k, n, 0, r1 - r0);
 }
 
@@ -266,4 +401,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooDenseMatmul, DenseMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transposed")
-                                  .Attr<bool>("portable"));
+                                  .Attr<int32_t>("walk"));

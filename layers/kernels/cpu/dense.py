@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float
 
@@ -23,6 +24,8 @@ from shard.rules import active
 
 # Token counts each walk serves (x · W, x · W^T), measured against XLA's products in RESULTS.
 KERNEL_TOKENS = {False: range(2, 97), True: range(2, 33)}
+# The kernel's builds of each walk (dense.cc), by the number it takes.
+WALKS = ("fastest", "avx2", "portable")
 
 
 def dense_matmul(
@@ -30,20 +33,27 @@ def dense_matmul(
     w: Float[Array, "k n"] | Float[Array, "n k"],
     *,
     transposed: bool = False,
-    portable: bool = False,
+    walk: str = "fastest",
 ) -> Float[Array, "tokens n"]:
     """`x · W` (or `x · W^T` when `transposed`, W then [n, k]) in float32 by dense.cc: each output
     of `x · W` summed over k in order with one FMA a term, of `x · W^T` in 16 lanes then across
     them (XLA sums in other orders: they agree to the float32 rounding of a length-k sum).
-    `portable`: the plain C++ path instead of the AVX-512 one (a test of both). Under vmap the
-    mapped products run one after another."""
+    `walk`: "fastest" the running CPU's fastest build (AVX-512, else AVX2 with FMA, else plain
+    C++); "avx2" the AVX2 one (refused when run on a CPU without AVX2 and FMA) or "portable" the
+    plain C++ one, so a test checks each on any CPU. Under vmap the mapped products run one
+    after another."""
+    if walk not in WALKS:
+        raise ValueError(f"dense_matmul walk must be one of {WALKS}, got {walk!r}")
     ensure_built()
     n = w.shape[0] if transposed else w.shape[1]
     call = jax.ffi.ffi_call(
         DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential"
     )
     return call(
-        x.astype(jnp.float32), w.astype(jnp.float32), transposed=transposed, portable=portable
+        x.astype(jnp.float32),
+        w.astype(jnp.float32),
+        transposed=transposed,
+        walk=np.int32(WALKS.index(walk)),
     )
 
 

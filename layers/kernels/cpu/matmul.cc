@@ -802,8 +802,8 @@ constexpr int64_t kBlockFloats = 1 << 15;
 
 // Rows [n0, n1) of y for `tokens` rows of x (K floats apart): W's rows dequantized a block at a
 // time into the buffer, each block multiplied by every token. `avx512`: that path's dequantize
-// and walk; else the plain walk, with the AVX2 dequantize where the CPU has it, unless `plain`
-// (the kernel's `portable`: the plain C++ of both, a test of it).
+// and walk; else the AVX2 dequantize and walk where the CPU has them, unless `plain` (the
+// kernel's `portable`: the plain C++ of both, a test of it).
 void blocked_rows(const Weight& w, const float* x, float* y, int64_t tokens, int64_t n,
                   int64_t n0, int64_t n1, bool avx512, bool plain) {
   const int64_t k = w.k, block = std::max<int64_t>(4, (kBlockFloats / k) / 4 * 4);
@@ -813,7 +813,7 @@ void blocked_rows(const Weight& w, const float* x, float* y, int64_t tokens, int
     if (avx512) dequantize_fast(w, buffer.data(), r0, r1, r0);
     else if (plain || !dequantize_avx2_takes(w, buffer.data(), r0, r1, r0))
       dequantize_portable(w, buffer.data(), r0, r1, r0);
-    zoo_cpu::dense_rows_transposed(x, buffer.data(), y, tokens, k, n, r0, r1, !avx512);
+    zoo_cpu::dense_rows_transposed(x, buffer.data(), y, tokens, k, n, r0, r1, plain);
   }
 }
 
