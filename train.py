@@ -504,7 +504,10 @@ def run(args: Args, *, given_names: frozenset[str] | None = None) -> RunResult:
     processes = distributed.start(args)  # before anything touches a device
     placement = Placement.from_flags(args.mesh, args.rules)  # a bad mesh fails before any work
     check_batch_shards(args)
-    check_sequence_length(args.seq_len, placement.sequence_shards)
+    try:
+        check_sequence_length(args.seq_len, placement.sequence_shards)
+    except ValueError as error:
+        raise ValueError(f"--seq-len {args.seq_len}: {error}") from None
     if args.offload_opt_state:
         offload.check_supported(placement.mesh.devices.flat if placement.sharded else jax.devices())
     run_dir = Path(args.resume or args.out)

@@ -33,8 +33,9 @@ def sequence_axis() -> tuple[str | None, int]:
 
 
 def check_sequence_length(seq: int, n: int) -> None:
-    """A clear error unless a sequence of `seq` tokens cuts into the 2n zig-zag chunks."""
-    if seq % (2 * n):
+    """A clear error unless a sequence of `seq` tokens cuts into the 2n zig-zag chunks (on one
+    device, `n` = 1, nothing is cut: any length)."""
+    if n > 1 and seq % (2 * n):
         raise ValueError(
             f"context parallelism over {n} devices cuts the sequence into 2 x {n} = {2 * n} "
             f"equal chunks (zig-zag load balancing), but the sequence has {seq} tokens; make "
@@ -44,8 +45,11 @@ def check_sequence_length(seq: int, n: int) -> None:
 
 def zigzag_order(seq: int, n: int) -> np.ndarray:
     """The token order in which device i of n holds chunks i and 2n - 1 - i of the sequence
-    (`x[:, order]` puts a sequence in it). `seq` must divide by 2n."""
+    (`x[:, order]` puts a sequence in it). `seq` must divide by 2n, unless `n` = 1 (the
+    sequence's own order)."""
     check_sequence_length(seq, n)
+    if n == 1:
+        return np.arange(seq)
     chunks = np.arange(seq).reshape(2 * n, seq // (2 * n))
     return np.concatenate([chunks[[i, 2 * n - 1 - i]].ravel() for i in range(n)])
 

@@ -15,7 +15,7 @@ import pytest
 import shard
 import zoo
 from layers.kernels import AllGatherKV, Ring, causal_mask, naive_attention
-from shard.sequence import zigzag_order
+from shard.sequence import check_sequence_length, zigzag_order
 
 # GQA (4 query heads share 2 K/V heads), rotary positions; max_seq_len leaves room for 32.
 CONFIG = zoo.preset("tiny-llama", vocab_size=64, max_seq_len=64)
@@ -104,6 +104,14 @@ def test_ring_flops_count_the_visible_zigzag_blocks(n):
     )
     pair = 2 * CONFIG.n_heads * CONFIG.head_dim * (seq // (2 * n)) ** 2
     assert ring.flops == (2 * n + 1) * 7 * pair and gather.flops == 4 * n * 6 * pair
+
+
+def test_one_device_cuts_nothing_so_any_length_is_whole():
+    """Without context parallelism (n = 1) an odd length is fine: the order is the sequence's."""
+    check_sequence_length(7, 1)
+    np.testing.assert_array_equal(zigzag_order(7, 1), np.arange(7))
+    with pytest.raises(ValueError, match=r"2 x 2 = 4 equal chunks.*has 7 tokens"):
+        check_sequence_length(7, 2)
 
 
 def test_bad_inputs_are_refused(without_runtime_typechecks):
