@@ -36,8 +36,9 @@ def dense_matmul(
     walk: str = "fastest",
 ) -> Float[Array, "tokens n"]:
     """`x · W` (or `x · W^T` when `transposed`, W then [n, k]) in float32 by dense.cc: each output
-    of `x · W` summed over k in order with one FMA a term, of `x · W^T` in 16 lanes then across
-    them (XLA sums in other orders: they agree to the float32 rounding of a length-k sum).
+    of `x · W` summed over k in order with one FMA a term, of `x · W^T` in 16 lanes (8 with
+    AVX2) then across them (XLA sums in other orders: they agree to the float32 rounding of a
+    length-k sum).
     `walk`: "fastest" the running CPU's fastest build (AVX-512, else AVX2 with FMA, else plain
     C++); "avx2" the AVX2 one (refused when run on a CPU without AVX2 and FMA) or "portable" the
     plain C++ one, so a test checks each on any CPU. Under vmap the mapped products run one
