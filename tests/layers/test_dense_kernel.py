@@ -51,10 +51,11 @@ def cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= flags
 
 
-# Widths: one vector, a panel and a bit (masked tail), several panels; k: odd, long. Transposed
+# Widths: one vector, a panel and a bit (masked tail), several panels, and more than one of the
+# AVX2 walk's 512-column tiles in a work item; k: odd, long, past groups of 4 rows. Transposed
 # (W stored [n, k], the tied head's walk): k's 16-lane tail masked, n's last rows past a group
 # of 4.
-@pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 201)])
+@pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 201), (7, 1100)])
 @pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize("transposed", [False, True], ids=["x.w", "x.wT"])
 def test_the_kernel_is_the_product_within_the_float32_bound(k, n, walk, transposed):

@@ -16,8 +16,8 @@
 // with 4 tokens summed in [4, 4] vector accumulators over K, then across their 16 lanes.
 //
 // Three builds of each walk, picked for the running CPU: AVX-512 (above), AVX2 + FMA (8-float
-// vectors and 16 registers: the same walks at half the width, below) and a plain C++ one (the
-// `portable` specification, and CPUs with neither).
+// vectors and 16 registers, below: x · W with W read in order, the row walk at half the width)
+// and a plain C++ one (the `portable` specification, and CPUs with neither).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -152,13 +152,22 @@ ZOO_DENSE void rows_avx512(const float* x, const float* w, float* y, int64_t tok
   for (; r < c1; ++r) row_group<1>(x, w, y, tokens, k, n, r);
 }
 
-// The same walks with AVX2 and FMA (CPUs without AVX-512): 8-float vectors and 16 registers, so
-// a panel is 24 columns (3 vectors) for at most 4 tokens at a time (12 accumulators, 3 weight
-// vectors and a broadcast), and the row walk dots 2 rows with 4 tokens (8 accumulators). Each
-// column output is still summed in k order with one FMA a term, as the AVX-512 panel sums it;
-// a row's dot product is summed in 8 lanes, then across them.
+// The walks with AVX2 and FMA (CPUs without AVX-512), 8-float vectors and 16 registers.
+//
+// x · W reads W in order, where the AVX-512 walk goes down 48-column panels. The panel walk at
+// 24 columns (3 cache lines for 2 rows) read 11 GB/s from memory at 8 tokens on an AMD Zen 2
+// that streams 26 (bench/RESULTS.md, "x · W read in order on AVX2"). Here a work item's columns
+// are taken in tiles of 512, each token's outputs of a tile (2 KiB) stay in L1, and W's rows
+// stream through 4 at a time, the next 4 requested into L1 ahead. Each output vector takes its
+// 4 rows' terms with one FMA each, in k order, so it sums exactly as the AVX-512 panel does.
+// The cost is an output load and store per 4 FMAs, against W read once in order.
+//
+// x · W^T dots 2 rows with 4 tokens (8 accumulators), summed in 8 lanes, then across them.
 #define ZOO_AVX2 __attribute__((target("avx2,fma")))
-constexpr int64_t kPanel8 = 8 * kVectors;
+// Columns per tile (256, 512 and 1024 measured level at 8 tokens) and W rows per pass (8 is
+// slower: 23.7 ms against 16.6 at 8 tokens over 226 MB).
+constexpr int64_t kStreamColumns = 512;
+constexpr int kStreamRows = 4;
 
 // Lanes [0, n) of 8 set, as a mask for AVX2's masked loads and stores.
 ZOO_AVX2 inline __m256i first_lanes8(int64_t n) {
@@ -172,53 +181,71 @@ ZOO_AVX2 inline float sum_lanes8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// `panel` with 8-float vectors: tokens [0, TB) times rows [i0, i1) of columns [n0, n0 + 24).
-template <int TB>
-ZOO_AVX2 void panel8(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0,
-                     int64_t i0, int64_t i1, bool ahead) {
-  __m256i mask[kVectors];
-  _Pragma("GCC unroll 4")
-  for (int v = 0; v < kVectors; ++v) mask[v] = first_lanes8(n - (n0 + 8 * v));
-  const int live = static_cast<int>(std::clamp<int64_t>((n - n0 + 7) / 8, 0, kVectors));
-  __m256 acc[TB][kVectors];
+// Rows [i, i + R) of W's columns [j0, j1) times tokens [0, TB) of x, added into y. With TB = 4,
+// R = 4 the 16 broadcasts do not all fit in registers beside W's vectors; GCC keeps some on the
+// stack, and FMAs read them from L1 (4 tokens a pass measured faster than 2: 15.5 against
+// 16.6 ms at 8 tokens).
+template <int TB, int R>
+ZOO_AVX2 void stream8(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t i,
+                      int64_t j0, int64_t j1) {
+  __m256 xb[TB][R];
   _Pragma("GCC unroll 4")
   for (int t = 0; t < TB; ++t)
       _Pragma("GCC unroll 4")
-      for (int v = 0; v < kVectors; ++v)
-        acc[t][v] = i0 == 0 ? _mm256_setzero_ps()
-                            : _mm256_maskload_ps(y + t * n + n0 + 8 * v, mask[v]);
-  const float* row = w + i0 * n + n0;
-  for (int64_t i = i0; i < i1; ++i, row += n) {
-    if (ahead && i + kBlockRows < k)
-      for (int v = 0; v < live; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(row + kBlockRows * n + 8 * v), _MM_HINT_T1);
-    __m256 wv[kVectors];
+      for (int r = 0; r < R; ++r) xb[t][r] = _mm256_broadcast_ss(x + t * k + i + r);
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    __m256 wv[R];
       _Pragma("GCC unroll 4")
-      for (int v = 0; v < kVectors; ++v) wv[v] = _mm256_maskload_ps(row + 8 * v, mask[v]);
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (i + r) * n + j);
       _Pragma("GCC unroll 4")
       for (int t = 0; t < TB; ++t) {
-      const __m256 xb = _mm256_broadcast_ss(x + t * k + i);
+      __m256 acc = _mm256_loadu_ps(y + t * n + j);
           _Pragma("GCC unroll 4")
-          for (int v = 0; v < kVectors; ++v) acc[t][v] = _mm256_fmadd_ps(xb, wv[v], acc[t][v]);
+          for (int r = 0; r < R; ++r) acc = _mm256_fmadd_ps(xb[t][r], wv[r], acc);
+      _mm256_storeu_ps(y + t * n + j, acc);
     }
   }
+  if (j == j1) return;
+  const __m256i mask = first_lanes8(j1 - j);
+  __m256 wv[R];
   _Pragma("GCC unroll 4")
-  for (int t = 0; t < TB; ++t)
+  for (int r = 0; r < R; ++r) wv[r] = _mm256_maskload_ps(w + (i + r) * n + j, mask);
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t) {
+    __m256 acc = _mm256_maskload_ps(y + t * n + j, mask);
       _Pragma("GCC unroll 4")
-      for (int v = 0; v < kVectors; ++v)
-        _mm256_maskstore_ps(y + t * n + n0 + 8 * v, mask[v], acc[t][v]);
+      for (int r = 0; r < R; ++r) acc = _mm256_fmadd_ps(xb[t][r], wv[r], acc);
+    _mm256_maskstore_ps(y + t * n + j, mask, acc);
+  }
+}
+
+// Rows [i, i + R) of one tile for every token: 4 at a time, then 2, 1 (the rows, 4 x 2 KiB, are
+// read from memory once and from L1 by the next tokens).
+template <int R>
+ZOO_AVX2 void stream_tokens8(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
+                             int64_t n, int64_t i, int64_t j0, int64_t j1) {
+  int64_t t = 0;
+  for (; t + 4 <= tokens; t += 4) stream8<4, R>(x + t * k, w, y + t * n, k, n, i, j0, j1);
+  if (t + 2 <= tokens) stream8<2, R>(x + t * k, w, y + t * n, k, n, i, j0, j1), t += 2;
+  if (t < tokens) stream8<1, R>(x + t * k, w, y + t * n, k, n, i, j0, j1);
 }
 
 ZOO_AVX2 void columns_avx2(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
                            int64_t n, int64_t c0, int64_t c1) {
-  for (int64_t i0 = 0; i0 < k; i0 += kBlockRows) {
-    const int64_t i1 = std::min(k, i0 + kBlockRows);
-    for (int64_t n0 = c0; n0 < c1; n0 += kPanel8) {
-      int64_t t = 0;
-      for (; t + 4 <= tokens; t += 4) panel8<4>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0);
-      if (t + 2 <= tokens) panel8<2>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0), t += 2;
-      if (t < tokens) panel8<1>(x + t * k, w, y + t * n, k, n, n0, i0, i1, t == 0);
+  for (int64_t j0 = c0; j0 < c1; j0 += kStreamColumns) {
+    const int64_t j1 = std::min(c1, j0 + kStreamColumns);
+    for (int64_t t = 0; t < tokens; ++t) std::fill(y + t * n + j0, y + t * n + j1, 0.0f);
+    int64_t i = 0;
+    for (; i + kStreamRows <= k; i += kStreamRows) {
+      if (i + 2 * kStreamRows <= k)
+        for (int r = 0; r < kStreamRows; ++r)
+          for (int64_t j = j0; j < j1; j += 16)
+            _mm_prefetch(reinterpret_cast<const char*>(w + (i + kStreamRows + r) * n + j),
+                         _MM_HINT_T0);
+      stream_tokens8<kStreamRows>(x, w, y, tokens, k, n, i, j0, j1);
     }
+    for (; i < k; ++i) stream_tokens8<1>(x, w, y, tokens, k, n, i, j0, j1);
   }
 }
 
