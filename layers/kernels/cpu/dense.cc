@@ -154,9 +154,9 @@ ZOO_DENSE void rows_avx512(const float* x, const float* w, float* y, int64_t tok
 
 // The walks with AVX2 and FMA (CPUs without AVX-512), 8-float vectors and 16 registers.
 //
-// x · W reads W in order, where the AVX-512 walk goes down 48-column panels. The panel walk at
-// 24 columns (3 cache lines for 2 rows) read 11 GB/s from memory at 8 tokens on an AMD Zen 2
-// that streams 26 (bench/RESULTS.md, "x · W read in order on AVX2"). Here a work item's columns
+// x · W reads W in order, where the AVX-512 walk goes down 48-column panels: the same panels
+// at AVX2's 24 columns read W at 11 GB/s at 8 tokens on an AMD Zen 2 that streams 26
+// (bench/RESULTS.md, "x · W read in order on AVX2"). Here a work item's columns
 // are taken in tiles of 512, each token's outputs of a tile (2 KiB) stay in L1, and W's rows
 // stream through 4 at a time, the next 4 requested into L1 ahead. Each output vector takes its
 // 4 rows' terms with one FMA each, in k order, so it sums exactly as the AVX-512 panel does.
@@ -181,10 +181,9 @@ ZOO_AVX2 inline float sum_lanes8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Rows [i, i + R) of W's columns [j0, j1) times tokens [0, TB) of x, added into y. With TB = 4,
-// R = 4 the 16 broadcasts do not all fit in registers beside W's vectors; GCC keeps some on the
-// stack, and FMAs read them from L1 (4 tokens a pass measured faster than 2: 15.5 against
-// 16.6 ms at 8 tokens).
+// Rows [i, i + R) of W's columns [j0, j1) times tokens [0, TB) of x, added into y. At TB = 4,
+// R = 4 the 16 broadcasts and 4 weight vectors are more than AVX2's 16 registers, so some
+// broadcasts live in L1; still faster than 2 tokens a pass (15.5 against 16.6 ms at 8 tokens).
 template <int TB, int R>
 ZOO_AVX2 void stream8(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t i,
                       int64_t j0, int64_t j1) {
