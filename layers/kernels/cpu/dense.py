@@ -5,12 +5,12 @@ its next rows prefetched (bench/RESULTS.md, "A CPU kernel for decode's float32 p
 1 row XLA's own product streams faster; from 2 to ~100 tokens (an engine step's decode rows and
 a few prompt chunks) the kernel's walk is faster than XLA's product, past ~110 XLA's blocked
 product computes faster (bench/RESULTS.md, "Prompt chunks with packed weights"), so `x · W`
-serves 2-96 tokens. (Measured on AVX-512; the AVX2 walk loses to XLA from ~64 tokens on a Zen 2,
-bench/RESULTS.md, "x · W read in order on AVX2".) The tied
-head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its rows in
-order (`x · W^T`), faster than XLA's product up to 32 tokens (a mixed step's decode rows and
-prompt chunks' last tokens). `KERNEL_TOKENS` holds both ranges; the choice is made when the
-program is traced (`uses_dense_kernel`)."""
+serves 2-96 tokens (measured with AVX-512; the AVX2 walk loses to XLA from ~64 tokens on a Zen
+2: bench/RESULTS.md, "x · W read in order on AVX2"). The tied head multiplies by the embedding
+table, stored [vocab, embed]: `transposed` walks its rows in order (`x · W^T`), faster than
+XLA's product up to 32 tokens (a mixed step's decode rows and prompt chunks' last tokens).
+`KERNEL_TOKENS` holds both ranges; the choice is made when the program is traced
+(`uses_dense_kernel`)."""
 
 import functools
 
