@@ -237,10 +237,12 @@ def throughput(model, table: Table, ceilings: Ceilings) -> None:
     steps = -(-(generated - len(cases)) // ROWS)  # the fewest decode steps of ROWS rows
     lens = [len(p) for p, _ in cases]
     predicted = predicted_s(model.config, ceilings, lens, steps, ROWS)
-    # What the roofline lets continuous batching gain: static batches run as many steps as
-    # their longest request, first come first served at best the `fewest_fcfs_steps`; both
-    # compute the same prompts, so the more a prompt costs beside a decode step, the less
-    # the saved steps count.
+    # What continuous batching gains at the roofline with prompts and decode steps costed
+    # apart: static batches run as many steps as their longest request, first come first
+    # served at best the `fewest_fcfs_steps`; both compute the same prompts, so the more a
+    # prompt costs beside a decode step, the less the saved steps count. Not a bound: a
+    # mixed step's decode rows ride on its prompt chunks' read of the weights, which the
+    # engine does more often than static batches (each of those prefills before it decodes).
     static_steps = sum(max(n for _, n in cases[i : i + ROWS]) for i in range(0, len(cases), ROWS))
     fcfs_steps = fewest_fcfs_steps([n for _, n in cases], ROWS)
     allowed = predicted_s(model.config, ceilings, lens, static_steps, ROWS) / predicted_s(
@@ -277,8 +279,9 @@ def throughput(model, table: Table, ceilings: Ceilings) -> None:
         "peer": f"{generated / static_s:.1f} tok/s (static batches of {ROWS}, generate; "
         f"{static_cpu:.1f} CPU-s)",
         "ratio": f"{static_s / engine_s:.2f}x (CPU-s {static_cpu / engine_cpu:.2f}x)",
-        "note": f"the roofline allows at most {allowed:.2f}x ({static_steps} static steps, "
-        f"{fcfs_steps} first come first served at best); same greedy tokens as alone: "
+        "note": f"at the roofline, prompts and steps costed apart: {allowed:.2f}x "
+        f"({static_steps} static steps, {fcfs_steps} first come first served at best); "
+        f"same greedy tokens as alone: "
         f"{same}/{len(cases)}; static batches "
         f"agree: {static_tokens == [r.tokens for r in requests]}",
     })  # fmt: skip

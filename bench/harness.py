@@ -68,20 +68,23 @@ def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cac
 
 
 def cpu_streaming_bytes() -> int:
-    """The buffer a CPU's bandwidth is measured over: 64 MiB, or twice the last-level cache where
-    that is larger, so the bytes come from memory as a decode step's weights do (a 300 MiB L3
-    served a 64 MiB matvec at 33 GB/s against 26 from memory, and a step streaming GPT-2's 498 MB
-    gets the latter)."""
-    return max(64 * 2**20, 2 * last_level_cache_bytes())
+    """The buffer a CPU's bandwidth is measured over: 256 MiB, or four times the last-level
+    cache where that is larger, so the bytes come from memory as a decode step's weights do (a
+    300 MiB L3 served a 64 MiB matvec at 33 GB/s against 26 from memory, and a step streaming
+    GPT-2's 498 MB gets the latter). Four times, not two: the ceiling is a fastest run, which
+    at twice the cache is the run the cache happened to serve most (bench/RESULTS.md, "Ceilings
+    from the fastest run")."""
+    return max(256 * 2**20, 4 * last_level_cache_bytes())
 
 
-def matvec_bandwidth(n_bytes: int) -> float:
-    """Bytes/s of a float32 matrix-vector product over an `n_bytes` matrix (read once)."""
+def matvec_bandwidth(n_bytes: int, repeats: int = 30) -> float:
+    """Bytes/s of a float32 matrix-vector product over an `n_bytes` matrix (read once), its
+    fastest of `repeats` runs: a ceiling, as zoo.math measures the others (a run takes a few
+    ms on a CPU, so a median of a few is whichever moment another job on the host was busiest)."""
     cols = 8192
     w = jnp.ones((n_bytes // (4 * cols), cols), jnp.float32)
     x = jnp.ones((1, w.shape[0]), jnp.float32)
-    matvec = jax.jit(jnp.matmul)
-    return w.nbytes / median_seconds(lambda: matvec(x, w), repeats=10)
+    return w.nbytes / math.fastest_seconds(jax.jit(jnp.matmul), x, w, repeats=repeats)
 
 
 class Ceilings:
