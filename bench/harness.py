@@ -80,7 +80,7 @@ def cpu_streaming_bytes() -> int:
 def matvec_bandwidth(n_bytes: int, repeats: int = 30) -> float:
     """Bytes/s of a float32 matrix-vector product over an `n_bytes` matrix (read once), its
     fastest of `repeats` runs: a ceiling, as zoo.math measures the others (a run takes a few
-    ms on a CPU, so a median of a few is whichever moment another job on the host was busiest)."""
+    ms on a CPU, so a median of a few follows whatever else the host was running then)."""
     cols = 8192
     w = jnp.ones((n_bytes // (4 * cols), cols), jnp.float32)
     x = jnp.ones((1, w.shape[0]), jnp.float32)
