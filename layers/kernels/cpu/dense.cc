@@ -11,6 +11,10 @@
 // apart: on an Intel Xeon it read 11-13 GB/s at 8 tokens where this reads 16-20, and 8-token
 // tiles spilled no registers here; bench/RESULTS.md, "The float32 kernel's walk".)
 //
+// One token (a batch-1 decode step) reads W in slices of consecutive rows instead, each slice
+// one stream front to back into its own partial outputs, the partials added at the end
+// (`slice_avx512`).
+//
 // The tied head multiplies by a weight stored [N, K] (the embedding table): y = x · W^T. Its rows
 // are walked in order, 4 rows at a time with the next 4 requested ahead, each row's dot products
 // with 4 tokens summed in [4, 4] vector accumulators over K, then across their 16 lanes.
@@ -150,6 +154,46 @@ ZOO_DENSE void rows_avx512(const float* x, const float* w, float* y, int64_t tok
   int64_t r = c0;
   for (; r + 4 <= c1; r += 4) row_group<4>(x, w, y, tokens, k, n, r);
   for (; r < c1; ++r) row_group<1>(x, w, y, tokens, k, n, r);
+}
+
+// One token's x · W (a batch-1 decode step's products; `DenseMatmul` cuts W's rows into
+// kSlices slices): rows [i0, i1) of W, a contiguous stretch of memory read front to back, times
+// x into the slice's partial outputs p (n floats, in L1 or L2), 4 rows a pass with one FMA a
+// term in k order, the next 4 rows requested into L2 ahead. One stream per thread: the column
+// walk above, at 1 token, reads many short runs of each row (bench/RESULTS.md, "One token's x · W
+// in slices of rows").
+ZOO_DENSE void slice_avx512(const float* x, const float* w, float* p, int64_t n, int64_t i0,
+                            int64_t i1) {
+  std::fill(p, p + n, 0.0f);
+  int64_t i = i0;
+  for (; i + 4 <= i1; i += 4) {
+    const float* r = w + i * n;
+    const bool ahead = i + 8 <= i1;
+    __m512 xb[4];
+    _Pragma("GCC unroll 4")
+    for (int q = 0; q < 4; ++q) xb[q] = _mm512_set1_ps(x[i + q]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = zoo_cpu::first_lanes(n - j);
+      if (ahead)
+        _Pragma("GCC unroll 4")
+        for (int q = 4; q < 8; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(r + q * n + j), _MM_HINT_T1);
+      __m512 acc = _mm512_maskz_loadu_ps(m, p + j);
+      _Pragma("GCC unroll 4")
+      for (int q = 0; q < 4; ++q)
+        acc = _mm512_fmadd_ps(xb[q], _mm512_maskz_loadu_ps(m, r + q * n + j), acc);
+      _mm512_mask_storeu_ps(p + j, m, acc);
+    }
+  }
+  for (; i < i1; ++i) {
+    const __m512 xb = _mm512_set1_ps(x[i]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = zoo_cpu::first_lanes(n - j);
+      const __m512 acc = _mm512_maskz_loadu_ps(m, p + j);
+      _mm512_mask_storeu_ps(
+          p + j, m, _mm512_fmadd_ps(xb, _mm512_maskz_loadu_ps(m, w + i * n + j), acc));
+    }
+  }
 }
 
 // The walks with AVX2 and FMA (CPUs without AVX-512), 8-float vectors and 16 registers.
@@ -292,7 +336,42 @@ ZOO_AVX2 void rows_avx2(const float* x, const float* w, float* y, int64_t tokens
   for (; r + 2 <= c1; r += 2) row_group8<2>(x, w, y, tokens, k, n, r);
   for (; r < c1; ++r) row_group8<1>(x, w, y, tokens, k, n, r);
 }
+// `slice_avx512` with 8-float vectors.
+ZOO_AVX2 void slice_avx2(const float* x, const float* w, float* p, int64_t n, int64_t i0,
+                         int64_t i1) {
+  std::fill(p, p + n, 0.0f);
+  int64_t i = i0;
+  for (; i + 4 <= i1; i += 4) {
+    const float* r = w + i * n;
+    const bool ahead = i + 8 <= i1;
+    __m256 xb[4];
+    _Pragma("GCC unroll 4")
+    for (int q = 0; q < 4; ++q) xb[q] = _mm256_set1_ps(x[i + q]);
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256i m = first_lanes8(n - j);
+      if (ahead && j % 16 == 0)  // one request a cache line
+        _Pragma("GCC unroll 4")
+        for (int q = 4; q < 8; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(r + q * n + j), _MM_HINT_T1);
+      __m256 acc = _mm256_maskload_ps(p + j, m);
+      _Pragma("GCC unroll 4")
+      for (int q = 0; q < 4; ++q)
+        acc = _mm256_fmadd_ps(xb[q], _mm256_maskload_ps(r + q * n + j, m), acc);
+      _mm256_maskstore_ps(p + j, m, acc);
+    }
+  }
+  for (; i < i1; ++i) {
+    const __m256 xb = _mm256_set1_ps(x[i]);
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256i m = first_lanes8(n - j);
+      const __m256 acc = _mm256_maskload_ps(p + j, m);
+      _mm256_maskstore_ps(p + j, m, _mm256_fmadd_ps(xb, _mm256_maskload_ps(w + i * n + j, m), acc));
+    }
+  }
+}
 #else
+void slice_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+void slice_avx2(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 void columns_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                     int64_t) {}
 void rows_avx512(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
@@ -334,6 +413,18 @@ ZOO_CLONES void portable_columns(const float* __restrict x, const float* __restr
   }
 }
 
+// One token's slice of x · W, each output summed over the slice in k order (slice_avx512's
+// order, a multiply and an add a term).
+ZOO_CLONES void portable_slice(const float* __restrict x, const float* __restrict w,
+                               float* __restrict p, int64_t n, int64_t i0, int64_t i1) {
+  std::fill(p, p + n, 0.0f);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float xi = x[i];
+    const float* __restrict row = w + i * n;
+    for (int64_t j = 0; j < n; ++j) p[j] += xi * row[j];
+  }
+}
+
 // x · W^T: row `row` of W (k floats) dotted with tokens [0, TB) of x in 16 lanes (the K tail
 // in the first lanes), then across them, as the AVX-512 walk's rows.
 template <int TB>
@@ -370,6 +461,10 @@ ZOO_CLONES void portable_rows(const float* x, const float* w, float* y, int64_t 
 
 // Below this many multiply-adds one thread does it all (handing work to the pool costs more).
 constexpr int64_t kThreadedWork = 1 << 21;
+// One token's x · W: W's rows in this many slices (2 and 4 measured level on 2 threads), split
+// over threads from a weight of this many floats (256 KiB; every weight of GPT-2 124M is larger).
+constexpr int64_t kSlices = 4;
+constexpr int64_t kThreadedSlices = 1 << 16;
 
 ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buffer<ffi::F32> wb,
                        ffi::ResultBuffer<ffi::F32> out, bool transposed, int32_t walk) {
@@ -390,6 +485,27 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
                       "dense matmul: the avx2 walk needs a CPU with AVX2 and FMA");
   const bool fast = walk == 0 && zoo_cpu::has_avx512f();
   const bool avx2 = walk != 2 && !fast && zoo_cpu::has_avx2_fma();
+  if (tokens == 1 && !transposed) {
+    // The slices' partial outputs, added in slice order: the same sums on any thread count.
+    const int64_t slices = std::min(kSlices, k);
+    std::vector<float> partial(slices * n);
+    std::vector<int64_t> items(slices);
+    for (int64_t s = 0; s < slices; ++s) items[s] = s;
+    auto run = [&](const int64_t& s) {
+      const int64_t i0 = s * k / slices, i1 = (s + 1) * k / slices;
+      float* p = partial.data() + s * n;
+      if (fast) slice_avx512(x, w, p, n, i0, i1);
+      else if (avx2) slice_avx2(x, w, p, n, i0, i1);
+      else portable_slice(x, w, p, n, i0, i1);
+    };
+    zoo_cpu::parallel(pool, k * n < kThreadedSlices ? 1 : pool.num_threads(), items, run);
+    for (int64_t j = 0; j < n; ++j) {
+      float sum = partial[j];
+      for (int64_t s = 1; s < slices; ++s) sum += partial[s * n + j];
+      y[j] = sum;
+    }
+    return ffi::Error::Success();
+  }
   const int64_t threads =
       tokens * k * n < kThreadedWork ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   // Whole panels (48 columns of W, or 48 rows of W^T) per item, about 4 items per thread for

@@ -1,12 +1,14 @@
 """`x · W` in float32 for a few tokens on a CPU (dense.cc), what `Linear` runs for decode: XLA's
 product of a skinny x packs W's panels first (a second pass over the weight) and reads an
 8-row product at about half the rate of the kernel, which reads W once for all the tokens with
-its next rows prefetched (bench/RESULTS.md, "A CPU kernel for decode's float32 products"). At
-1 row XLA's own product streams faster; from 2 to ~100 tokens (an engine step's decode rows and
-a few prompt chunks) the kernel's walk is faster than XLA's product, past ~110 XLA's blocked
-product computes faster (bench/RESULTS.md, "Prompt chunks with packed weights"), so `x · W`
-serves 2-96 tokens (measured with AVX-512; the AVX2 walk loses to XLA from ~64 tokens on a Zen
-2: bench/RESULTS.md, "x · W read in order on AVX2"). The tied head multiplies by the embedding
+its next rows prefetched (bench/RESULTS.md, "A CPU kernel for decode's float32 products").
+From 2 to ~100 tokens (an engine step's decode rows and a few prompt chunks) the kernel's walk
+is faster than XLA's product, past ~110 XLA's blocked product computes faster (bench/RESULTS.md,
+"Prompt chunks with packed weights"); at 1 token (a batch-1 decode step) the kernel reads W in
+slices of consecutive rows, one stream per thread, faster than XLA's product in a chain of
+dependent products (bench/RESULTS.md, "One token's x · W in slices of rows"). So `x · W` serves
+1-96 tokens (measured with AVX-512; the AVX2 walk loses to XLA from ~64 tokens on a Zen 2:
+bench/RESULTS.md, "x · W read in order on AVX2"). The tied head multiplies by the embedding
 table, stored [vocab, embed]: `transposed` walks its rows in order (`x · W^T`), faster than
 XLA's product up to 32 tokens (a mixed step's decode rows and prompt chunks' last tokens).
 `KERNEL_TOKENS` holds both ranges; the choice is made when the program is traced
@@ -24,7 +26,7 @@ from layers.kernels.cpu import DENSE_TARGET, ensure_built
 from shard.rules import active
 
 # Token counts each walk serves (x · W, x · W^T), measured against XLA's products in RESULTS.
-KERNEL_TOKENS = {False: range(2, 97), True: range(2, 33)}
+KERNEL_TOKENS = {False: range(1, 97), True: range(2, 33)}
 # The kernel's builds of each walk (dense.cc), by the number it takes.
 WALKS = ("fastest", "avx2", "portable")
 
@@ -37,8 +39,9 @@ def dense_matmul(
     walk: str = "fastest",
 ) -> Float[Array, "tokens n"]:
     """`x · W` (or `x · W^T` when `transposed`, W then [n, k]) in float32 by dense.cc: each output
-    of `x · W` summed over k in order with one FMA a term, of `x · W^T` in 16 lanes (8 with
-    AVX2) then across them (XLA sums in other orders: they agree to the float32 rounding of a
+    of `x · W` summed over k in order with one FMA a term (one token's: over each of 4 slices
+    of k in order, then the slices' sums in order), of `x · W^T` in 16 lanes (8 with AVX2) then
+    across them (XLA sums in other orders: they agree to the float32 rounding of a
     length-k sum).
     `walk`: "fastest" the running CPU's fastest build (AVX-512, else AVX2 with FMA, else plain
     C++); "avx2" the AVX2 one (refused when run on a CPU without AVX2 and FMA) or "portable" the
