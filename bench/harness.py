@@ -77,14 +77,14 @@ def cpu_streaming_bytes() -> int:
     return max(256 * 2**20, 4 * last_level_cache_bytes())
 
 
-def matvec_bandwidth(n_bytes: int, repeats: int = 30) -> float:
+def matvec_bandwidth(n_bytes: int) -> float:
     """Bytes/s of a float32 matrix-vector product over an `n_bytes` matrix (read once), its
-    fastest of `repeats` runs: a ceiling, as zoo.math measures the others (a run takes a few
+    fastest of 30 runs: a ceiling, as zoo.math measures the others (a run takes a few
     ms on a CPU, so a median of a few follows whatever else the host was running then)."""
     cols = 8192
     w = jnp.ones((n_bytes // (4 * cols), cols), jnp.float32)
     x = jnp.ones((1, w.shape[0]), jnp.float32)
-    return w.nbytes / math.fastest_seconds(jax.jit(jnp.matmul), x, w, repeats=repeats)
+    return w.nbytes / math.fastest_seconds(jax.jit(jnp.matmul), x, w, repeats=30)
 
 
 class Ceilings:

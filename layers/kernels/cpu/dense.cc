@@ -158,13 +158,12 @@ ZOO_DENSE void rows_avx512(const float* x, const float* w, float* y, int64_t tok
 
 // One token's x · W (a batch-1 decode step's products; `DenseMatmul` cuts W's rows into
 // kSlices slices): rows [i0, i1) of W, a contiguous stretch of memory read front to back, times
-// x into the slice's partial outputs p (n floats, in L1 or L2), 4 rows a pass with one FMA a
-// term in k order, the next 4 rows requested into L2 ahead. One stream per thread: the column
-// walk above, at 1 token, reads many short runs of each row (bench/RESULTS.md, "One token's x · W
-// in slices of rows").
+// x added into the slice's partial outputs p (n floats, in L1 or L2; zeros on entry), 4 rows a
+// pass with one FMA a term in k order, the next 4 rows requested into L2 ahead. One stream per
+// thread: the column walk above, at 1 token, reads many short runs of each row
+// (bench/RESULTS.md, "One token's x · W in slices of rows").
 ZOO_DENSE void slice_avx512(const float* x, const float* w, float* p, int64_t n, int64_t i0,
                             int64_t i1) {
-  std::fill(p, p + n, 0.0f);
   int64_t i = i0;
   for (; i + 4 <= i1; i += 4) {
     const float* r = w + i * n;
@@ -336,10 +335,10 @@ ZOO_AVX2 void rows_avx2(const float* x, const float* w, float* y, int64_t tokens
   for (; r + 2 <= c1; r += 2) row_group8<2>(x, w, y, tokens, k, n, r);
   for (; r < c1; ++r) row_group8<1>(x, w, y, tokens, k, n, r);
 }
+
 // `slice_avx512` with 8-float vectors.
 ZOO_AVX2 void slice_avx2(const float* x, const float* w, float* p, int64_t n, int64_t i0,
                          int64_t i1) {
-  std::fill(p, p + n, 0.0f);
   int64_t i = i0;
   for (; i + 4 <= i1; i += 4) {
     const float* r = w + i * n;
@@ -413,11 +412,10 @@ ZOO_CLONES void portable_columns(const float* __restrict x, const float* __restr
   }
 }
 
-// One token's slice of x · W, each output summed over the slice in k order (slice_avx512's
-// order, a multiply and an add a term).
+// One token's slice of x · W added into p (zeros on entry), each output summed over the slice in
+// k order (slice_avx512's order, a multiply and an add a term).
 ZOO_CLONES void portable_slice(const float* __restrict x, const float* __restrict w,
                                float* __restrict p, int64_t n, int64_t i0, int64_t i1) {
-  std::fill(p, p + n, 0.0f);
   for (int64_t i = i0; i < i1; ++i) {
     const float xi = x[i];
     const float* __restrict row = w + i * n;
@@ -486,7 +484,8 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buff
   const bool fast = walk == 0 && zoo_cpu::has_avx512f();
   const bool avx2 = walk != 2 && !fast && zoo_cpu::has_avx2_fma();
   if (tokens == 1 && !transposed) {
-    // The slices' partial outputs, added in slice order: the same sums on any thread count.
+    // The slices' partial outputs (zeroed here), added in slice order: the same sums on any
+    // thread count.
     const int64_t slices = std::min(kSlices, k);
     std::vector<float> partial(slices * n);
     std::vector<int64_t> items(slices);
