@@ -798,6 +798,14 @@ Weight expert_weight(const Weight& base, const std::vector<ffi::AnyBuffer>& a, i
 // once serves all tokens (~2 ms a token after ~34 ms for the blocks; bench/RESULTS.md, "Prompt
 // chunks with packed weights"). The portable path takes it at every token count.
 constexpr int64_t kBlockTokens = 16;
+// Below this many weight-tokens a product runs on the calling thread alone. With AVX-512 waking
+// a pool thread costs more than it saves below ~2M (a SmolLM2 projection at decode), more so on
+// a busy machine. Without AVX-512 every product first dequantizes blocks of rows into a buffer,
+// a few times the work per weight, and a second thread pays from ~128K: SmolLM2's Q4_1 decode
+// step on a 2-core AMD Zen 3 took 33 ms alone and 22-23 ms threaded from 64K-256K
+// (bench/RESULTS.md, "Packed products threaded from fewer weights without AVX-512").
+constexpr int64_t kAloneBelow = int64_t{1} << 21;
+constexpr int64_t kAloneBelowBlocked = int64_t{1} << 17;
 constexpr int64_t kBlockFloats = 1 << 15;
 
 // Rows [n0, n1) of y for `tokens` rows of x (K floats apart): W's rows dequantized a block at a
@@ -916,10 +924,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     }
   }
   // Work items of >= 16 rows, about 4 per thread per expert (late threads still find work).
-  // A small product runs on the calling thread alone: waking a pool thread costs more than it
-  // saves below ~2M weight-tokens (a SmolLM2 projection at decode), more so on a busy machine.
+  // A small product runs on the calling thread alone (`kAloneBelow`).
   const int64_t work = n * k * used;
-  const int64_t threads = work < (int64_t{1} << 21) ? 1 : std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t alone_below = fast ? kAloneBelow : kAloneBelowBlocked;
+  const int64_t threads = work < alone_below ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   const int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
   std::vector<Item> items;
   for (int64_t e = 0; e < stack; ++e) {
