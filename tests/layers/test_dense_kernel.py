@@ -52,7 +52,8 @@ def cpu_has_avx2_fma() -> bool:
 
 
 # Widths: one vector, a panel and a bit (masked tail), several panels, and more than one of the
-# AVX2 walk's 512-column tiles in a work item; k: odd, long, past groups of 4 rows. Transposed
+# AVX2 walk's 192-column tiles in a work item (its columns past a 24-column panel, or no whole
+# panel); k: odd, long, past a 16-row block and groups of 4 rows. Transposed
 # (W stored [n, k], the tied head's walk): k's 16-lane tail masked, n's last rows past a group
 # of 4.
 @pytest.mark.parametrize("k, n", [(5, 16), (33, 50), (96, 100), (257, 201), (7, 1100)])

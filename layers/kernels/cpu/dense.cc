@@ -20,7 +20,8 @@
 // with 4 tokens summed in [4, 4] vector accumulators over K, then across their 16 lanes.
 //
 // Three builds of each walk, picked for the running CPU: AVX-512 (above), AVX2 + FMA (8-float
-// vectors and 16 registers, below: x · W with W read in order, the row walk at half the width)
+// vectors and 16 registers, below: x · W in tiles of 192 columns by 16 rows, the row walk at
+// half the width)
 // and a plain C++ one (the `portable` specification, and CPUs with neither).
 #include <immintrin.h>
 
@@ -197,20 +198,26 @@ ZOO_DENSE void slice_avx512(const float* x, const float* w, float* p, int64_t n,
 
 // The walks with AVX2 and FMA (CPUs without AVX-512), 8-float vectors and 16 registers.
 //
-// x · W reads W in order, where the AVX-512 walk goes down 48-column panels: the same panels
-// at AVX2's 24 columns read W at 11 GB/s at 8 tokens on an AMD Zen 2 that streams 26
-// (bench/RESULTS.md, "x · W read in order on AVX2"). Here a work item's columns
-// are taken in tiles of 512, each token's outputs of a tile (2 KiB) stay in L1, and W's rows
-// stream through 4 at a time, the next 4 requested into L1 ahead. Each output vector takes its
-// 4 rows' terms with one FMA each, in k order, so it sums exactly as the AVX-512 panel does.
-// The cost is an output load and store per 4 FMAs, against W read once in order.
+// x · W walks tiles of 192 columns by 16 rows. Each tile's 24-column panels keep 4 tokens'
+// outputs in registers over the tile's 16 rows (12 accumulators, 3 weight vectors and a
+// broadcast: AVX2's 16 registers), so an output is loaded and stored once per 16 FMAs. Within a
+// tile of columns the row blocks follow in order, and each block requests the next block's row
+// segments (768 bytes each, one after another) into L1 while its panels run. Each output still
+// takes one FMA a term in k order, so it sums exactly as the AVX-512 panel does. The AVX-512
+// walk's order at 24 columns (32-row blocks across the item's whole width) read W at 11 GB/s at
+// 8 tokens on an AMD Zen 2 that streams 26 (bench/RESULTS.md, "x · W read in order on AVX2"),
+// and the walk before this one (4 rows at a time through 512-column tiles, an output load and
+// store per 4 FMAs) 14 GB/s on a Zen 3, where this reads 17 ("x · W in registers on AVX2").
+// Columns past the last whole panel take 8-float vectors, 4 rows at a time.
 //
 // x · W^T dots 2 rows with 4 tokens (8 accumulators), summed in 8 lanes, then across them.
 #define ZOO_AVX2 __attribute__((target("avx2,fma")))
-// Columns per tile (256, 512 and 1024 measured level at 8 tokens) and W rows per pass (8 is
-// slower: 23.7 ms against 16.6 at 8 tokens over 226 MB).
-constexpr int64_t kStreamColumns = 512;
+// W rows per pass of the columns past the panels (8 rows a pass measured slower).
 constexpr int kStreamRows = 4;
+// A tile of x · W: 192 columns (8 panels of 24) by 16 rows (bench/RESULTS.md, "x · W in
+// registers on AVX2": 384 or 768 columns and 32 rows were slower, 8 rows and 96 columns level).
+constexpr int64_t kTileColumns = 192;
+constexpr int64_t kTileRows = 16;
 
 // Lanes [0, n) of 8 set, as a mask for AVX2's masked loads and stores.
 ZOO_AVX2 inline __m256i first_lanes8(int64_t n) {
@@ -262,8 +269,8 @@ ZOO_AVX2 void stream8(const float* x, const float* w, float* y, int64_t k, int64
   }
 }
 
-// Rows [i, i + R) of one tile for every token: 4 at a time, then 2, 1 (the rows, 4 x 2 KiB, are
-// read from memory once and from L1 by the next tokens).
+// Rows [i, i + R) of columns [j0, j1) (a tile's columns past its last whole panel) for every
+// token: 4 at a time, then 2, 1 (the next tokens read the rows from L1).
 template <int R>
 ZOO_AVX2 void stream_tokens8(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
                              int64_t n, int64_t i, int64_t j0, int64_t j1) {
@@ -273,21 +280,63 @@ ZOO_AVX2 void stream_tokens8(const float* x, const float* w, float* y, int64_t t
   if (t < tokens) stream8<1, R>(x + t * k, w, y + t * n, k, n, i, j0, j1);
 }
 
+// Tokens [0, TB) times rows [i0, i1) of columns [j, j + 24) of W, added into y: TB x 3
+// accumulators held in registers over the block's rows (4 tokens: 12, with 3 weight vectors and
+// a broadcast, AVX2's 16), each output summed in k order, one FMA a term.
+template <int TB>
+ZOO_AVX2 void panel24(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t j,
+                      int64_t i0, int64_t i1) {
+  __m256 acc[TB][3];
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 3")
+      for (int v = 0; v < 3; ++v) acc[t][v] = _mm256_loadu_ps(y + t * n + j + 8 * v);
+  const float* row = w + i0 * n + j;
+  for (int64_t i = i0; i < i1; ++i, row += n) {
+    const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8),
+                 w2 = _mm256_loadu_ps(row + 16);
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < TB; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(x + t * k + i);
+      acc[t][0] = _mm256_fmadd_ps(xb, w0, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(xb, w1, acc[t][1]);
+      acc[t][2] = _mm256_fmadd_ps(xb, w2, acc[t][2]);
+    }
+  }
+  _Pragma("GCC unroll 4")
+  for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 3")
+      for (int v = 0; v < 3; ++v) _mm256_storeu_ps(y + t * n + j + 8 * v, acc[t][v]);
+}
+
 ZOO_AVX2 void columns_avx2(const float* x, const float* w, float* y, int64_t tokens, int64_t k,
                            int64_t n, int64_t c0, int64_t c1) {
-  for (int64_t j0 = c0; j0 < c1; j0 += kStreamColumns) {
-    const int64_t j1 = std::min(c1, j0 + kStreamColumns);
+  for (int64_t j0 = c0; j0 < c1; j0 += kTileColumns) {
+    const int64_t j1 = std::min(c1, j0 + kTileColumns);
+    const int64_t jp = j0 + (j1 - j0) / 24 * 24;  // whole 24-column panels, then the rest
     for (int64_t t = 0; t < tokens; ++t) std::fill(y + t * n + j0, y + t * n + j1, 0.0f);
-    int64_t i = 0;
-    for (; i + kStreamRows <= k; i += kStreamRows) {
-      if (i + 2 * kStreamRows <= k)
-        for (int r = 0; r < kStreamRows; ++r)
-          for (int64_t j = j0; j < j1; j += 16)
-            _mm_prefetch(reinterpret_cast<const char*>(w + (i + kStreamRows + r) * n + j),
-                         _MM_HINT_T0);
-      stream_tokens8<kStreamRows>(x, w, y, tokens, k, n, i, j0, j1);
+    const int64_t panels = (jp - j0) / 24;
+    for (int64_t i0 = 0; i0 < k; i0 += kTileRows) {
+      const int64_t i1 = std::min(k, i0 + kTileRows);
+      // The next block's rows, each row's segment in order, spread over this block's panels.
+      const int64_t next = std::min(k, i1 + kTileRows) - i1;
+      const int64_t per_panel = panels ? (next + panels - 1) / panels : 0;
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t j = j0 + 24 * p;
+        for (int64_t r = p * per_panel; r < std::min(next, (p + 1) * per_panel); ++r)
+          for (int64_t c = j0; c < j1; c += 16)
+            _mm_prefetch(reinterpret_cast<const char*>(w + (i1 + r) * n + c), _MM_HINT_T0);
+        int64_t t = 0;
+        for (; t + 4 <= tokens; t += 4) panel24<4>(x + t * k, w, y + t * n, k, n, j, i0, i1);
+        if (t + 2 <= tokens) panel24<2>(x + t * k, w, y + t * n, k, n, j, i0, i1), t += 2;
+        if (t < tokens) panel24<1>(x + t * k, w, y + t * n, k, n, j, i0, i1);
+      }
+      if (jp == j1) continue;
+      int64_t i = i0;
+      for (; i + kStreamRows <= i1; i += kStreamRows)
+        stream_tokens8<kStreamRows>(x, w, y, tokens, k, n, i, jp, j1);
+      for (; i < i1; ++i) stream_tokens8<1>(x, w, y, tokens, k, n, i, jp, j1);
     }
-    for (; i < k; ++i) stream_tokens8<1>(x, w, y, tokens, k, n, i, j0, j1);
   }
 }
 
