@@ -8,9 +8,10 @@ is faster than XLA's product, past ~110 XLA's blocked product computes faster (b
 slices of consecutive rows, one stream per thread, faster than XLA's product in a chain of
 dependent products (bench/RESULTS.md, "One token's x · W in slices of rows"). So `x · W` serves
 1-96 tokens (measured with AVX-512; the AVX2 walk loses to XLA from ~48-64 tokens on a Zen 2
-and a Zen 3: bench/RESULTS.md, "x · W read in order on AVX2", "x · W in registers on AVX2"). The tied head multiplies by the embedding
-table, stored [vocab, embed]: `transposed` walks its rows in order (`x · W^T`), faster than
-XLA's product up to 32 tokens (a mixed step's decode rows and prompt chunks' last tokens).
+and a Zen 3: bench/RESULTS.md, "x · W read in order on AVX2", "x · W in registers on AVX2").
+The tied head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its
+rows in order (`x · W^T`), faster than XLA's product up to 32 tokens (a mixed step's decode rows
+and prompt chunks' last tokens).
 `KERNEL_TOKENS` holds both ranges; the choice is made when the program is traced
 (`uses_dense_kernel`)."""
 
