@@ -2,8 +2,9 @@
 exact product within the float32 bound of a length-k sum, on each of its builds (the CPU's
 fastest, AVX2, plain C++; a CPU without AVX2 refuses that one), for every token count and for
 widths that end inside a panel; `Linear` runs it exactly where
-`uses_dense_kernel` says (1-96 float32 tokens on a CPU, 2-32 for the tied head, no sharding
-rules), and its derivatives in both modes, under vmap, are XLA's.
+`uses_dense_kernel` says (float32 tokens on a CPU in the running build's range, 1-96 with AVX-512
+and 1-48 with AVX2, 2-32 for the tied head, no sharding rules), and its derivatives in both
+modes, under vmap, are XLA's.
 
 Tolerance: any order of summing k float32 products (the kernel's FMAs in k order, XLA's blocked
 sums) errs from the exact sum by at most gamma_k * sum_i |x_i w_i|, gamma_k = k u / (1 - k u),
@@ -19,8 +20,8 @@ import pytest
 
 import shard
 from layers import Embedding, Linear
-from layers.kernels.cpu import DENSE_TARGET
-from layers.kernels.cpu.dense import WALKS, dense_matmul, uses_dense_kernel
+from layers.kernels.cpu import DENSE_TARGET, fastest_walk
+from layers.kernels.cpu.dense import KERNEL_TOKENS, WALKS, dense_matmul, uses_dense_kernel
 
 U = 2.0**-24
 
@@ -103,12 +104,28 @@ def calls_kernel(call, x) -> bool:
     return DENSE_TARGET in text
 
 
+# The most tokens `x · W` runs the kernel for in the build this CPU runs (96 AVX-512, 48 AVX2).
+MOST = KERNEL_TOKENS[fastest_walk()][False][-1]
+
+
+def test_the_ranges_are_the_build_the_cpu_runs():
+    """The library reports the build its CPU check picks; Linux's flags say which it must be."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    expected = "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert fastest_walk() == ("avx512" if {"avx512f", "fma"} <= flags else expected)
+    assert KERNEL_TOKENS[fastest_walk()][False] == range(1, MOST + 1)
+
+
 @pytest.mark.parametrize(
     "shape, kernel",
-    [((1, 1, 6), True), ((1, 2, 6), True), ((4, 6), True), ((2, 8, 6), True), ((4, 24, 6), True),
-     ((97, 6), False)],
+    [((1, 1, 6), True), ((1, 2, 6), True), ((4, 6), True), ((2, 8, 6), True),
+     ((2, MOST // 2, 6), True), ((MOST + 1, 6), False)],
 )  # fmt: skip
-def test_linear_takes_the_kernel_for_one_to_ninety_six_float32_tokens(shape, kernel):
+def test_linear_takes_the_kernel_for_the_builds_float32_tokens(shape, kernel):
     x = jax.random.normal(jax.random.key(1), shape)
     assert calls_kernel(LINEAR, x) is kernel
     y = eqx.filter_jit(lambda m, x: m(x))(LINEAR, x)

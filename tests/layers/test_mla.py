@@ -73,7 +73,7 @@ def test_latent_cache_and_flash_equal_the_expanded_naive_form(q_rank):
     "decode_kernel",
     [
         XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True), CpuDecodeKernel(),
-        CpuDecodeKernel(portable=True),
+        CpuDecodeKernel(walk="avx2"), CpuDecodeKernel(walk="portable"),
     ],
 )  # fmt: skip
 def test_paged_latent_pools_equal_the_expanded_form(decode_kernel):

@@ -33,6 +33,7 @@ from layers.kernels.paged.attention import (
     default_decode_kernel,
     keys_per_block_for,
 )
+from tests.layers.test_dense_kernel import cpu_has_avx2_fma
 from tests.layers.test_flash import cuda_mesh
 
 EPS = float(np.finfo(np.float32).eps)
@@ -108,7 +109,8 @@ KERNELS = {
     "pallas": PallasDecodeKernel(keys_per_block=16, splits=1),
     "pallas-splits": PallasDecodeKernel(keys_per_block=32, splits=3),
     "cpu": CpuDecodeKernel(),
-    "cpu-portable": CpuDecodeKernel(portable=True),
+    "cpu-avx2": CpuDecodeKernel(walk="avx2"),
+    "cpu-portable": CpuDecodeKernel(walk="portable"),
 }
 
 # One token, a partial last page, exactly full pages, and a long row; GQA and MQA; windows
@@ -122,11 +124,16 @@ DECODE_CASES = {
 
 
 def run(kernel, case, paged, q_positions):
-    return jax.jit(
+    call = jax.jit(
         lambda *a: paged_attention(
             *a[:5], q_positions=a[5], sliding_window=case.window, kernel=kernel
         )
-    )(*paged, q_positions)
+    )
+    if kernel == KERNELS["cpu-avx2"] and not cpu_has_avx2_fma():
+        with pytest.raises(Exception, match="needs a CPU with AVX2 and FMA"):
+            call(*paged, q_positions).block_until_ready()
+        pytest.skip("this CPU has no AVX2 and FMA: their walk is refused (checked above)")
+    return call(*paged, q_positions)
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -139,7 +146,9 @@ def test_decode_equals_naive_over_contiguous_cache(name, kernel):
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
-@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits", "cpu", "cpu-portable"])
+@pytest.mark.parametrize(
+    "kernel", ["xla-blocks", "pallas-splits", "cpu", "cpu-avx2", "cpu-portable"]
+)
 def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
     """A query at position i < length - 1 (later keys already written) sees keys <= i; one at
     i >= length (its own key not written yet) sees the row's keys only, not the slots after."""
@@ -228,7 +237,7 @@ CPP_EDGE_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["cpu", "cpu-portable"])
+@pytest.mark.parametrize("kernel", ["cpu", "cpu-avx2", "cpu-portable"])
 @pytest.mark.parametrize("name", list(CPP_EDGE_CASES))
 def test_the_cpp_kernels_paths_equal_naive_at_odd_shapes(name, kernel):
     case = CPP_EDGE_CASES[name]

@@ -81,9 +81,10 @@ def test_traced_window_still_skips_tiles():
         XlaPagedKernel(),
         PallasDecodeKernel(keys_per_block=16, splits=2),
         CpuDecodeKernel(),
-        CpuDecodeKernel(portable=True),
+        CpuDecodeKernel(walk="avx2"),
+        CpuDecodeKernel(walk="portable"),
     ],
-    ids=["xla", "pallas", "cpu", "cpu-portable"],
+    ids=["xla", "pallas", "cpu", "cpu-avx2", "cpu-portable"],
 )
 def test_paged_softcap_and_traced_window_match_naive(kernel):
     case = Case(lengths=(5, 37, 60), window=9)

@@ -17,6 +17,11 @@ QUANTIZED_TARGET = "zoo_quantized_matmul"
 DEQUANTIZE_TARGET = "zoo_quantized_dequantize"
 DENSE_TARGET = "zoo_dense_matmul"
 PAGED_TARGET = "zoo_paged_decode"
+# The builds of dense.cc's and paged.cc's vector paths a call may ask for, by the number the
+# kernels take: the running CPU's fastest (AVX-512, else AVX2 with FMA, else plain C++), the
+# AVX2 one (refused on a CPU without AVX2 and FMA) or the plain C++ one, so a test checks each
+# on any CPU.
+WALKS = ("fastest", "avx2", "portable")
 
 
 class KernelNotBuilt(RuntimeError):
@@ -24,7 +29,7 @@ class KernelNotBuilt(RuntimeError):
 
 
 @functools.cache
-def _registered(digest: str) -> None:
+def _registered(digest: str) -> ctypes.CDLL:
     if not LIBRARY.exists() or not STAMP.exists():
         raise KernelNotBuilt(
             f"the CPU kernels are not built ({LIBRARY} is missing); build them with "
@@ -42,8 +47,18 @@ def _registered(digest: str) -> None:
                            (DENSE_TARGET, library.ZooDenseMatmul),
                            (PAGED_TARGET, library.ZooPagedDecode)]:  # fmt: skip
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), "cpu")
+    return library
 
 
 def ensure_built() -> None:
     """Load and register the kernels, or raise `KernelNotBuilt` saying how to build them."""
     _registered(source_hash())
+
+
+@functools.cache
+def fastest_walk() -> str:
+    """The build of dense.cc's walks that this CPU runs by default: "avx512", "avx2" (with FMA)
+    or "portable" (plain C++). `KernelNotBuilt` as `ensure_built`."""
+    function = _registered(source_hash()).ZooDenseFastestWalk
+    function.restype = ctypes.c_char_p
+    return function().decode()

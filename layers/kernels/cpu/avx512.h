@@ -1,5 +1,5 @@
 // CPU-feature helpers shared by the kernels of this library: the lane mask of a vector's first n
-// floats, and whether the running CPU has AVX-512F or AVX2 (each with FMA), checked before a
+// floats (16 or AVX2's 8), the sum of AVX2's 8 lanes, and whether the running CPU has AVX-512F or AVX2 (each with FMA), checked before a
 // vector path is taken (each path is compiled for its own ISA alone, so a library built anywhere
 // runs anywhere); and ZOO_CLONES, which gives a plain C++ function (the portable paths) one clone
 // per vector width, picked by the loader for the running CPU: without it they run the x86-64
@@ -35,6 +35,19 @@ inline bool has_avx512f() {
 inline bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
+}
+
+// Lanes [0, n) of 8 set, as a mask for AVX2's masked loads and stores.
+__attribute__((target("avx2,fma"))) inline __m256i first_lanes8(int64_t n) {
+  const int32_t lanes = static_cast<int32_t>(n < 0 ? 0 : n > 8 ? 8 : n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The sum of v's 8 lanes.
+__attribute__((target("avx2,fma"))) inline float sum_lanes8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 }  // namespace zoo_cpu

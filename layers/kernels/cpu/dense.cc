@@ -219,17 +219,8 @@ constexpr int kStreamRows = 4;
 constexpr int64_t kTileColumns = 192;
 constexpr int64_t kTileRows = 16;
 
-// Lanes [0, n) of 8 set, as a mask for AVX2's masked loads and stores.
-ZOO_AVX2 inline __m256i first_lanes8(int64_t n) {
-  const int32_t lanes = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-ZOO_AVX2 inline float sum_lanes8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using zoo_cpu::first_lanes8;
+using zoo_cpu::sum_lanes8;
 
 // Rows [i, i + R) of W's columns [j0, j1) times tokens [0, TB) of x, added into y. At TB = 4,
 // R = 4 the 16 broadcasts and 4 weight vectors are more than AVX2's 16 registers, so some
@@ -582,6 +573,11 @@ void zoo_cpu::dense_rows_transposed(const float* x, const float* w, float* y, in
   if (!portable && zoo_cpu::has_avx512f()) rows_avx512(x, w, y + r0, tokens, k, n, 0, r1 - r0);
   else if (!portable && zoo_cpu::has_avx2_fma()) rows_avx2(x, w, y + r0, tokens, k, n, 0, r1 - r0);
   else portable_rows(x, w, y + r0, tokens, k, n, 0, r1 - r0);
+}
+
+// The build `walk` 0 (the fastest) runs on this CPU: dense.py's token ranges depend on it.
+extern "C" const char* ZooDenseFastestWalk() {
+  return zoo_cpu::has_avx512f() ? "avx512" : zoo_cpu::has_avx2_fma() ? "avx2" : "portable";
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooDenseMatmul, DenseMatmul,

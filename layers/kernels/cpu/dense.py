@@ -7,13 +7,13 @@ is faster than XLA's product, past ~110 XLA's blocked product computes faster (b
 "Prompt chunks with packed weights"); at 1 token (a batch-1 decode step) the kernel reads W in
 slices of consecutive rows, one stream per thread, faster than XLA's product in a chain of
 dependent products (bench/RESULTS.md, "One token's x · W in slices of rows"). So `x · W` serves
-1-96 tokens (measured with AVX-512; the AVX2 walk loses to XLA from ~48-64 tokens on a Zen 2
-and a Zen 3: bench/RESULTS.md, "x · W read in order on AVX2", "x · W in registers on AVX2").
+1-96 tokens with AVX-512, 1-48 with AVX2, where XLA's product leads from ~48-64 tokens on a Zen
+2 and a Zen 3 (bench/RESULTS.md, "x · W in registers on AVX2", "x · W's range by build").
 The tied head multiplies by the embedding table, stored [vocab, embed]: `transposed` walks its
 rows in order (`x · W^T`), faster than XLA's product up to 32 tokens (a mixed step's decode rows
 and prompt chunks' last tokens).
-`KERNEL_TOKENS` holds both ranges; the choice is made when the program is traced
-(`uses_dense_kernel`)."""
+`KERNEL_TOKENS` holds both ranges for each build the CPU may run (`fastest_walk`); the choice is
+made when the program is traced (`uses_dense_kernel`)."""
 
 import functools
 
@@ -23,13 +23,17 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float
 
-from layers.kernels.cpu import DENSE_TARGET, ensure_built
+from layers.kernels.cpu import DENSE_TARGET, WALKS, ensure_built, fastest_walk
 from shard.rules import active
 
-# Token counts each walk serves (x · W, x · W^T), measured against XLA's products in RESULTS.
-KERNEL_TOKENS = {False: range(1, 97), True: range(2, 33)}
-# The kernel's builds of each walk (dense.cc), by the number it takes.
-WALKS = ("fastest", "avx2", "portable")
+# Token counts each walk serves (x · W, x · W^T) by the build the CPU runs, measured against
+# XLA's products in RESULTS. No CPU without AVX2 was at hand: the plain C++ build keeps the
+# AVX-512 build's ranges, unmeasured.
+KERNEL_TOKENS = {
+    "avx512": {False: range(1, 97), True: range(2, 33)},
+    "avx2": {False: range(1, 49), True: range(2, 33)},
+    "portable": {False: range(1, 97), True: range(2, 33)},
+}
 
 
 def dense_matmul(
@@ -65,15 +69,15 @@ def dense_matmul(
 
 def uses_dense_kernel(tokens: int, *dtypes, transposed: bool = False) -> bool:
     """Whether a product of `tokens` rows runs the kernel: on a CPU, for the token counts
-    `KERNEL_TOKENS` gives the walk (`transposed`: by a weight stored [n, k]), in float32
-    (every dtype given: x's, W's, the compute dtype; a cast of W would copy it per call), and
-    outside sharding rules (the kernel has no partitioning rule: a sharded product keeps
-    XLA's)."""
+    `KERNEL_TOKENS` gives the walk (`transposed`: by a weight stored [n, k]) in the build the
+    CPU runs, in float32 (every dtype given: x's, W's, the compute dtype; a cast of W would
+    copy it per call), and outside sharding rules (the kernel has no partitioning rule: a
+    sharded product keeps XLA's)."""
     return (
         jax.default_backend() == "cpu"
-        and tokens in KERNEL_TOKENS[transposed]
         and all(jnp.dtype(dtype) == jnp.float32 for dtype in dtypes)
         and active() is None
+        and tokens in KERNEL_TOKENS[fastest_walk()][transposed]
     )
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from layers.kernels.cpu import PAGED_TARGET, ensure_built
+from layers.kernels.cpu import PAGED_TARGET, WALKS, ensure_built
 
 
 def cpu_paged_decode(
@@ -25,11 +25,14 @@ def cpu_paged_decode(
     softcap: float | None,
     layer: Int[Array, ""] | None,
     *,
-    portable: bool = False,
+    walk: str = "fastest",
 ) -> Float[Array, "batch 1 heads head_dim"]:
     """`paged_attention` for a decode step, by paged.cc (arguments as there, already checked;
-    `v_pages=None`: the values are the keys). `portable`: the plain C++ path instead of the
-    AVX-512 one (a test of both). Under vmap the mapped calls run one after another."""
+    `v_pages=None`: the values are the keys). `walk`: "fastest" the running CPU's fastest
+    build (AVX-512, else AVX2, else plain C++), "avx2" or "portable" that build (a test of
+    each; `layers.kernels.cpu.WALKS`). Under vmap the mapped calls run one after another."""
+    if walk not in WALKS:
+        raise ValueError(f"cpu_paged_decode walk must be one of {WALKS}, got {walk!r}")
     ensure_built()
     window = 0 if sliding_window is None else sliding_window
     call = jax.ffi.ffi_call(
@@ -45,5 +48,5 @@ def cpu_paged_decode(
         jnp.asarray(0 if layer is None else layer, jnp.int32),
         jnp.asarray(window, jnp.int32),
         softcap=np.float32(softcap or 0.0),
-        portable=portable,
+        walk=np.int32(WALKS.index(walk)),
     )

@@ -100,10 +100,11 @@ class PallasDecodeKernel:
 class CpuDecodeKernel:
     """The C++ paged decode kernel of a CPU (layers/kernels/cpu/paged.cc): one query token per
     row, float32 q and pools, each (row, K/V head) one item of XLA's thread pool reading its
-    pages in place, a page at a time. `portable`: the plain C++ path (one key at a time) even
-    where the CPU has AVX-512 (16 keys at a time), so a test can run both."""
+    pages in place, a page at a time. `walk`: "fastest" (the CPU's: AVX-512 16 keys at a time,
+    else AVX2 8, else plain C++ one key at a time), or "avx2" or "portable" on any CPU, so a
+    test can run each (`layers.kernels.cpu.WALKS`)."""
 
-    portable: bool = False
+    walk: str = "fastest"
 
 
 PagedKernel = XlaPagedKernel | PallasDecodeKernel | CpuDecodeKernel
@@ -198,7 +199,7 @@ def _cpu_refusal(q, k_pages) -> str | None:
 
 
 def _cpu_decode(
-    q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer, portable
+    q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer, walk
 ):
     """The C++ kernel's call, its derivatives (forward mode) the XLA path's, as for the dense
     kernel's products: the tangent of the same attention computed by XLA's ops."""
@@ -214,7 +215,7 @@ def _cpu_decode(
     def call(q, k_pages, v_pages):
         return cpu_paged_decode(
             q, k_pages, v_pages, page_table, lengths, q_positions, window, softcap, layer,
-            portable=portable,
+            walk=walk,
         )  # fmt: skip
 
     call.defjvp(lambda primals, tangents: (call(*primals), jax.jvp(xla, primals, tangents)[1]))
@@ -292,7 +293,7 @@ def paged_attention(
             raise ValueError(f"paged attention: {refusal}")
         return _cpu_decode(
             q, k_pages, v_pages, page_table, lengths, q_positions, sliding_window, softcap, layer,
-            kernel.portable,
+            kernel.walk,
         )  # fmt: skip
     if not isinstance(kernel, PallasDecodeKernel):
         raise TypeError(
