@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import pytest
 
 from layers.kernels import Flash, Naive, causal_mask
-from layers.kernels.paged import CpuDecodeKernel, PallasDecodeKernel, XlaPagedKernel
+from layers.kernels.paged import PallasDecodeKernel, XlaPagedKernel
 from layers.mla import MLA
 from layers.paged_cache import LatentPages, LayerPages, PagedKVCache
 from layers.quantized import QuantizedLinear
 from layers.rotary import rotary_frequencies
+from tests.layers.test_paged import CPU_WALKS, KERNELS
 
 D_MODEL, SEQ, ROPE = 32, 16, 8
 # kv_rank + rope = 32 and max(head_dim, v_dim) = 16: widths the flash and Pallas kernels take.
@@ -72,8 +73,8 @@ def test_latent_cache_and_flash_equal_the_expanded_naive_form(q_rank):
 @pytest.mark.parametrize(
     "decode_kernel",
     [
-        XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True), CpuDecodeKernel(),
-        CpuDecodeKernel(walk="avx2"), CpuDecodeKernel(walk="portable"),
+        XlaPagedKernel(), PallasDecodeKernel(keys_per_block=16, interpret=True),
+        *(KERNELS[name] for name in CPU_WALKS),
     ],
 )  # fmt: skip
 def test_paged_latent_pools_equal_the_expanded_form(decode_kernel):

@@ -109,9 +109,13 @@ KERNELS = {
     "pallas": PallasDecodeKernel(keys_per_block=16, splits=1),
     "pallas-splits": PallasDecodeKernel(keys_per_block=32, splits=3),
     "cpu": CpuDecodeKernel(),
-    "cpu-avx2": CpuDecodeKernel(walk="avx2"),
     "cpu-portable": CpuDecodeKernel(walk="portable"),
 }
+# The C++ kernel's AVX2 walk runs where the CPU has AVX2 and FMA (every machine of ours); a CPU
+# without them refuses it (test_a_cpu_without_avx2_refuses_its_walk).
+if cpu_has_avx2_fma():
+    KERNELS["cpu-avx2"] = CpuDecodeKernel(walk="avx2")
+CPU_WALKS = [name for name in KERNELS if name.startswith("cpu")]
 
 # One token, a partial last page, exactly full pages, and a long row; GQA and MQA; windows
 # shorter and longer than the context.
@@ -124,16 +128,11 @@ DECODE_CASES = {
 
 
 def run(kernel, case, paged, q_positions):
-    call = jax.jit(
+    return jax.jit(
         lambda *a: paged_attention(
             *a[:5], q_positions=a[5], sliding_window=case.window, kernel=kernel
         )
-    )
-    if kernel == KERNELS["cpu-avx2"] and not cpu_has_avx2_fma():
-        with pytest.raises(Exception, match="needs a CPU with AVX2 and FMA"):
-            call(*paged, q_positions).block_until_ready()
-        pytest.skip("this CPU has no AVX2 and FMA: their walk is refused (checked above)")
-    return call(*paged, q_positions)
+    )(*paged, q_positions)
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -146,9 +145,7 @@ def test_decode_equals_naive_over_contiguous_cache(name, kernel):
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
-@pytest.mark.parametrize(
-    "kernel", ["xla-blocks", "pallas-splits", "cpu", "cpu-avx2", "cpu-portable"]
-)
+@pytest.mark.parametrize("kernel", ["xla-blocks", "pallas-splits", *CPU_WALKS])
 def test_queries_away_from_the_end_see_only_held_earlier_keys(kernel):
     """A query at position i < length - 1 (later keys already written) sees keys <= i; one at
     i >= length (its own key not written yet) sees the row's keys only, not the slots after."""
@@ -237,13 +234,27 @@ CPP_EDGE_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["cpu", "cpu-avx2", "cpu-portable"])
+@pytest.mark.parametrize("kernel", CPU_WALKS)
 @pytest.mark.parametrize("name", list(CPP_EDGE_CASES))
 def test_the_cpp_kernels_paths_equal_naive_at_odd_shapes(name, kernel):
     case = CPP_EDGE_CASES[name]
     paged, q_positions, contiguous = build(case, seed=11)
     got = run(KERNELS[kernel], case, paged, q_positions)
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+
+
+def test_a_cpu_without_avx2_refuses_its_walk():
+    """The AVX2 walk asked for by name: the naive result on a CPU with AVX2 and FMA, else an
+    error that names what the CPU lacks."""
+    case = Case(lengths=(3, 20))
+    paged, q_positions, contiguous = build(case, seed=12)
+    kernel = CpuDecodeKernel(walk="avx2")
+    if cpu_has_avx2_fma():
+        got = run(kernel, case, paged, q_positions)
+        assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+    else:
+        with pytest.raises(Exception, match="needs a CPU with AVX2 and FMA"):
+            run(kernel, case, paged, q_positions).block_until_ready()
 
 
 def test_the_cpp_kernels_derivative_is_the_xla_paths():

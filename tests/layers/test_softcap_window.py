@@ -11,14 +11,13 @@ import pytest
 from layers.kernels import AttentionMask, causal_mask, flash_attention, naive_attention
 from layers.kernels.flash.tiles import tile_visibility
 from layers.kernels.paged import (
-    CpuDecodeKernel,
     PallasDecodeKernel,
     XlaPagedKernel,
     paged_attention,
 )
 from layers.kernels.xla import xla_attention
 from tests.layers.test_flash import SMALL, assert_close
-from tests.layers.test_paged import Case, build, reference
+from tests.layers.test_paged import CPU_WALKS, KERNELS, Case, build, reference
 from tests.layers.test_paged import assert_close as assert_close_paged
 
 CAP = 2.0  # small enough that tanh bends most random scores (|q.k| / sqrt(16) ~ 1..4)
@@ -80,11 +79,9 @@ def test_traced_window_still_skips_tiles():
     [
         XlaPagedKernel(),
         PallasDecodeKernel(keys_per_block=16, splits=2),
-        CpuDecodeKernel(),
-        CpuDecodeKernel(walk="avx2"),
-        CpuDecodeKernel(walk="portable"),
+        *(KERNELS[name] for name in CPU_WALKS),
     ],
-    ids=["xla", "pallas", "cpu", "cpu-avx2", "cpu-portable"],
+    ids=["xla", "pallas", *CPU_WALKS],
 )
 def test_paged_softcap_and_traced_window_match_naive(kernel):
     case = Case(lengths=(5, 37, 60), window=9)

@@ -1,10 +1,11 @@
 // CPU-feature helpers shared by the kernels of this library: the lane mask of a vector's first n
-// floats (16 or AVX2's 8), the sum of AVX2's 8 lanes, and whether the running CPU has AVX-512F or AVX2 (each with FMA), checked before a
-// vector path is taken (each path is compiled for its own ISA alone, so a library built anywhere
-// runs anywhere); and ZOO_CLONES, which gives a plain C++ function (the portable paths) one clone
-// per vector width, picked by the loader for the running CPU: without it they run the x86-64
-// baseline's 4-float vectors on a CPU with AVX2's 8 (measured on an AMD EPYC without AVX-512,
-// where the portable paths were the ones taken: bench/RESULTS.md, "CPUs without AVX-512").
+// floats (16, or AVX2's 8), the sum of AVX2's 8 lanes, and whether the running CPU has AVX-512F or
+// AVX2 (each with FMA), checked before a vector path is taken (each path is compiled for its own
+// ISA alone, so a library built anywhere runs anywhere); and ZOO_CLONES, which gives a plain C++
+// function (the portable paths) one clone per vector width, picked by the loader for the running
+// CPU: without it they run the x86-64 baseline's 4-float vectors on a CPU with AVX2's 8 (measured
+// on an AMD EPYC without AVX-512, where the portable paths were the ones taken: bench/RESULTS.md,
+// "CPUs without AVX-512").
 #pragma once
 
 #include <cstdint>
