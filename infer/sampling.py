@@ -18,6 +18,7 @@ top-k and top-p thresholds are found exactly by bisection over the float32 value
 """
 
 import abc
+import typing
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -31,7 +32,7 @@ def _is_traced(*xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def _temperature(value: ArrayLike, name: str = "temperature") -> Array:
+def _check_temperature(value: ArrayLike, name: str) -> None:
     if not _is_traced(value):
         t = np.asarray(value, np.float64)
         bad = ~np.isfinite(t) | (t < 0)
@@ -39,20 +40,18 @@ def _temperature(value: ArrayLike, name: str = "temperature") -> Array:
             raise ValueError(
                 f"{name} must be >= 0 and finite (0 means greedy), got {t[bad].flat[0]}"
             )
-    return jnp.asarray(value, jnp.float32)
 
 
-def _probability(value: ArrayLike, name: str, *, zero_ok: bool) -> Array:
+def _check_probability(value: ArrayLike, name: str, *, zero_ok: bool) -> None:
     if not _is_traced(value):
         p = np.asarray(value, np.float64)
         bad = ~((p >= 0 if zero_ok else p > 0) & (p <= 1))  # NaN fails both
         if bad.any():
             interval = "[0, 1]" if zero_ok else "(0, 1]"
             raise ValueError(f"{name} must be in {interval}, got {p[bad].flat[0]}")
-    return jnp.asarray(value, jnp.float32)
 
 
-def _top_k(value: ArrayLike, name: str, *, zero_ok: bool) -> Array:
+def _check_top_k(value: ArrayLike, name: str, *, zero_ok: bool) -> None:
     if not _is_traced(value):
         k = np.asarray(value)
         if k.dtype == bool or not (
@@ -64,7 +63,28 @@ def _top_k(value: ArrayLike, name: str, *, zero_ok: bool) -> Array:
         bad = (k < low) | (k > np.iinfo(np.int32).max)
         if bad.any():
             raise ValueError(f"{name} must be >= {low} and < 2**31, got {k[bad].flat[0]}")
-    return jnp.asarray(value, jnp.int32)
+
+
+def _host(value: ArrayLike, dtype) -> np.ndarray | Array:
+    """`value` as a `dtype` numpy array (unless traced): a sampler's settings stay on the host,
+    where the serving engine reads them while a step runs (an array on the device is only
+    readable, and a cast on it only done, once the device has finished what it was running)."""
+    return value if _is_traced(value) else np.asarray(value, dtype)
+
+
+def _temperature(value: ArrayLike, name: str = "temperature") -> np.ndarray | Array:
+    _check_temperature(value, name)
+    return _host(value, np.float32)
+
+
+def _probability(value: ArrayLike, name: str, *, zero_ok: bool) -> np.ndarray | Array:
+    _check_probability(value, name, zero_ok=zero_ok)
+    return _host(value, np.float32)
+
+
+def _top_k(value: ArrayLike, name: str, *, zero_ok: bool) -> np.ndarray | Array:
+    _check_top_k(value, name, zero_ok=zero_ok)
+    return _host(value, np.int32)
 
 
 class SamplingParams(eqx.Module):
@@ -86,10 +106,10 @@ class SamplingParams(eqx.Module):
         top_p: Float[ArrayLike, " batch"],
         min_p: Float[ArrayLike, " batch"],
     ):
-        self.temperature = _temperature(temperature, "SamplingParams.temperature")
-        self.top_k = _top_k(top_k, "SamplingParams.top_k", zero_ok=True)
-        self.top_p = _probability(top_p, "SamplingParams.top_p", zero_ok=False)
-        self.min_p = _probability(min_p, "SamplingParams.min_p", zero_ok=True)
+        self.temperature = jnp.asarray(_temperature(temperature, "SamplingParams.temperature"))
+        self.top_k = jnp.asarray(_top_k(top_k, "SamplingParams.top_k", zero_ok=True))
+        self.top_p = jnp.asarray(_probability(top_p, "SamplingParams.top_p", zero_ok=False))
+        self.min_p = jnp.asarray(_probability(min_p, "SamplingParams.min_p", zero_ok=True))
         shapes = {x.shape for x in (self.temperature, self.top_k, self.top_p, self.min_p)}
         if len(shapes) != 1 or len(next(iter(shapes))) != 1:
             raise ValueError(
@@ -108,12 +128,40 @@ class SamplingParams(eqx.Module):
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,)), self)
 
 
+class Settings(typing.NamedTuple):
+    """One sampler's settings, each a number or a scalar array (`SamplingParams`' fields for
+    one row)."""
+
+    temperature: Float[ArrayLike, ""]
+    top_k: Int[ArrayLike, ""] = 0
+    top_p: Float[ArrayLike, ""] = 1.0
+    min_p: Float[ArrayLike, ""] = 0.0
+
+
+def check_settings(settings: Settings, name: str) -> None:
+    """A ValueError naming `name`'s field when a setting is out of range, found on the host
+    (no device work: the serving engine checks a request while a step runs)."""
+    for field, value in settings._asdict().items():
+        if np.ndim(value) != 0:
+            raise ValueError(f"{name}.{field} must be one number, got shape {np.shape(value)}")
+    _check_temperature(settings.temperature, f"{name}.temperature")
+    _check_top_k(settings.top_k, f"{name}.top_k", zero_ok=True)
+    _check_probability(settings.top_p, f"{name}.top_p", zero_ok=False)
+    _check_probability(settings.min_p, f"{name}.min_p", zero_ok=True)
+
+
 class Sampler(eqx.Module):
     """One request's sampler: its settings as a row of `SamplingParams`."""
 
     @abc.abstractmethod
+    def settings(self) -> Settings:
+        """This sampler's settings: its fields, host numbers unless traced (`_host`)."""
+
     def params(self) -> SamplingParams:
         """This sampler's settings as one row."""
+        settings = self.settings()
+        reshape = jnp.reshape if _is_traced(*settings) else np.reshape
+        return SamplingParams(**{n: reshape(v, (1,)) for n, v in settings._asdict().items()})
 
     def filter(self, logits: Float[Array, "batch vocab"]) -> Float[Array, "batch vocab"]:
         """The (already tempered) logits with the tokens this sampler excludes set to -inf."""
@@ -125,74 +173,65 @@ class Sampler(eqx.Module):
         return sample(logits, self.params(), key)
 
 
-def _row(temperature, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
-    return SamplingParams(
-        temperature=jnp.reshape(temperature, (1,)),
-        top_k=jnp.reshape(top_k, (1,)),
-        top_p=jnp.reshape(top_p, (1,)),
-        min_p=jnp.reshape(min_p, (1,)),
-    )
-
-
 class Greedy(Sampler):
     """The most likely token, always (temperature 0)."""
 
-    def params(self) -> SamplingParams:
-        return _row(0.0)
+    def settings(self) -> Settings:
+        return Settings(0.0)
 
 
 class Temperature(Sampler):
     """Sample from softmax(logits / temperature) over the whole vocabulary (0 = greedy)."""
 
-    temperature: Float[Array, ""]
+    temperature: Float[ArrayLike, ""]
 
     def __init__(self, temperature: float = 1.0):
         self.temperature = _temperature(temperature)
 
-    def params(self) -> SamplingParams:
-        return _row(self.temperature)
+    def settings(self) -> Settings:
+        return Settings(self.temperature)
 
 
 class TopK(Sampler):
     """Sample among the `k` most likely tokens only (and any tied with the k-th)."""
 
-    k: Int[Array, ""]
-    temperature: Float[Array, ""]
+    k: Int[ArrayLike, ""]
+    temperature: Float[ArrayLike, ""]
 
     def __init__(self, k: int = 50, temperature: float = 1.0):
         self.k = _top_k(k, "TopK.k", zero_ok=False)
         self.temperature = _temperature(temperature)
 
-    def params(self) -> SamplingParams:
-        return _row(self.temperature, top_k=self.k)
+    def settings(self) -> Settings:
+        return Settings(self.temperature, top_k=self.k)
 
 
 class TopP(Sampler):
     """Nucleus sampling: the smallest set of most likely tokens whose probability reaches `p`."""
 
-    p: Float[Array, ""]
-    temperature: Float[Array, ""]
+    p: Float[ArrayLike, ""]
+    temperature: Float[ArrayLike, ""]
 
     def __init__(self, p: float = 0.9, temperature: float = 1.0):
         self.p = _probability(p, "TopP.p (top-p)", zero_ok=False)
         self.temperature = _temperature(temperature)
 
-    def params(self) -> SamplingParams:
-        return _row(self.temperature, top_p=self.p)
+    def settings(self) -> Settings:
+        return Settings(self.temperature, top_p=self.p)
 
 
 class MinP(Sampler):
     """Keep tokens whose probability is at least `p` times the most likely token's."""
 
-    p: Float[Array, ""]
-    temperature: Float[Array, ""]
+    p: Float[ArrayLike, ""]
+    temperature: Float[ArrayLike, ""]
 
     def __init__(self, p: float = 0.05, temperature: float = 1.0):
         self.p = _probability(p, "MinP.p (min-p)", zero_ok=True)
         self.temperature = _temperature(temperature)
 
-    def params(self) -> SamplingParams:
-        return _row(self.temperature, min_p=self.p)
+    def settings(self) -> Settings:
+        return Settings(self.temperature, min_p=self.p)
 
 
 def stack_samplers(samplers: Sequence[Sampler]) -> SamplingParams:

@@ -386,11 +386,13 @@ def decode_step_bytes(
     policy: Policy = DEFAULT_POLICY,
     *,
     kv_dtype: str | None = None,
+    weights: int | None = None,
 ) -> int:
-    """Fewest bytes one decode step must read: all weights once plus each row's KV cache
-    (`kv_cache_bytes`: sliding layers only their window; pages in `kv_dtype`)."""
+    """Fewest bytes one decode step must read: all weights once (`weights` bytes as the model
+    holds them, e.g. a packed model's; None: `weight_bytes` in the policy's dtype) plus each
+    row's KV cache (`kv_cache_bytes`: sliding layers only their window; pages in `kv_dtype`)."""
     kv = kv_cache_bytes(config, context, policy, kv_dtype=kv_dtype)
-    return weight_bytes(config, policy) + batch * kv
+    return (weight_bytes(config, policy) if weights is None else weights) + batch * kv
 
 
 def _mlp_width_per_token(config: Config) -> float:
@@ -744,11 +746,18 @@ def training_step_roofline(
 
 
 def decode_step_roofline(
-    config: Config, batch: int, context: int, hardware: Hardware, policy: Policy = DEFAULT_POLICY
+    config: Config,
+    batch: int,
+    context: int,
+    hardware: Hardware,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    weights: int | None = None,
 ) -> Roofline:
-    """One decode step for `batch` rows with `context` cached tokens each."""
+    """One decode step for `batch` rows with `context` cached tokens each (`weights`: the
+    weights' bytes as held, `decode_step_bytes`)."""
     flops = batch * forward_flops_per_token(config, 2 * context, causal=True)
-    n_bytes = decode_step_bytes(config, batch, context, policy)
+    n_bytes = decode_step_bytes(config, batch, context, policy, weights=weights)
     return roofline(flops, n_bytes, hardware, policy.compute_dtype)
 
 

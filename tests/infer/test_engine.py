@@ -381,3 +381,21 @@ def test_engines_share_the_sampling_program_and_a_second_engine_compiles_nothing
     assert traced == {"decode": 1, **{f"mixed {c}x16": 1 for c in engine.prompt_shapes}}
     assert _lowerings(lambda: Engine(other, **SHAPE)) == 0
     assert _lowerings(lambda: Engine(other, **{**SHAPE, "max_batch": 3})) > 0  # the count counts
+
+
+def test_a_request_joins_and_its_step_is_dispatched_while_the_device_is_busy(llama):
+    """The host runs one step behind the device: admitting a request (its sampler's settings,
+    stop tokens, budget) and dispatching the step it joins need nothing computed on the device.
+    XLA:CPU runs programs in order, so a device op on the host's path would wait for a program
+    dispatched before it: here ~10^11 FLOPs of products, which the host's path (milliseconds)
+    must leave still running, as reading a sampler through eager ops did not."""
+    engine = Engine(llama, **SHAPE)
+    a = jnp.full((1024, 1024), 1e-3, jnp.float32)
+    products = jax.jit(lambda a: jax.lax.fori_loop(0, 48, lambda _, x: x @ a, a))
+    products(a).block_until_ready()  # compiled before the busy run
+    busy = products(a)
+    request = engine.submit([1, 2, 3], max_new_tokens=3, sampler=infer.TopK(2, 0.5))
+    engine.step()  # admits the request and dispatches its step: reads nothing back
+    assert not busy.is_ready()
+    engine.run()
+    assert len(request.tokens) == 3

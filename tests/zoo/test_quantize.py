@@ -24,6 +24,7 @@ import pytest
 import infer
 import shard
 import zoo
+from infer.engine import PROMPT_TOKENS
 from layers import Embedding, Linear, LoRA, QuantizedEmbedding, QuantizedLinear
 from layers.kernels.quantized import KERNEL_TOKENS
 from layers.moe import Experts, QuantizedExperts
@@ -175,6 +176,21 @@ def test_engine_and_generate_run_quantized_models_unchanged(name, kind):
         expected = greedy(q, prompt, n)
         assert request.done and request.tokens == expected
         assert tokens == expected[:4]
+
+
+def test_an_engine_over_packed_weights_keeps_its_steps_in_the_packed_kernel():
+    """On a CPU, by default, an engine over packed weights takes the prompt chunks that keep a
+    step within the packed kernel's `KERNEL_TOKENS`: its largest step program multiplies by the
+    packed weights and never dequantizes one (a float copy of every weight, every step, as
+    its 256 prompt tokens did). A float model keeps the 256."""
+    q = zoo.quantize(tiny(n_layers=2), "int4").with_policy(storage="unrolled")
+    engine = infer.Engine(q, max_batch=2, max_len=64, warm_up=False)
+    assert engine.token_budget == 2 + 5 * 16 <= KERNEL_TOKENS
+    largest = engine._plan([], [], max(engine.prompt_shapes), {}, None)
+    program = engine._lower(largest, engine.state).as_text()
+    assert "@zoo_quantized_matmul" in program and "@zoo_quantized_dequantize" not in program
+    float_engine = infer.Engine(tiny(n_layers=2), max_batch=2, max_len=64, warm_up=False)
+    assert float_engine.token_budget == 2 + PROMPT_TOKENS
 
 
 def test_quantized_base_is_frozen_under_jit_and_adamw():
