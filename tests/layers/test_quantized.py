@@ -205,7 +205,7 @@ CASES = packed_cases()
 TAIL_CASES = [
     (f"{kind}-{group}-160", pack(random_w(cols=160), kind, group=group, axes=("mlp", "embed")))
     for kind, group in [("int8", None), ("int8", 32), ("int4", 32), ("nf4", 32)]
-]
+] + [("int4-32-50rows", pack(random_w(rows=50), "int4", group=32, axes=("mlp", "embed")))]
 
 
 def test_activations_are_rounded_within_half_a_step():
@@ -217,6 +217,19 @@ def test_activations_are_rounded_within_half_a_step():
     np.testing.assert_array_equal(x_hat[0, :32], 0.0)
     codes = x_hat / jnp.where(step > 0, step, 1)
     np.testing.assert_allclose(codes, jnp.round(codes), atol=1e-4)  # integers times the step
+
+
+@pytest.mark.parametrize("name, weight", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
+def test_one_token_equals_its_row_of_a_token_block_bit_for_bit(name, weight):
+    """Float activations on AVX-512: a lone token's rows run four at a time (50 rows: a tail of
+    two), tokens in a block one row at a time; both sum each output in the same order, so a
+    token's outputs are the same bits either way (on a CPU without AVX-512 both are the
+    portable path)."""
+    x = jax.random.normal(jax.random.key(5), (3, weight.cols))
+    product = jax.jit(lambda x, w: cpu_matmul(x, w))
+    together = product(x, weight)  # tokens 0 and 1 in a block of 2, token 2 alone
+    for t in range(3):
+        np.testing.assert_array_equal(product(x[t : t + 1], weight)[0], together[t], err_msg=name)
 
 
 @pytest.mark.parametrize("name, weight", CASES + TAIL_CASES,

@@ -358,13 +358,69 @@ ZOO_AVX512 void rows_avx512(const Weight& w, const float* x, int64_t stride, con
   }
 }
 
+// Rows [n0, n1) of y for one token t, four rows at a time: rows_avx512<1>'s sums in its order
+// (the same results, bit for bit), with each chunk of x loaded once for four rows and four
+// independent FMA chains. One row at a time, a decode step's short rows (SmolLM2: 18 groups)
+// left the core waiting on each row's group constants and its one chain.
+template <Kind kKind, bool kTable>
+ZOO_AVX512 void rows4_avx512(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
+                             int64_t n_out, int64_t t, int64_t n0, int64_t n1) {
+  constexpr int R = 4;
+  const int64_t groups = w.groups(), chunks_per_group = std::max<int64_t>(w.group / 32, 1);
+  const __m512 table = w.table ? _mm512_loadu_ps(w.table) : _mm512_setzero_ps();
+  const float* xt = x + t * stride;
+  const float* st = xsum + t * groups;
+  int64_t n = n0;  // groups of 32 or more (rows_avx512_all sends 16 to the one-row path)
+  for (; n + R <= n1; n += R) {
+    const uint8_t* codes[R];
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) {
+      codes[r] = w.codes + (n + r) * w.codes_row();
+      acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      const __m512 sums = _mm512_maskz_loadu_ps(zoo_cpu::first_lanes(count), st + g0);
+      __m512 s[R];
+      for (int r = 0; r < R; ++r) {
+        __m512 m;
+        group_constants(w, n + r, g0, count, s[r], m);
+        acc[r] = _mm512_fmadd_ps(m, sums, acc[r]);
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        __m512 d0[R], d1[R];
+        for (int r = 0; r < R; ++r) d0[r] = d1[r] = _mm512_setzero_ps();
+        for (int64_t c = (g0 + j) * chunks_per_group; c < (g0 + j + 1) * chunks_per_group; ++c) {
+          const __m512 x0 = _mm512_loadu_ps(xt + 32 * c), x1 = _mm512_loadu_ps(xt + 32 * c + 16);
+          for (int r = 0; r < R; ++r) {
+            __m512 lo, hi;
+            chunk<kKind, kTable>(w, codes[r], nullptr, table, c, lo, hi);
+            d0[r] = _mm512_fmadd_ps(lo, x0, d0[r]);
+            d1[r] = _mm512_fmadd_ps(hi, x1, d1[r]);
+          }
+        }
+        const __m512i lane = _mm512_set1_epi32(static_cast<int>(j));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_add_ps(d0[r], d1[r]), _mm512_permutexvar_ps(lane, s[r]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[t * n_out + n + r] = _mm512_reduce_add_ps(acc[r]);
+  }
+  if (n < n1) rows_avx512<1, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n, n1);
+}
+
 template <Kind kKind, bool kTable>
 ZOO_AVX512 void rows_avx512_all(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
                                 int64_t tokens, int64_t n_out, int64_t n0, int64_t n1) {
   int64_t t = 0;
   for (; t + 4 <= tokens; t += 4) rows_avx512<4, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
   for (; t + 2 <= tokens; t += 2) rows_avx512<2, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
-  for (; t < tokens; ++t) rows_avx512<1, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+  for (; t < tokens; ++t) {
+    // Groups of 16 (Q6_K, NF4's smallest) take a chunk as two groups: the one-row path.
+    if (w.group != 16) rows4_avx512<kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+    else rows_avx512<1, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+  }
 }
 
 ZOO_AVX512 void rows_fast(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
@@ -798,14 +854,13 @@ Weight expert_weight(const Weight& base, const std::vector<ffi::AnyBuffer>& a, i
 // once serves all tokens (~2 ms a token after ~34 ms for the blocks; bench/RESULTS.md, "Prompt
 // chunks with packed weights"). The portable path takes it at every token count.
 constexpr int64_t kBlockTokens = 16;
-// Below this many weight-tokens a product runs on the calling thread alone. With AVX-512 waking
-// a pool thread costs more than it saves below ~2M (a SmolLM2 projection at decode), more so on
-// a busy machine. Without AVX-512 every product first dequantizes blocks of rows into a buffer,
-// a few times the work per weight, and a second thread pays from ~128K: SmolLM2's Q4_1 decode
-// step on a 2-core AMD Zen 3 took 33 ms alone and 22-23 ms threaded from 64K-256K
-// (bench/RESULTS.md, "Packed products threaded from fewer weights without AVX-512").
-constexpr int64_t kAloneBelow = int64_t{1} << 21;
-constexpr int64_t kAloneBelowBlocked = int64_t{1} << 17;
+// Below this many weight-tokens a product runs on the calling thread alone. A decode step's
+// products stream their weights from memory, which one core does slower than two: SmolLM2's
+// Q4_1 decode step on a 2-core AMD Zen 3 (AVX2, blocks dequantized first) took 33 ms alone and
+// 22-23 ms threaded from 64K-256K, on a Zen 5 (AVX-512) 14 ms alone and 11-13 ms threaded from
+// 128K (bench/RESULTS.md, "Packed products threaded from fewer weights without AVX-512" and
+// "Packed decode products four rows at a time").
+constexpr int64_t kAloneBelow = int64_t{1} << 17;
 constexpr int64_t kBlockFloats = 1 << 15;
 
 // Rows [n0, n1) of y for `tokens` rows of x (K floats apart): W's rows dequantized a block at a
@@ -926,8 +981,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   // Work items of >= 16 rows, about 4 per thread per expert (late threads still find work).
   // A small product runs on the calling thread alone (`kAloneBelow`).
   const int64_t work = n * k * used;
-  const int64_t alone_below = fast ? kAloneBelow : kAloneBelowBlocked;
-  const int64_t threads = work < alone_below ? 1 : std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = work < kAloneBelow ? 1 : std::max<int64_t>(pool.num_threads(), 1);
   const int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
   std::vector<Item> items;
   for (int64_t e = 0; e < stack; ++e) {
