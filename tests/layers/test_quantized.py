@@ -222,13 +222,14 @@ def test_activations_are_rounded_within_half_a_step():
 @pytest.mark.parametrize("name, weight", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
 def test_one_token_equals_its_row_of_a_token_block_bit_for_bit(name, weight):
     """Float activations on AVX-512: a lone token's rows run four at a time (50 rows: a tail of
-    two), tokens in a block one row at a time; both sum each output in the same order, so a
-    token's outputs are the same bits either way (on a CPU without AVX-512 both are the
-    portable path)."""
-    x = jax.random.normal(jax.random.key(5), (3, weight.cols))
+    two), tokens in blocks of 8 (groups of 32), 4 and 2 one row at a time; every path sums each
+    output in the same order, so a token's outputs are the same bits either way (on a CPU
+    without AVX-512 all are the portable path)."""
+    tokens = 15  # below the blocked path's 16: a block of 8 where the group is 32, 4, 2, then 1
+    x = jax.random.normal(jax.random.key(5), (tokens, weight.cols))
     product = jax.jit(lambda x, w: cpu_matmul(x, w))
-    together = product(x, weight)  # tokens 0 and 1 in a block of 2, token 2 alone
-    for t in range(3):
+    together = product(x, weight)
+    for t in range(tokens):
         np.testing.assert_array_equal(product(x[t : t + 1], weight)[0], together[t], err_msg=name)
 
 
