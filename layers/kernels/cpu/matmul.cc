@@ -302,32 +302,32 @@ ZOO_AVX512 inline void chunk(const Weight& w, const uint8_t* codes, const uint8_
 }
 
 // Rows of W requested ahead of the ones being multiplied, into L1. A decode step's products
-// read their weights once, from memory, in short calls, with the dequantize's arithmetic
-// between the loads; without the requests the loads waited on memory and the arithmetic on
-// them, one after the other: SmolLM2's Q4_1 layers at one token took 6.0 ms against 2.3 for
-// reading the same bytes alone and 3.5 for the arithmetic alone, from L3 (bench/RESULTS.md,
-// "Packed weights requested ahead").
+// read their weights once, from memory, in short calls; without the requests a row's loads
+// waited on memory and its arithmetic on them, one after the other, and SmolLM2's Q4_1 layers
+// at one token took about the time of reading their bytes plus that of the arithmetic
+// (bench/RESULTS.md, "Packed weights requested ahead").
 constexpr int64_t kPrefetchRows = 8;
 
-// Every cache line of bytes [from, to) past p, requested into L1. Inlined by force: GCC takes a
-// called function that only prefetches for one without effects and drops the call.
-ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_lines(const void* p, int64_t from, int64_t to) {
-  const char* base = static_cast<const char*>(p);
-  for (int64_t i = from & ~int64_t{63}; i < to; i += 64) _mm_prefetch(base + i, _MM_HINT_T0);
+// Every cache line of [begin, end) requested into L1. Inlined by force: GCC takes a called
+// function that only prefetches for one without effects and drops the call.
+ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_lines(const void* begin, const void* end) {
+  const uintptr_t last = reinterpret_cast<uintptr_t>(end);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63}; a < last; a += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+  }
 }
 
-// Every array of rows [n0, n1) of W (clamped to its `rows`), one request a cache line.
+// Every array of rows [n0, n1) of W (clamped to its `rows`).
 ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_rows(const Weight& w, int64_t n0, int64_t n1, int64_t rows) {
   n1 = std::min(n1, rows);
   if (n1 <= n0) return;
   const int64_t groups = w.groups(), supers = w.k / 256;
-  auto size = [](Type t) -> int64_t { return t == Type::kF32 ? 4 : t == Type::kF16 ? 2 : 1; };
-  prefetch_lines(w.codes, n0 * w.codes_row(), n1 * w.codes_row());
-  if (w.high) prefetch_lines(w.high, n0 * (w.k / 4), n1 * (w.k / 4));
-  prefetch_lines(w.scales, n0 * groups * size(w.scale_type), n1 * groups * size(w.scale_type));
-  if (w.mins) prefetch_lines(w.mins, n0 * groups * size(w.min_type), n1 * groups * size(w.min_type));
-  if (w.super_scales) prefetch_lines(w.super_scales, 2 * n0 * supers, 2 * n1 * supers);
-  if (w.super_mins) prefetch_lines(w.super_mins, 2 * n0 * supers, 2 * n1 * supers);
+  prefetch_lines(w.codes + n0 * w.codes_row(), w.codes + n1 * w.codes_row());
+  if (w.high) prefetch_lines(w.high + n0 * (w.k / 4), w.high + n1 * (w.k / 4));
+  prefetch_lines(element_at(w.scales, w.scale_type, n0 * groups), element_at(w.scales, w.scale_type, n1 * groups));
+  if (w.mins) prefetch_lines(element_at(w.mins, w.min_type, n0 * groups), element_at(w.mins, w.min_type, n1 * groups));
+  if (w.super_scales) prefetch_lines(w.super_scales + n0 * supers, w.super_scales + n1 * supers);
+  if (w.super_mins) prefetch_lines(w.super_mins + n0 * supers, w.super_mins + n1 * supers);
 }
 
 // Rows [n0, n1) of y for tokens [t0, t0 + TB): per group, the codes' dot with x (two FMA chains

@@ -165,8 +165,9 @@ constexpr int64_t kPagesAhead = 1;
 // the row sees it: pages lie anywhere in the pool, so no hardware prefetcher guesses the next.
 // Inlined by force: GCC takes a called function that only reads and prefetches for one without
 // effects and drops the call (it did, until this attribute).
-inline __attribute__((always_inline)) void prefetch_page_ahead(const float* k_pool, const float* v_pool, const int32_t* table,
-                                int64_t first, int64_t hi, const Shapes& s) {
+inline __attribute__((always_inline)) void prefetch_page_ahead(
+    const float* k_pool, const float* v_pool, const int32_t* table, int64_t first, int64_t hi,
+    const Shapes& s) {
   const int64_t ps = s.page_size, d = s.head_dim;
   if (first + kPagesAhead * ps >= hi) return;
   const int64_t next = page_at(table, first + kPagesAhead * ps, s) * ps * d;
