@@ -3,7 +3,15 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+# Bytecode caches are written whatever PYTHONDONTWRITEBYTECODE says. The suite starts many
+# Python processes (CLI runs, training processes, examples), each importing the library, and
+# pytest rewrites every test module in each worker; from a fresh clone with the variable set,
+# each of them compiled every module from source again.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # LLVM -O0: the suite compiles hundreds of tiny programs, so compile time, not run time, is what
 # it spends (measured: 8.0 -> 5.1 min on 2 cores). Every comparison in a test is between programs
@@ -43,6 +51,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import gc  # noqa: E402
 
+# Tracing a program allocates millions of short-lived objects, and Python's collector at its
+# default thresholds (700, 10, 10) walked the worker's large heap for them thousands of times a
+# module. Rarer collections keep the same peak memory (bench/RESULTS.md); the worker's memory
+# check below still runs a full collection when it drops the compiled programs.
+gc.set_threshold(50_000, 20, 100)
+
 import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
@@ -54,6 +68,13 @@ def _xdist_group(item) -> str:
         for mark in item.iter_markers("xdist_group")
     }
     return "_".join(sorted(names)) if names else item.module.__name__
+
+
+def pytest_collection_finish(session):
+    """What collection built (modules, test items) lives as long as the run: the collector need
+    not walk it again."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
