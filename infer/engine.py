@@ -16,9 +16,10 @@ one step behind, streaming, prefix reuse, preemption.
   several consecutive chunks of one prompt, in one step. Attention reads only the pages each row
   holds. The prompt part comes in a few fixed sizes (`Engine.prompt_shapes`: 1, 4, 16, ...
   chunks up to the budget; a step takes the largest size its waiting chunks fill, so padding is
-  at most each prompt's last chunk), each one compiled forward, all compiled when the engine
-  starts beside the decode-only one; no prompt length, batch mix or sampler setting compiles
-  anything new.
+  at most each prompt's last chunk, or, when no row decodes, the smallest size that holds them
+  all where its padding costs less than the steps it saves: `prompt_part`), each one compiled
+  forward, all compiled when the engine starts beside the decode-only one; no prompt length,
+  batch mix or sampler setting compiles anything new.
 - The device keeps what the next step needs: each row's last token, how many it generated and
   whether it is done (a stop token or its budget). Sampling, stop checks and the per-row sampler
   settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
@@ -90,6 +91,10 @@ MAX_LOGPROBS = 20
 PROMPT_TOKENS = 256
 CHUNK = 16
 SHAPE_STEP = 4
+# What a step costs beyond its tokens, in prompt tokens: a prompt part padded by up to this many
+# tokens per step it saves goes in fewer steps (`prompt_part`). SmolLM2's packed steps on this
+# CPU cost about 40 ms + 1.2 ms a token (bench/RESULTS.md, "A new prompt's chunks in one step").
+STEP_TOKENS = 32
 
 # Times each decode-only program is timed at an adaptive engine's warm-up (the median counts:
 # one slow step on a shared machine does not decide).
@@ -455,6 +460,23 @@ def prompt_shapes(most: int) -> tuple[int, ...]:
     while shapes[-1] * SHAPE_STEP < most:
         shapes.append(shapes[-1] * SHAPE_STEP)
     return tuple(shapes) + ((most,) if most > shapes[-1] else ())
+
+
+def prompt_part(waiting: int, shapes: tuple[int, ...], chunk: int, *, decoding: bool) -> int:
+    """The size (in chunks, one of `shapes`, which hold 1) of a step's prompt part for `waiting`
+    chunks: the largest size they fill, so only a prompt's last chunk is padded. When no row
+    decodes, the smaller steps would advance nothing else: then the smallest size that holds
+    them all, if its padding costs fewer tokens than the steps it saves are worth
+    (`STEP_TOKENS` each), so a new prompt on an idle engine takes as few steps as pay."""
+    fills = max((c for c in shapes if c <= waiting), default=0)
+    holds = min((c for c in shapes if c >= waiting), default=fills)
+    if decoding or holds == fills:
+        return fills
+    steps, left = 0, waiting  # the steps of the largest sizes they fill, one after another
+    while left:
+        left -= max(c for c in shapes if c <= left)
+        steps += 1
+    return holds if (holds - waiting) * chunk <= (steps - 1) * STEP_TOKENS else fills
 
 
 def default_prompt_tokens(model: Transformer, decode_tokens: int, chunk: int) -> int:
@@ -1177,14 +1199,14 @@ class Engine:
 
     def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """This step's decode rows and prompt tokens (each prompting request's next `n`), with
-        their pages: oldest requests first; every decoding row, then prompt chunks within the
-        largest of `prompt_shapes` that the waiting chunks fill (a request cut short by it
-        ends on a whole chunk, so only a prompt's last chunk is ever padded); when the pool is
-        dry the youngest running request is preempted."""
+        their pages: oldest requests first; every decoding row, then prompt chunks within
+        `prompt_part` (a request cut short by it ends on a whole chunk); when the pool is dry
+        the youngest running request is preempted."""
         running = sorted((r for r in self.rows if r is not None), key=lambda r: r.order)
         waiting = sum(-(-(len(r.sequence) - r.cached) // self.chunk)
                       for r in running if r.prefilling)  # fmt: skip
-        room = max((c for c in self.prompt_shapes if c <= waiting), default=0) * self.chunk
+        decoding = any(not r.prefilling for r in running)
+        room = prompt_part(waiting, self.prompt_shapes, self.chunk, decoding=decoding) * self.chunk
         decode, chunks = [], []
         for request in running:
             if request.row < 0:  # preempted below for an older request

@@ -15,7 +15,7 @@ import pytest
 
 import infer
 import zoo
-from infer.engine import TRACES, Engine
+from infer.engine import STEP_TOKENS, TRACES, Engine, prompt_part
 from layers.kernels import PallasDecodeKernel
 
 LLAMA = zoo.preset("tiny-llama", n_layers=2, max_seq_len=256)
@@ -159,11 +159,41 @@ def test_a_step_takes_the_waiting_prompts_chunks_its_budget_holds(llama):
     assert dict(TRACES) == before
 
 
+def test_with_no_row_decoding_a_prompt_goes_in_the_smallest_shape_that_holds_it(llama):
+    """Shapes of 1 or 4 chunks of 8. The first prompt's 3 chunks find no row decoding: one step
+    of the 4-chunk shape takes them all (the largest shape they fill, 1, would take three steps).
+    The second prompt's 3 chunks come while the first decodes: one chunk a step beside it, so
+    each step also advances the decoding row. Every request gets its tokens alone."""
+    engine = Engine(llama, max_batch=2, max_len=64, page_size=8, chunk=8, token_budget=2 + 32)
+    assert engine.prompt_shapes == (1, 4)
+    cases = prompts([20, 20], seed=4)
+    first = engine.submit(cases[0], max_new_tokens=8)
+    engine.step()
+    engine.step()
+    second = engine.submit(cases[1], max_new_tokens=3)
+    engine.run()
+    records = [(r.decode_rows, r.chunks, r.prompt_tokens, r.shape) for r in engine.records]
+    assert records[0] == (0, 3, 20, 4)
+    assert [r for r in records if r[1]][1:] == [(1, 1, 8, 1), (1, 1, 8, 1), (1, 1, 4, 1)]
+    assert first.tokens == alone(llama, cases[0], 8)
+    assert second.tokens == alone(llama, cases[1], 3)
+
+
+def test_an_idle_engines_prompt_part_pads_only_where_it_saves_steps():
+    """Shapes of 1, 4 or 16 chunks of 16, a step worth STEP_TOKENS = 32 prompt tokens: with no
+    row decoding, 2 chunks pad to 4 (32 tokens for 1 step) and 3 to 4 (16 for 2), 5 do not pad
+    to 16 (176 tokens for 1 step), 12 do (64 for 2); beside a decoding row, never."""
+    shapes, part = (1, 4, 16), lambda w, d=False: prompt_part(w, shapes, 16, decoding=d)
+    assert STEP_TOKENS == 32
+    assert [part(w) for w in (0, 1, 2, 3, 4, 5, 8, 12, 16, 40)] == [0, 1, 4, 4, 4, 4, 4, 16, 16, 16]
+    assert [part(w, True) for w in (2, 3, 5, 12)] == [1, 1, 4, 4]
+
+
 def test_pages_follow_the_tokens_and_come_back(llama):
     engine = Engine(llama, **SHAPE, prefix_sharing=False)
     request = engine.submit(list(range(1, 20)), max_new_tokens=6)
-    engine.step()  # admits and prefills a chunk of 16 of its 19 tokens: 2 pages of 8
-    assert engine.pool.in_use == 2
+    engine.step()  # admits and prefills its 19 tokens (2 chunks of 16): 3 pages of 8
+    assert engine.pool.in_use == 3
     engine.run()
     assert engine.pool.in_use == 0 and len(request.tokens) == 6
     assert engine.kv_bytes_in_use() == 0 < engine.contiguous_kv_bytes()
