@@ -43,7 +43,7 @@ from infer.engine import CHUNK, PROMPT_TOKENS, TRACES, Engine, default_prompt_to
 from zoo import math as zmath
 
 NEW_TOKENS = 8
-WARMUP_LEN, UNSEEN = 37, (23, 61, 118)
+WARMUP_LEN, UNSEEN, LATENCY_PROMPTS = 37, (23, 61, 118), 3
 ROWS, MAX_LEN = 8, 256
 FIRST_USE_PROMPT, FIRST_USE_NEW, REPEATS = 16, 64, 3
 REF_PYTHON = Path(__file__).resolve().parents[1] / ".venv-ref" / "bin" / "python"
@@ -141,30 +141,38 @@ def first_use(table: Table, ceilings: Ceilings) -> None:
 
 
 def latency(model, table: Table, gguf: Path, ceilings: Ceilings) -> None:
+    """One `generate` call per prompt, the median of `LATENCY_PROMPTS` prompts of each unseen
+    length: one call per row moved with the host's noise (bench/RESULTS.md)."""
+    seeds = {n: [n + 1000 * i for i in range(LATENCY_PROMPTS)] for n in UNSEEN}
     calls = [{"prompts": [prompt(WARMUP_LEN, WARMUP_LEN)], "new_tokens": NEW_TOKENS,
               "warmup": False, "repeats": 1}]  # fmt: skip
-    calls += [{"prompts": [prompt(n, n)], "new_tokens": NEW_TOKENS, "warmup": False, "repeats": 1}
-              for n in UNSEEN]  # fmt: skip
+    calls += [{"prompts": [prompt(n, seed)], "new_tokens": NEW_TOKENS, "warmup": False,
+               "repeats": 1} for n in UNSEEN for seed in seeds[n]]  # fmt: skip
     hf = hf_calls(gguf, calls)
 
-    def call(n):
+    def call(n, seed):
         return _timed(lambda: infer.generate(
-            model, [prompt(n, n)], max_new_tokens=NEW_TOKENS, sampler=infer.Greedy(),
+            model, [prompt(n, seed)], max_new_tokens=NEW_TOKENS, sampler=infer.Greedy(),
             key=jax.random.key(0),
         ))[0]  # fmt: skip
 
-    call(WARMUP_LEN)
+    call(WARMUP_LEN, WARMUP_LEN)
     traces = sum(TRACES.values())
     for i, n in enumerate(UNSEEN):
-        ours = call(n)
+        ours = statistics.median(call(n, seed) for seed in seeds[n])
         compiled = sum(TRACES.values()) - traces
         predicted = predicted_s(model, ceilings, [n], NEW_TOKENS - 1, 1)
+        first = 1 + i * LATENCY_PROMPTS
+        peer = None if hf is None else statistics.median(
+            c["seconds"] for c in hf[first : first + LATENCY_PROMPTS]
+        )  # fmt: skip
         table.add({
-            "what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new",
+            "what": f"one generate call, unseen prompt of {n} tokens, {NEW_TOKENS} new "
+            f"(median of {LATENCY_PROMPTS} prompts)",
             "predicted": f"{predicted * 1e3:.0f} ms",
             "ours": f"{ours * 1e3:.0f} ms",
-            "peer": "-" if hf is None else f"{hf[1 + i]['seconds'] * 1e3:.0f} ms (HF generate)",
-            "ratio": "-" if hf is None else f"{hf[1 + i]['seconds'] / ours:.2f}x",
+            "peer": "-" if peer is None else f"{peer * 1e3:.0f} ms (HF generate)",
+            "ratio": "-" if peer is None else f"{peer / ours:.2f}x",
             "note": f"programs compiled since the warm-up: {compiled}",
         })  # fmt: skip
 
