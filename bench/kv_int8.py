@@ -31,7 +31,7 @@ import infer
 import zoo
 from bench.harness import Ceilings, Table, on_gpu
 from bench.quantized import GREEDY_TOKENS, PPL_TOKENS, PPL_WINDOW, PROMPTS, held_out_text
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
 BATCH, CONTEXT, REPEATS = 8, 2048, 5

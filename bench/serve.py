@@ -28,7 +28,7 @@ import openai
 import zoo
 from bench.engine import predicted_s
 from bench.harness import Ceilings, Table
-from examples.chat import smollm2_gguf
+from cli.flags import default_chat_model as smollm2_gguf
 from infer.engine import Engine
 from infer.serve.grammar import Grammars
 from zoo import math as zmath

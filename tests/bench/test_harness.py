@@ -1,10 +1,13 @@
 """The bench harness: Markdown tables, the roofline columns, and the profiler-trace reading."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from bench import harness, trace_reading
+from bench.__main__ import BENCHMARKS
 
 
 def test_roofline_cells_are_rate_and_fraction_of_the_ceiling():
@@ -56,3 +59,10 @@ def test_trace_reading_finds_the_matmul_of_a_profiled_program(tmp_path):
 def test_trace_reading_without_a_trace_says_so(tmp_path):
     with pytest.raises(ValueError, match="the profiler wrote no trace"):
         trace_reading.op_times(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_the_entry_point_names_imports_and_has_a_run(name):
+    """`python -m bench NAME` imports BENCHMARKS[NAME] and calls its `run(ceilings)`: a module
+    that no longer imports (a moved helper) fails here, not on the next benchmark run."""
+    assert callable(importlib.import_module(BENCHMARKS[name]).run)
