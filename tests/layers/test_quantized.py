@@ -205,7 +205,7 @@ CASES = packed_cases()
 TAIL_CASES = [
     (f"{kind}-{group}-160", pack(random_w(cols=160), kind, group=group, axes=("mlp", "embed")))
     for kind, group in [("int8", None), ("int8", 32), ("int4", 32), ("nf4", 32)]
-] + [("int4-32-50rows", pack(random_w(rows=50), "int4", group=32, axes=("mlp", "embed")))]
+] + [("int4-32-51rows", pack(random_w(rows=51), "int4", group=32, axes=("mlp", "embed")))]
 
 
 def test_activations_are_rounded_within_half_a_step():
@@ -221,11 +221,12 @@ def test_activations_are_rounded_within_half_a_step():
 
 @pytest.mark.parametrize("name, weight", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
 def test_one_token_equals_its_row_of_a_token_block_bit_for_bit(name, weight):
-    """Float activations on AVX-512: a lone token's rows run four at a time (50 rows: a tail of
-    two), tokens in blocks of 8 (groups of 32), 4 and 2 one row at a time; every path sums each
-    output in the same order, so a token's outputs are the same bits either way (on a CPU
+    """Float activations on AVX-512: groups of 32 run a lone token four rows at a time, blocks of
+    8 tokens two rows at a time and of 4 and 2 four (51 rows: tails of one and three rows); other
+    groups a lone token four rows at a time, blocks of 4 and 2 one row at a time. Every path sums
+    each output in the same order, so a token's outputs are the same bits either way (on a CPU
     without AVX-512 all are the portable path)."""
-    tokens = 15  # below the blocked path's 16: a block of 8 where the group is 32, 4, 2, then 1
+    tokens = 15  # below the blocked path's 16 (32): a block of 8 where the group is 32, 4, 2, 1
     x = jax.random.normal(jax.random.key(5), (tokens, weight.cols))
     product = jax.jit(lambda x, w: cpu_matmul(x, w))
     together = product(x, weight)
@@ -237,10 +238,11 @@ def test_one_token_equals_its_row_of_a_token_block_bit_for_bit(name, weight):
                          ids=[c[0] for c in CASES + TAIL_CASES])  # fmt: skip
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
 def test_cpu_kernel_equals_dequantize_then_matmul(name, weight, portable):
-    # 1, 3 and 17 tokens: the kernel's blocks of 8, 4 and 2 tokens and the single-token tail;
-    # 17 with float activations: blocks of rows dequantized once for every token. int8
-    # activations: the kernel's input is x̂ (the module docstring), the same bound on it.
-    for tokens in (1, 3, 17):
+    # 1, 7 and 33 tokens: the kernel's blocks of 4 and 2 tokens and the single-token tail (8
+    # tokens: the bit-for-bit test above); 33 with float activations: blocks of rows dequantized
+    # once for every token, with int8 activations blocks of 8 tokens. int8 activations: the
+    # kernel's input is x̂ (the module docstring), the same bound on it.
+    for tokens in (1, 7, 33):
         x = jax.random.normal(jax.random.key(tokens), (tokens, weight.cols))
         for int8, x_in in ((True, quantize_activations(x)), (False, x)):
             y = jax.jit(
@@ -275,10 +277,10 @@ def test_cpu_dequantize_takes_leading_dims_and_vmap():
     np.testing.assert_array_equal(np.asarray(mapped).view(np.uint32), reference)
 
 
-@pytest.mark.parametrize("sizes", [(2, 0, 3, 1), (0, 0, 6, 0), (1, 1, 1, 1), (1, 17, 0, 2)])
+@pytest.mark.parametrize("sizes", [(2, 0, 3, 1), (0, 0, 6, 0), (1, 1, 1, 1), (1, 33, 0, 2)])
 @pytest.mark.parametrize("kind, int8", [("int8", True), ("int4", True), ("int4", False)])
 def test_cpu_kernel_per_expert_equals_ragged_dot(sizes, kind, int8):
-    # (1, 17, 0, 2) with float activations: the expert of 17 rows takes the blocked path, the
+    # (1, 33, 0, 2) with float activations: the expert of 33 rows takes the blocked path, the
     # others the per-token one.
     w = jax.random.normal(jax.random.key(0), (4, 40, 64)) * 0.05
     weight = pack(w, kind, axes=("experts", "mlp", "embed"))

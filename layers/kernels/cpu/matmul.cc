@@ -43,8 +43,8 @@
 //
 // Code paths: AVX-512 VNNI integer products (int8 activations; i8, linear u4, q4k, q6k with
 // group 16, 32, 64 or a multiple of 128 or a single group per row), AVX-512 float (NF4's table,
-// other groups, float activations; from kBlockTokens tokens a block of rows dequantized into an
-// L2 buffer and multiplied by every token with dense.cc's walk), and on other CPUs the same at
+// other groups, float activations; from kBlockTokens tokens, 32 for groups of 32, a block of rows
+// dequantized into an L2 buffer and multiplied by every token with dense.cc's walk), and on other CPUs the same at
 // every token count: the block dequantized with AVX2 where the CPU has it (but a 4-bit table's),
 // else in plain C++ the compiler vectorizes (avx512.h's ZOO_CLONES), then dense.cc's plain walk;
 // no float copy of W either. Each is chosen at run time by what the CPU has; `portable` takes
@@ -330,8 +330,9 @@ ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_rows(const Weight
   if (w.super_mins) prefetch_lines(w.super_mins + n0 * supers, w.super_mins + n1 * supers);
 }
 
-// Rows [n0, n1) of y for tokens [t0, t0 + TB): per group, the codes' dot with x (two FMA chains
-// per token), then the group's scale; the minimums meet xsum sixteen groups at a time.
+// Rows [n0, n1) of y for tokens [t0, t0 + TB), groups of 16 or of 64 and more (32: rows_g32_avx512):
+// per group, the codes' dot with x (two FMA chains per token), then the group's scale; the
+// minimums meet xsum sixteen groups at a time.
 template <int TB, Kind kKind, bool kTable>
 ZOO_AVX512 void rows_avx512(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
                             int64_t n_out, int64_t t0, int64_t n0, int64_t n1) {
@@ -368,20 +369,6 @@ ZOO_AVX512 void rows_avx512(const Weight& w, const float* x, int64_t stride, con
         }
         continue;
       }
-      if (chunks_per_group == 1) {  // a group is one chunk: its two partial sums per token
-        for (int64_t j = 0; j < count; ++j) {  // live only within it (8 tokens fit the registers)
-          __m512 lo, hi;
-          chunk<kKind, kTable>(w, codes, high, table, g0 + j, lo, hi);
-          const __m512 sj = _mm512_permutexvar_ps(_mm512_set1_epi32(j), s), zero = _mm512_setzero_ps();
-          for (int t = 0; t < TB; ++t) {
-            const float* xc = xt + t * stride + 32 * (g0 + j);
-            const __m512 d0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xc), zero);
-            const __m512 d1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xc + 16), zero);
-            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sj, acc[t]);
-          }
-        }
-        continue;
-      }
       for (int64_t j = 0; j < count; ++j) {
         __m512 d0[TB], d1[TB];
         for (int t = 0; t < TB; ++t) d0[t] = d1[t] = _mm512_setzero_ps();
@@ -414,7 +401,7 @@ ZOO_AVX512 void rows4_avx512(const Weight& w, const float* x, int64_t stride, co
   const __m512 table = w.table ? _mm512_loadu_ps(w.table) : _mm512_setzero_ps();
   const float* xt = x + t * stride;
   const float* st = xsum + t * groups;
-  int64_t n = n0;  // groups of 32 or more (rows_avx512_all sends 16 to the one-row path)
+  int64_t n = n0;  // groups of 64 or more (rows_avx512_all sends 16 to the one-row path)
   for (; n + R <= n1; n += R) {
     prefetch_rows(w, n + kPrefetchRows, n + kPrefetchRows + R, n_out);
     const uint8_t* codes[R];
@@ -455,14 +442,79 @@ ZOO_AVX512 void rows4_avx512(const Weight& w, const float* x, int64_t stride, co
   if (n < n1) rows_avx512<1, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n, n1);
 }
 
+// Rows [n0, n1) of y for tokens [t0, t0 + TB), R rows at a time, where a group is one chunk of
+// 32 weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K; int4 and int8 of group 32): a chunk's codes become
+// floats times their scale once for every token, and each token's chunk of x, loaded once, meets
+// R rows. One row at a time, every FMA loaded its x again, and those loads, not the arithmetic,
+// set the time of 2-8 tokens. Each (row, token) sums in one order whatever TB and R are (its
+// minimums' term for 16 groups, then each chunk's low and high halves), so a token's outputs are
+// the same bits alone or in a block.
+template <int TB, int R, Kind kKind, bool kTable>
+ZOO_AVX512 void rows_g32_avx512(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
+                                int64_t n_out, int64_t t0, int64_t n0, int64_t n1) {
+  const int64_t groups = w.groups();
+  const __m512 table = w.table ? _mm512_loadu_ps(w.table) : _mm512_setzero_ps();
+  const float* xt = x + t0 * stride;
+  const float* st = xsum + t0 * groups;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    prefetch_rows(w, n + kPrefetchRows, n + kPrefetchRows + R, n_out);
+    const uint8_t* codes[R];
+    __m512 acc[R][TB];
+    for (int r = 0; r < R; ++r) {
+      codes[r] = w.codes + (n + r) * w.codes_row();
+      for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      const __mmask16 mask = zoo_cpu::first_lanes(count);
+      __m512 s[R], m[R];
+      for (int r = 0; r < R; ++r) group_constants(w, n + r, g0, count, s[r], m[r]);
+      for (int t = 0; t < TB; ++t) {
+        const __m512 sums = _mm512_maskz_loadu_ps(mask, st + t * groups + g0);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(m[r], sums, acc[r][t]);
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t c = g0 + j;
+        const __m512i lane = _mm512_set1_epi32(static_cast<int>(j));
+        __m512 lo[R], hi[R];
+        for (int r = 0; r < R; ++r) {
+          chunk<kKind, kTable>(w, codes[r], nullptr, table, c, lo[r], hi[r]);
+          const __m512 scale = _mm512_permutexvar_ps(lane, s[r]);
+          lo[r] = _mm512_mul_ps(lo[r], scale);
+          hi[r] = _mm512_mul_ps(hi[r], scale);
+        }
+        for (int t = 0; t < TB; ++t) {
+          const float* xc = xt + t * stride + 32 * c;
+          __m512 x0 = _mm512_loadu_ps(xc), x1 = _mm512_loadu_ps(xc + 16);
+          // Held in registers: GCC otherwise folds the load into each row's FMA, R loads again.
+          asm("" : "+v"(x0), "+v"(x1));
+          for (int r = 0; r < R; ++r) {
+            acc[r][t] = _mm512_fmadd_ps(lo[r], x0, acc[r][t]);
+            acc[r][t] = _mm512_fmadd_ps(hi[r], x1, acc[r][t]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < TB; ++t) y[(t0 + t) * n_out + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+    }
+  }
+  if constexpr (R > 1) {
+    if (n < n1) rows_g32_avx512<TB, 1, kKind, kTable>(w, x, stride, xsum, y, n_out, t0, n, n1);
+  }
+}
+
 template <Kind kKind, bool kTable>
 ZOO_AVX512 void rows_avx512_all(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
                                 int64_t tokens, int64_t n_out, int64_t n0, int64_t n1) {
   int64_t t = 0;
-  // Groups of one chunk (32) keep no partial sums across chunks: eight tokens a pass, so each
-  // row's codes are unpacked once for a decode step of 8 rows, not twice.
-  if (w.group == 32) {
-    for (; t + 8 <= tokens; t += 8) rows_avx512<8, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+  if (w.group == 32) {  // 8 tokens x 2 rows and 4 x 4 hold 16 accumulators; a lone token 4 rows
+    for (; t + 8 <= tokens; t += 8) rows_g32_avx512<8, 2, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+    for (; t + 4 <= tokens; t += 4) rows_g32_avx512<4, 4, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+    for (; t + 2 <= tokens; t += 2) rows_g32_avx512<2, 4, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+    for (; t < tokens; ++t) rows_g32_avx512<1, 4, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
+    return;
   }
   for (; t + 4 <= tokens; t += 4) rows_avx512<4, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
   for (; t + 2 <= tokens; t += 2) rows_avx512<2, kKind, kTable>(w, x, stride, xsum, y, n_out, t, n0, n1);
@@ -905,6 +957,10 @@ Weight expert_weight(const Weight& base, const std::vector<ffi::AnyBuffer>& a, i
 // once serves all tokens (~2 ms a token after ~34 ms for the blocks; bench/RESULTS.md, "Prompt
 // chunks with packed weights"). The portable path takes it at every token count.
 constexpr int64_t kBlockTokens = 16;
+// Groups of 32 take 8 tokens two rows at a time (rows_g32_avx512), which stays ahead of the
+// blocks to 24 tokens and level with them to 64 (bench/RESULTS.md, "Packed products of a few
+// tokens, rows two or four at a time"): blocks from 32.
+constexpr int64_t kBlockTokensGroup32 = 32;
 // Below this many weight-tokens a product runs on the calling thread alone. A decode step's
 // products stream their weights from memory, which one core does slower than two: SmolLM2's
 // Q4_1 decode step on a 2-core AMD Zen 3 (AVX2, blocks dequantized first) took 33 ms alone and
@@ -971,10 +1027,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   std::fill(y + used * n, y + tokens * n, 0.0f);
   const bool fast = has_avx512() && !portable;
   // Whether expert e's rows take the blocked path with x as it is (float activations: on the
-  // portable path always, with AVX-512 from kBlockTokens rows); if every expert with rows does,
-  // the per-token paths' copies and sums of x below are not made.
+  // portable path always, with AVX-512 from kBlockTokens rows, or kBlockTokensGroup32); if every
+  // expert with rows does, the per-token paths' copies and sums of x below are not made.
+  const int64_t block_tokens = group == 32 ? kBlockTokensGroup32 : kBlockTokens;
   auto blocked = [&](int64_t e) {
-    return !int8 && (!fast || first[e + 1] - first[e] >= kBlockTokens);
+    return !int8 && (!fast || first[e + 1] - first[e] >= block_tokens);
   };
   bool per_token = false;
   for (int64_t e = 0; e < stack; ++e) per_token |= first[e + 1] > first[e] && !blocked(e);
