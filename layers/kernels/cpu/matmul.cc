@@ -43,9 +43,10 @@
 //
 // Code paths: AVX-512 VNNI integer products (int8 activations; i8, linear u4, q4k, q6k with
 // group 16, 32, 64 or a multiple of 128 or a single group per row), AVX-512 float (NF4's table,
-// other groups, float activations; from kBlockTokens tokens, 32 for groups of 32, a block of rows
-// dequantized into an L2 buffer and multiplied by every token with dense.cc's walk), and on other CPUs the same at
-// every token count: the block dequantized with AVX2 where the CPU has it (but a 4-bit table's),
+// other groups, float activations; groups of 32 a few rows at a time, `rows_g32_avx512`; from
+// kBlockTokens tokens, 32 for groups of 32, a block of rows dequantized into an L2 buffer and
+// multiplied by every token with dense.cc's walk), and on other CPUs the same at every token
+// count: the block dequantized with AVX2 where the CPU has it (but a 4-bit table's),
 // else in plain C++ the compiler vectorizes (avx512.h's ZOO_CLONES), then dense.cc's plain walk;
 // no float copy of W either. Each is chosen at run time by what the CPU has; `portable` takes
 // the plain C++ of both (a test of it).
@@ -330,9 +331,9 @@ ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_rows(const Weight
   if (w.super_mins) prefetch_lines(w.super_mins + n0 * supers, w.super_mins + n1 * supers);
 }
 
-// Rows [n0, n1) of y for tokens [t0, t0 + TB), groups of 16 or of 64 and more (32: rows_g32_avx512):
-// per group, the codes' dot with x (two FMA chains per token), then the group's scale; the
-// minimums meet xsum sixteen groups at a time.
+// Rows [n0, n1) of y for tokens [t0, t0 + TB), groups of 16 or of 64 and more (groups of 32:
+// rows_g32_avx512): per group, the codes' dot with x (two FMA chains per token), then the
+// group's scale; the minimums meet xsum sixteen groups at a time.
 template <int TB, Kind kKind, bool kTable>
 ZOO_AVX512 void rows_avx512(const Weight& w, const float* x, int64_t stride, const float* xsum, float* y,
                             int64_t n_out, int64_t t0, int64_t n0, int64_t n1) {
