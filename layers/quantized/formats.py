@@ -24,11 +24,13 @@ per 16 weights, byte b holding weights b, b + 4, b + 8, b + 12 in bit pairs 0, 2
 for the symmetric int4 and Q4_0, the code itself for asymmetric int4 and Q4_1, which add a
 per-group minimum).
 
-`activations` ("int8", the default, or "float") is what the CPU kernel does with x at decode:
-"int8" rounds it per 32 inputs to int8 codes and a step first (llama.cpp's Q8_0 activations,
-`layers.kernels.quantized.quantize_activations`) so that codes multiply codes in integers (the
-4-bit formats' products are otherwise bound by turning weights into floats); "float" keeps x as
-it is. `with_activations(tree, mode)` sets it on every packed weight of a model. Prefill and
+`activations` ("float", the default, or "int8") is what the CPU kernel does with x at decode:
+"float" keeps x as it is; "int8" rounds it per 32 inputs to int8 codes and a step first
+(llama.cpp's Q8_0 activations, `layers.kernels.quantized.quantize_activations`) so that codes
+multiply codes in integers (AVX-512 VNNI). Since the float path multiplies each chunk of x into
+several rows at once it is the faster of the two at 1-16 tokens on the AVX-512 CPU measured, and
+it rounds nothing (bench/RESULTS.md, "Packed products of a few tokens, rows two or four at a
+time"). `with_activations(tree, mode)` sets it on every packed weight of a model. Prefill and
 training (the dequantize + XLA path) and the GPU kernel always take x as it is.
 
 Scales and minimums keep the precision their format stores: llama.cpp's float16, float32 for the
@@ -203,7 +205,7 @@ class Int8Weight(PackedWeight):
     group: int = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
     name: str = eqx.field(static=True, default="int8")
-    activations: Activations = eqx.field(static=True, default="int8")
+    activations: Activations = eqx.field(static=True, default="float")
     kernel_format: ClassVar[str] = "i8"
 
     @property
@@ -233,7 +235,7 @@ class Int4Weight(PackedWeight):
     group: int = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
     name: str = eqx.field(static=True, default="int4")
-    activations: Activations = eqx.field(static=True, default="int8")
+    activations: Activations = eqx.field(static=True, default="float")
     kernel_format: ClassVar[str] = "u4"
 
     def __check_init__(self):  # PackedWeight's check runs too (equinox runs every class's)
@@ -286,7 +288,7 @@ class Q4KWeight(PackedWeight):
     axes: tuple[str, ...] = eqx.field(static=True)
     group: int = eqx.field(static=True, default=32)
     name: str = eqx.field(static=True, default="q4_k")
-    activations: Activations = eqx.field(static=True, default="int8")
+    activations: Activations = eqx.field(static=True, default="float")
     kernel_format: ClassVar[str] = "q4k"
 
     @property
@@ -314,7 +316,7 @@ class Q6KWeight(PackedWeight):
     axes: tuple[str, ...] = eqx.field(static=True)
     group: int = eqx.field(static=True, default=16)
     name: str = eqx.field(static=True, default="q6_k")
-    activations: Activations = eqx.field(static=True, default="int8")
+    activations: Activations = eqx.field(static=True, default="float")
     kernel_format: ClassVar[str] = "q6k"
 
     @property

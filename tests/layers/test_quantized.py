@@ -10,7 +10,7 @@ Bounds (float32, eps the machine epsilon, u = eps / 2 the unit roundoff):
   by <= 1/2 + 16 u (two roundings of a quotient <= 16), and fl(code s + min16) adds
   u (|w| + s): |dequantized - w| <= s / 2 + eps (|w| + |min16| + 16 s).
 - nf4: as QLoRA's: |dequantized - w| <= absmax (NF4_MAX_HALF_GAP + 2 eps).
-- int8 activations (the CPU kernel's default): x̂ = quantize_activations(x) is the kernel's
+- int8 activations (`with_activations(w, "int8")`): x̂ = quantize_activations(x) is the kernel's
   input, computed in JAX with the same float32 operations as the C++ (so x̂ is the same bits);
   the kernel is then held to the bound below against dequantize + matmul on x̂. x̂ errs from x
   by <= d / 2 + u |x̂| per input (d = the chunk's max |x| / 127: round to nearest, then one
@@ -354,11 +354,11 @@ def test_quantized_linear_is_the_linear_of_its_dequantized_weight(
     np.testing.assert_array_equal(float_linear.bias, linear.bias)
     x = jax.random.normal(jax.random.key(1), (1, tokens, *in_shape))
     forward = eqx.filter_jit(lambda m, x: m(x))
-    # The kernel (up to KERNEL_TOKENS tokens) multiplies x̂ (int8 activations, the default),
-    # dequantize + XLA x itself; with float activations the kernel takes x too.
+    # The kernel (up to KERNEL_TOKENS tokens) takes x as it is (float activations, the default),
+    # as dequantize + XLA do; with int8 activations the kernel multiplies x̂.
     kernel = tokens <= KERNEL_TOKENS
-    rounded = quantize_activations(x.reshape(tokens, -1)).reshape(x.shape) if kernel else x
-    for model, x_in in [(q, rounded)] + ([(with_activations(q, "float"), x)] if kernel else []):
+    rounded = quantize_activations(x.reshape(tokens, -1)).reshape(x.shape)
+    for model, x_in in [(q, x)] + ([(with_activations(q, "int8"), rounded)] if kernel else []):
         y = forward(model, x)
         reference = float_linear(x_in)
         bound = kernel_bound(x_in.reshape(tokens, -1), q.packed).reshape(1, tokens, *out_shape)
@@ -418,9 +418,10 @@ def test_quantized_embedding_looks_up_and_unembeds():
     tokens = jnp.array([[0, 5, 255]])
     np.testing.assert_array_equal(q(tokens), table[tokens])
     x = jax.random.normal(jax.random.key(1), (1, 2, 64))
-    x_hat = quantize_activations(x[0])[None]  # the kernel's input (int8 activations)
-    bound = kernel_bound(x_hat[0], q.packed)[None]
-    assert bool(jnp.all(jnp.abs(q.unembed(x) - x_hat @ table.T) <= bound))
+    x_hat = quantize_activations(x[0])[None]  # the kernel's input with int8 activations
+    for model, x_in in ((q, x), (with_activations(q, "int8"), x_hat)):
+        bound = kernel_bound(x_in[0], q.packed)[None]
+        assert bool(jnp.all(jnp.abs(model.unembed(x) - x_in @ table.T) <= bound))
     np.testing.assert_array_equal(q.dequantize().weight, table)
 
 
@@ -461,7 +462,7 @@ def test_logical_axes_name_every_array(kind):
 
 
 def test_quantized_matmul_under_vmap():
-    weight = pack(random_w(), "int4", axes=("mlp", "embed"))
+    weight = with_activations(pack(random_w(), "int4", axes=("mlp", "embed")), "int8")
     x = jax.random.normal(jax.random.key(1), (3, 1, weight.cols))
     y = jax.vmap(lambda x: quantized_matmul(x, weight))(x)
     x_hat = quantize_activations(x[:, 0])  # each row rounded on its own, as unbatched

@@ -3,15 +3,15 @@ family, the quantized model against the float model of its dequantized weights, 
 unrolled, bytes == zoo.math's prediction, the engine and generate on quantized models, the
 frozen base under jit and AdamW, LoRA on a quantized base, export, sharding, bad inputs.
 
-Tolerance: a quantized model with float activations (`with_activations(model, "float")`: the
-kernels take x as it is) and the float model holding its dequantized weights compute the
+Tolerance: a quantized model with float activations (the default: the kernels take x as it
+is) and the float model holding its dequantized weights compute the
 same function with each matrix product summed in another order (the kernels: per group, then
 scaled; layers/kernels/quantized), so they are compared with the tolerance of
 tests/zoo/test_transformer.py for the same weights under another schedule; each product's own
-bound is tests/layers/test_quantized.py's, which also holds the default int8 activations to
-theirs (x rounded per 32 inputs; a rounding that flips between two schedules of the same
-model moves a logit by far more than float rounding, so exact-schedule comparisons take float
-activations, and the default is held to greedy equality with the engine).
+bound is tests/layers/test_quantized.py's, which also holds int8 activations to theirs (x
+rounded per 32 inputs; a rounding that flips between two schedules of the same model moves a
+logit by far more than float rounding, so exact-schedule comparisons take float activations,
+the default).
 """
 
 import equinox as eqx
@@ -28,7 +28,6 @@ from infer.engine import PROMPT_TOKENS
 from layers import Embedding, Linear, LoRA, QuantizedEmbedding, QuantizedLinear
 from layers.kernels.quantized import KERNEL_TOKENS
 from layers.moe import Experts, QuantizedExperts
-from layers.quantized import with_activations
 from training.step import split_model
 
 TOKENS = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)  # the kernel path
@@ -96,7 +95,6 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, kin
     group = 32 if kind == "nf4" and name.startswith("tiny-deepseek") else None
     q = zoo.quantize(tiny(name), kind, group=group)
     dequantized = zoo.dequantize(q)
-    q = with_activations(q, "float")
     assert not of_type(dequantized, QuantizedLinear) and not of_type(dequantized, QuantizedExperts)
     forward = eqx.filter_jit(lambda m, t: m(t))
     for tokens in (TOKENS, LONG):
@@ -106,8 +104,8 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, kin
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_stacked_and_unrolled_quantize_alike(kind):
     model = tiny(n_layers=3)
-    stacked = with_activations(zoo.quantize(model, kind), "float")
-    unrolled = with_activations(zoo.quantize(model.with_policy(storage="unrolled"), kind), "float")
+    stacked = zoo.quantize(model, kind)
+    unrolled = zoo.quantize(model.with_policy(storage="unrolled"), kind)
     converted = stacked.with_policy(storage="unrolled")
     for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(unrolled), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -138,7 +136,7 @@ def test_bytes_match_the_prediction(name, changes, dtype, kind, group):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_cached_decode_runs_on_the_quantized_model(kind):
     # Prefill + decode == the full forward (the cache path calls the same projections).
-    q = with_activations(zoo.quantize(tiny(n_layers=2), kind), "float")
+    q = zoo.quantize(tiny(n_layers=2), kind)
     full = q(TOKENS)
     out = q.forward(TOKENS[:, :8], cache=q.init_cache(2, 12))
     np.testing.assert_allclose(out.logits, full[:, :8], **SAME)
@@ -160,11 +158,10 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("name, kind", [("tiny-llama", "int4"), ("tiny-moe", "int8")])
 def test_engine_and_generate_run_quantized_models_unchanged(name, kind):
-    # Float activations: a random tiny model's logits are near ties, which the int8 rounding of a
-    # row's activations (per token, the same on both paths only for bit-equal inputs) can flip;
-    # the default is held to greedy equality on SmolLM2 (tests/zoo/test_smollm2.py).
+    # Float activations (the default): a random tiny model's logits are near ties, which the
+    # int8 rounding of a row's activations (per token, the same on both paths only for
+    # bit-equal inputs) could flip.
     q = zoo.quantize(tiny(name, n_layers=2), kind).with_policy(storage="unrolled")
-    q = with_activations(q, "float")
     cases = [([5, 17, 3, 99, 4], 6), ([7] * 12, 4), ([1, 2], 8)]
     engine = infer.Engine(q, max_batch=2, max_len=32, warm_up=False)  # compiles what it runs
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]

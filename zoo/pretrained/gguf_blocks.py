@@ -63,8 +63,8 @@ class PackedRows:
     def weight(self, axes: tuple[str, ...]) -> PackedWeight:
         """The packed weight, on the default device (`jax.device_put` moves it to a sharding).
         Its kernels take x as it is (float activations): a GGUF model keeps the dequantized
-        file's greedy tokens (the rounding of int8 activations flips some of SmolLM2's, so
-        `layers.quantized.with_activations(model, "int8")` is the faster path asked for)."""
+        file's greedy tokens (the rounding of int8 activations flips some of SmolLM2's;
+        `layers.quantized.with_activations(model, "int8")` asks for it)."""
         arrays = {k: None if a is None else jnp.asarray(a) for k, a in self.arrays.items()}
         return self.kind(**arrays, **self.static, axes=axes, activations="float")
 
