@@ -8,7 +8,9 @@ With `int8_activations` (what `weight.activations == "int8"` asks for) the kerne
 per 32 inputs to int8 codes and a float32 step (`quantize_activations`, llama.cpp's Q8_0
 activations) and computes `x̂ · W^T` with x̂ the rounded x: on a CPU with AVX-512 VNNI the codes
 then multiply in integers (exact int32 sums, one scale per 32-input chunk), several times fewer
-instructions than turning every weight into a float.
+instructions than turning every weight into a float; yet the float walk, which loads each chunk
+of x once for several rows, is the faster one on the AVX-512 CPU measured (bench/RESULTS.md,
+"Packed products of a few tokens, rows two or four at a time"), so "float" is the default.
 
 The library (layers/kernels/cpu) is loaded on first use; a missing or stale one is an error that
 says how to build it.

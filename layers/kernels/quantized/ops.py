@@ -7,9 +7,9 @@ e.g. by JAX_PLATFORMS):
   engine step's prompt chunks): each weight is read once, packed, and dequantized in registers
   (with float activations and 16 tokens or more, 32 for groups of 32, a block of rows at a time
   into a buffer that serves every token); with the weight's `activations == "int8"` (the
-  default) it computes `quantize_activations(x) · W^T`. More tokens (prefill, training): the
-  library's dequantize (`cpu_dequantize`, bit for bit the specification's float weight) and one
-  XLA matmul;
+  default is "float") it computes `quantize_activations(x) · W^T`. More tokens (prefill,
+  training): the library's dequantize (`cpu_dequantize`, bit for bit the specification's float
+  weight) and one XLA matmul;
 - GPU: the Pallas kernel (pallas.py) for up to `PALLAS_TOKENS` tokens, for the formats it
   implements (`pallas.SUPPORTED`);
 - otherwise (more tokens on a GPU; other backends or formats): dequantize to the compute dtype
