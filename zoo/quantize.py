@@ -30,7 +30,7 @@ from jaxtyping import PyTree
 from layers import Linear, LoRA, QuantizedEmbedding, QuantizedLinear
 from layers.mla import MLA
 from layers.moe import Experts, QuantizedExperts
-from layers.quantized import Kind, PackedWeight, with_activations
+from layers.quantized import Kind, PackedWeight
 from zoo.transformer import Transformer
 
 QUANTIZED = (QuantizedLinear, QuantizedEmbedding, QuantizedExperts)
@@ -127,7 +127,7 @@ def quantize_base(model: Transformer, kind: Kind, *, block: int = 64) -> Transfo
     check_quantizable(model, "zoo.quantize_base")
     group = None if kind == "int8" else block
     eqx.filter_eval_shape(_quantized, model, kind, group, None, False)
-    return with_activations(_quantized(model, kind, group, None, False), "float")
+    return _quantized(model, kind, group, None, False)  # float activations: the default
 
 
 def dequantize_base(model: Transformer) -> Transformer:
