@@ -165,10 +165,13 @@ def test_ragged_decode_equals_each_row_alone(n_heads, n_kv_heads, window):
     for t in range(3):
         step, cache = infer.decode_step(model, new[:, t], cache)
         steps.append(step)
+    # Each row's own full forward, right-padded to one width (under the causal mask padding
+    # changes no earlier position), so one compiled forward serves every row.
     reference = model.with_policy(attention="naive")
     for i, row in enumerate(rows):
-        full = reference(jnp.array([row + new[i, :3].tolist()]))[0, len(row) - 1 :]
-        close(jnp.stack([s[i] for s in steps]), full)
+        tokens = row + new[i, :3].tolist()
+        full = _forward(reference, jnp.array([tokens + [0] * (width + 3 - len(tokens))])).logits
+        close(jnp.stack([s[i] for s in steps]), full[0, len(row) - 1 : len(tokens)])
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -235,16 +238,18 @@ def test_moe_ragged_prefill_then_decode_equals_each_row_alone(moe_model, storage
         steps.append(step)
     # Each row's own full forward, right-padded to one width (under the causal mask padding
     # changes no earlier position; dropless routing: nor do the padded tokens' experts), so one
-    # compiled forward serves every row.
-    forward = eqx.filter_jit(lambda m, row: m(jnp.array([row + [0] * (width + 3 - len(row))]))[0])
-    for i, row in enumerate(rows):
-        full = forward(moe_model, row + new[i].tolist())
+    # compiled forward serves every row (given as an array: a list would be static to
+    # `filter_jit`, a program per row).
+    padded_rows = [row + new[i].tolist() + [0] * (width - len(row)) for i, row in enumerate(rows)]
+    fulls = [_forward(moe_model, jnp.array([tokens])).logits[0] for tokens in padded_rows]
+    for i, (row, full) in enumerate(zip(rows, fulls, strict=True)):
         close(jnp.stack([s[i] for s in steps]), full[len(row) - 1 : len(row) + 2])
     out = cached_model.forward(new[:, 2:], cache=cache)
     assert out.aux.expert_load.shape[0] == len(MOE.moe_layers)
-    close(out.logits[:, 0], jnp.stack([
-        forward(moe_model, row + new[i].tolist())[len(row) + 2] for i, row in enumerate(rows)
-    ]))  # fmt: skip
+    close(
+        out.logits[:, 0],
+        jnp.stack([full[len(row) + 2] for row, full in zip(rows, fulls, strict=True)]),
+    )
 
 
 @pytest.mark.parametrize("storage", STORAGE)

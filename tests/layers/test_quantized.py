@@ -372,12 +372,12 @@ def test_gradient_reaches_the_input_alone():
     )
     q = with_activations(q, "float")  # the forward's x as it is: sin' at the float model's y
     x = jax.random.normal(jax.random.key(1), (2, 64))
-    dx = jax.grad(lambda x: jnp.sum(jnp.sin(q(x))))(x)
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(q(x)))))(x)  # one program, not op by op
     w = q.weight()
-    want = jax.grad(lambda x: jnp.sum(jnp.sin(x @ w)))(x)
+    want = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x @ w))))(x)
     np.testing.assert_allclose(dx, want, rtol=1e-5, atol=1e-6)
     # The packed weight is frozen: its float arrays (scales, minimums) get zero cotangents.
-    grads = eqx.filter_grad(lambda m, x: jnp.sum(m(x)))(q, x)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(q, x)
     assert jax.tree.leaves(grads.packed)  # scales and minimums were differentiated...
     for leaf in jax.tree.leaves(grads.packed):
         np.testing.assert_array_equal(leaf, 0.0)  # ...to zero
@@ -445,9 +445,10 @@ def test_ragged_gradient_reaches_the_input():
     weight = with_activations(weight, "float")  # the forward's x as it is (y in the gradient)
     sizes = jnp.array([1, 2], jnp.int32)
     x = jax.random.normal(jax.random.key(1), (3, 64))
-    dx = jax.grad(lambda x: jnp.sum(quantized_ragged_matmul(x, weight, sizes) ** 2))(x)
+    # Each gradient as one program, not op by op.
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(quantized_ragged_matmul(x, weight, sizes) ** 2)))(x)
     deq = jnp.swapaxes(weight.dequantize(), -1, -2)
-    want = jax.grad(lambda x: jnp.sum(jax.lax.ragged_dot(x, deq, sizes) ** 2))(x)
+    want = jax.jit(jax.grad(lambda x: jnp.sum(jax.lax.ragged_dot(x, deq, sizes) ** 2)))(x)
     np.testing.assert_allclose(dx, want, rtol=1e-5, atol=1e-5)
 
 

@@ -146,7 +146,8 @@ def test_one_expert_equals_the_dense_model(dense, dispatch):
 def test_interleaved_scan_equals_unrolled_loop(interleaved):
     scanned = interleaved.with_policy(remat="full")
     unrolled = interleaved.with_policy(remat="full", scan_layers=False)
-    a, b = scanned.forward(TOKENS), unrolled.forward(TOKENS)
+    forward = eqx.filter_jit(lambda model: model.forward(TOKENS))  # one program, not op by op
+    a, b = forward(scanned), forward(unrolled)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
@@ -154,7 +155,7 @@ def test_interleaved_scan_equals_unrolled_loop(interleaved):
         out = model.forward(TOKENS)
         return jnp.mean(out.logits**2) + weighted_aux(out.aux)
 
-    grads = eqx.filter_grad(loss)(scanned)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(scanned)
     # The aux loss reaches every MoE layer's router through the scanned stack of
     # (dense, MoE) periods.
     router_grads = np.abs(np.asarray(grads.stacks[1].blocks[1].mlp.router.weight))
