@@ -38,6 +38,8 @@ for name in sys.argv[1:]:
             runpy.run_module(f"examples.{name}", run_name="__main__", alter_sys=True)
         except SystemExit as exit_:
             code = exit_.code
+        except Exception as error:  # recorded: the next examples still answer
+            code = f"raised {error!r}"
     results[name] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
                      "compiled": compiled[0],
                      "home": sorted(set(os.listdir(os.environ["HOME"])) - home)}
