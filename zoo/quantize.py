@@ -135,6 +135,11 @@ def dequantize_base(model: Transformer) -> Transformer:
     return dequantize(model)
 
 
+# One program per packed weight's structure and dtype (a stack's weights share it), not its
+# dozen ops one by one.
+_dequantized = eqx.filter_jit(lambda node, dtype: node.dequantize(dtype))
+
+
 def dequantize(model: Transformer) -> Transformer:
     """`model` with every packed weight replaced by the float one it stands for (in the policy's
     parameter dtype): the same function as the quantized model (up to the order of float
@@ -142,6 +147,6 @@ def dequantize(model: Transformer) -> Transformer:
     dtype = model.policy.params
 
     def to_float(node):
-        return node.dequantize(dtype) if _is_quantized(node) else node
+        return _dequantized(node, dtype) if _is_quantized(node) else node
 
     return jax.tree.map(to_float, model, is_leaf=_is_quantized)
