@@ -1,11 +1,11 @@
 """Token embeddings (with the tied-unembedding path) and learned absolute positions."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from layers.init import scaled_normal
 from layers.kernels.cpu.dense import dense_product, uses_dense_kernel
 
 
@@ -24,7 +24,7 @@ class Embedding(eqx.Module):
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ):
-        self.weight = (init_std * jax.random.normal(key, (vocab_size, d_model))).astype(dtype)
+        self.weight = scaled_normal(key, init_std, (vocab_size, d_model), dtype)
 
     @staticmethod
     def of(weight: Float[Array, "vocab embed"]) -> "Embedding":
@@ -70,7 +70,7 @@ class LearnedPositions(eqx.Module):
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ):
-        self.weight = (init_std * jax.random.normal(key, (max_seq_len, d_model))).astype(dtype)
+        self.weight = scaled_normal(key, init_std, (max_seq_len, d_model), dtype)
 
     def __call__(
         self, positions: Int[Array, "batch seq"], *, dtype: DTypeLike = jnp.float32

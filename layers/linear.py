@@ -4,11 +4,11 @@ import math
 import string
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from layers.init import scaled_normal
 from layers.kernels.cpu.dense import dense_product, uses_dense_kernel
 
 
@@ -48,7 +48,7 @@ class Linear(eqx.Module):
         self.axes = tuple(axes)
         std = init_std if init_std is not None else 1.0 / math.sqrt(math.prod(self.in_shape))
         shape = self.in_shape + self.out_shape
-        self.weight = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        self.weight = scaled_normal(key, std, shape, dtype)
         self.bias = jnp.zeros(self.out_shape, dtype) if use_bias else None
 
     @staticmethod

@@ -11,6 +11,7 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from layers.init import scaled_normal
 from layers.linear import Linear
 from layers.quantized import QuantizedLinear
 
@@ -86,8 +87,7 @@ class LoRA(AroundProjection):
         rank = int(rank)
         self.base, self.rank, self.alpha, self.dropout = base, rank, float(alpha), float(dropout)
         std = 1.0 / math.sqrt(math.prod(base.in_shape))
-        a = std * jax.random.normal(key, (*base.in_shape, rank), jnp.float32)
-        self.lora_a = a.astype(dtype)
+        self.lora_a = scaled_normal(key, std, (*base.in_shape, rank), dtype)
         self.lora_b = jnp.zeros((rank, *base.out_shape), dtype)
 
     @property

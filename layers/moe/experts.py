@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from layers.init import scaled_normal
+
 
 class Experts(eqx.Module):
     """down_e(silu(x · gate_e) * (x · up_e)) for each expert e."""
@@ -34,9 +36,9 @@ class Experts(eqx.Module):
         in_std = d_model**-0.5
         out_std = out_init_std if out_init_std is not None else d_ff**-0.5
         shape_in, shape_out = (n_experts, d_model, d_ff), (n_experts, d_ff, d_model)
-        self.gate = (in_std * jax.random.normal(gate_key, shape_in)).astype(dtype)
-        self.up = (in_std * jax.random.normal(up_key, shape_in)).astype(dtype)
-        self.down = (out_std * jax.random.normal(down_key, shape_out)).astype(dtype)
+        self.gate = scaled_normal(gate_key, in_std, shape_in, dtype)
+        self.up = scaled_normal(up_key, in_std, shape_in, dtype)
+        self.down = scaled_normal(down_key, out_std, shape_out, dtype)
 
     @staticmethod
     def of(

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from layers.init import scaled_normal
+
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["top2", "max"]
 
@@ -95,7 +97,7 @@ class Router(eqx.Module):
                 f"topk_groups={topk_groups} groups kept"
             )
         std = init_std if init_std is not None else d_model**-0.5
-        self.weight = (std * jax.random.normal(key, (d_model, n_experts))).astype(dtype)
+        self.weight = scaled_normal(key, std, (d_model, n_experts), dtype)
         # Created in float32 as HF keeps it (it decides selection); a policy cast may change it.
         self.bias = jnp.zeros((n_experts,), jnp.float32) if bias else None
         self.n_experts_per_token = n_experts_per_token
