@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench import flash_errors, gpu_first
+from bench import flash_errors, gpu_first, harness
 
 INFERENCE_TABLES = {
     "quantized-kernel-errors", "quantized-decode", "quantized-plans", "kv-int8", "engine",
@@ -17,7 +17,11 @@ INFERENCE_TABLES = {
 }  # fmt: skip
 
 
-def test_all_stages_run_at_cpu_sizes_and_write_results(tmp_path):
+def test_all_stages_run_at_cpu_sizes_and_write_results(monkeypatch, tmp_path):
+    # The bandwidth ceilings stream 256 MiB here, not four times a big host's last-level cache
+    # (1.9 GiB on a 480 MiB L3: 10 of the test's 46 s): the stage and its table are what this
+    # checks, not the number (bench/RESULTS.md holds the measured ones).
+    monkeypatch.setattr(harness, "cpu_streaming_bytes", lambda: 256 * 2**20)
     gpu_first.main(["--budget", "600", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "results.json").read_text())
     assert [s["stage"] for s in data["stages"]] == [name for name, _, _ in gpu_first.STAGES]

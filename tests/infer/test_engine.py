@@ -204,7 +204,7 @@ def test_a_dry_pool_preempts_the_youngest_and_loses_no_token(llama):
     start, the pool runs dry mid-decode, the youngest running request gives its pages back and
     is recomputed later (its prompt and the tokens it had), and every request still gets
     exactly its greedy tokens, the oldest never preempted."""
-    engine = Engine(llama, max_batch=3, max_len=64, page_size=8, n_pages=7, chunk=16)
+    engine = Engine(llama, max_batch=3, max_len=64, page_size=8, n_pages=7, chunk=16, warm_up=False)
     cases = prompts([12, 12, 12])
     streamed = [[] for _ in cases]
     requests = [

@@ -59,12 +59,13 @@ class Oracle(Proposer):
 
 
 # One engine shape and k = 4 for the tests on `llama`: their programs (plain, verifying k = 4,
-# with and without prompt chunks) compile once per module.
+# with and without prompt chunks) compile once per module. Engines built with warm_up=False
+# compile only the step shapes their requests use, and find the ones compiled before.
 SHAPE = dict(max_batch=2, max_len=64, page_size=8, chunk=16)
 
 
 def greedy(model, cases, **kwargs):
-    engine = Engine(model, **SHAPE, **kwargs)
+    engine = Engine(model, **SHAPE, warm_up=False, **kwargs)
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     return [r.tokens for r in requests]
@@ -110,7 +111,8 @@ def test_good_drafts_emit_k_plus_one_tokens_per_step_and_stop_inside_a_run(llama
     cases = [(prompts([6])[0], 13)]
     (expected,) = greedy(llama, cases)
     answers = (cases[0][0] + expected,)
-    engine = Engine(llama, **SHAPE, speculative=Oracle(k=4, answers=answers, corrupt=False))
+    oracle = Oracle(k=4, answers=answers, corrupt=False)
+    engine = Engine(llama, **SHAPE, speculative=oracle, warm_up=False)
     request = engine.submit(cases[0][0], max_new_tokens=13)
     engine.run()
     # One prefill step gives the first token, then 12 tokens in steps of 5, 5 and 2 (the
@@ -158,7 +160,7 @@ def test_prompt_lookup_in_the_engine_equals_greedy(llama):
     chunk = rng.integers(0, 256, 10).tolist()
     cases = [(chunk * 3, 12), (rng.integers(0, 256, 9).tolist(), 8)]
     expected = greedy(llama, cases)
-    engine = Engine(llama, **SHAPE, speculative=PromptLookup(k=4, adaptive=False))
+    engine = Engine(llama, **SHAPE, speculative=PromptLookup(k=4, adaptive=False), warm_up=False)
     requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
     engine.run()
     assert [r.tokens for r in requests] == expected
@@ -276,7 +278,7 @@ def test_a_draft_vocabulary_cuts_the_head_and_keeps_the_greedy_tokens(llama):
     lacking = [t for t in rng.permutation(LLAMA.vocab_size) if t not in missing]
     for vocab in (covering, lacking):
         proposer = DraftModel(llama, k=4, adaptive=False, vocab=np.asarray(vocab))
-        engine = Engine(llama, speculative=proposer, **SHAPE)
+        engine = Engine(llama, speculative=proposer, **SHAPE, warm_up=False)
         requests = [engine.submit(p, max_new_tokens=n) for p, n in cases]
         engine.run()
         drafted, kept = (sum(getattr(r, f) for r in requests) for f in ("drafted", "accepted"))
@@ -373,7 +375,7 @@ def test_a_truncated_draft_is_the_targets_first_layers(llama, without_runtime_ty
     # The target's own arrays, not copies.
     assert all(a is b for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(first), strict=True))
     proposer = DraftModel(draft, k=2, adaptive=False)
-    engine = Engine(target, max_batch=1, max_len=64, speculative=proposer)
+    engine = Engine(target, max_batch=1, max_len=64, speculative=proposer, warm_up=False)
     request = engine.submit([5, 6, 7], max_new_tokens=6)
     engine.run()
     assert request.tokens == alone(llama, [5, 6, 7], 6) and request.drafted > 0
@@ -464,7 +466,7 @@ def test_adaptive_speculation_follows_the_acceptance_rate(llama):
     until = len(prompt) + 16
     proposer = TurnsWrong(k=4, answer=tuple(prompt + expected), until=until)
     kwargs = dict(SHAPE, speculative=proposer)
-    Engine(llama, **kwargs)  # compiles the four programs (the tests above compiled them)
+    Engine(llama, **kwargs)  # compiles the four programs (or finds them compiled)
     before = dict(TRACES)
     engine = Engine(llama, **kwargs)
     engine.costs = FixedCosts()
