@@ -43,8 +43,10 @@ one step behind, streaming, prefix reuse, preemption.
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 import time
 import typing
@@ -954,7 +956,7 @@ class Engine:
             for chunks in (0, *self.prompt_shapes)
         ]
         if self.drafter is None:
-            programs = [self._compiled(plan) for plan in plans]
+            programs = self._compile_ahead(plans)
             for plan, compiled in zip(plans, programs, strict=True):
                 executables = {id(program.runtime_executable()) for program in compiled}
                 if executables - _RUN_ONCE:
@@ -985,6 +987,29 @@ class Engine:
                 plan, _ = self._with_drafter(plan, [], [], warm_up=True, forwards=forwards)
                 self._launch(plan, [])[0].block_until_ready()
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
+
+    def _compile_ahead(
+        self, plans: list[StepPlan]
+    ) -> list[tuple[jax.stages.Compiled, jax.stages.Compiled]]:
+        """`_compiled` of each plan, the forwards compiled side by side: each is lowered here
+        (tracing holds Python's lock) while XLA compiles those lowered before on other threads
+        (compiling releases the lock), so the warm-up costs the tracing plus about one program's
+        compile instead of every program's one after another (bench/RESULTS.md, "The first
+        `generate`")."""
+        new = {}
+        for plan in plans:
+            shape = (plan.tokens.shape[0], plan.drafts.shape[1])
+            if shape not in self._programs and shape not in new:
+                new[shape] = plan
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+            compiling = {
+                shape: pool.submit(self._lower(plan, self.state).compile)
+                for shape, plan in new.items()
+            }
+            for shape, program in compiling.items():
+                self._programs[shape] = program.result()
+                self._compiled(new[shape])  # its sampling program, while the others compile
+        return [self._compiled(plan) for plan in plans]
 
     def _compiled(self, plan: StepPlan) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
         """The step's two programs for `plan`'s shape, compiled ahead of their first run: its

@@ -254,11 +254,24 @@ class PagedKVCache(eqx.Module):
         call = TokenGroups.of(valid, self.lengths, self.rows, segments)
         positions = call.positions.reshape(batch, seq)
         cache = eqx.tree_at(lambda c: c.lengths, self, call.after)
-
-        def view(arrays: LayerPages | LatentPages | LayerWindow, layer) -> PagedSlot | WindowSlot:
-            if isinstance(arrays, LayerWindow):
-                return WindowSlot(arrays, layer, call)
-            return PagedSlot(arrays, layer, self.page_table, call, self.kernel)
-
+        view = PagedView(self.page_table, call, self.kernel)
         return Appended(cache, positions, causal_mask(positions, sliding_window=sliding_window),
                         view)  # fmt: skip
+
+
+class PagedView(eqx.Module):
+    """`view(layer_arrays, layer)`: one call's `LayerView` of a layer, a `PagedSlot` of its
+    pools or a `WindowSlot` of its rings. A module rather than a closure, so a layer traced as a
+    program of its own takes the call's page table and token groups as arguments
+    (zoo/stack.py's unrolled layers)."""
+
+    page_table: Int[Array, "groups row_pages"]
+    call: TokenGroups
+    kernel: PagedKernel | None = eqx.field(static=True)
+
+    def __call__(
+        self, arrays: LayerPages | LatentPages | LayerWindow, layer: Int[Array, ""] | None
+    ) -> "PagedSlot | WindowSlot":
+        if isinstance(arrays, LayerWindow):
+            return WindowSlot(arrays, layer, self.call)
+        return PagedSlot(arrays, layer, self.page_table, self.call, self.kernel)

@@ -8,7 +8,8 @@ setting of the policy (remat, scan, kernel, dispatch) applies to every stack ali
 
 Storage: `stacked` (each leaf of a period block carries a leading `[repeats]` axis, built with
 `eqx.filter_vmap`, run by `lax.scan` so compile time does not grow with depth, or by a Python loop
-over the same weights) or unrolled (one block per layer, run by a Python loop), as the model's
+over the same weights) or unrolled (one block per layer, run by a Python loop, each layer a
+call of a program JAX traces once per distinct block: `_unrolled_layer`), as the model's
 `Policy.storage` says: unrolled where per-layer arrays run faster (decode, on backends that copy
 a stacked weight's slice inside a step; bench/decode_layout.py measures it), stacked for
 training. `Transformer.with_policy` converts between them once; nothing converts per call.
@@ -25,6 +26,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from layers.kernels import AttentionMask
 from layers.kernels.flash.attention import RESIDUAL_NAMES as FLASH_RESIDUALS
 from layers.moe import MoEStats
+from shard.rules import active
 from zoo.block import Block, Rope
 from zoo.config import Config
 from zoo.pattern import LayerPattern
@@ -123,42 +125,24 @@ class Stack(eqx.Module):
         stack's layers of `LayerPattern`) gives each layer its window and rotary table (the
         global `rope` or `local_rope`) as data: scanned like the weights."""
         remat = policy.remat != "none" and cache is None
-
-        def runner(static):
-            """(x, weights, cache, layer index, pattern row or None) -> (x, cache, stats) for
-            blocks `static`."""
-
-            def run(x, weights, kv, index, row):
-                new_kv, stats = [], []
-                for j, block in enumerate(eqx.combine(weights, static)):
-                    layer_view = None if kv is None else view(kv[j], index)
-                    layer_mask, layer_rope = mask, rope
-                    if row is not None:
-                        layer_mask, layer_rope = row.at(j).apply(mask, rope, local_rope)
-                    x, layer_stats, layer_view = block(
-                        x, layer_mask, layer_rope, policy=policy, cache=layer_view
-                    )
-                    new_kv.append(None if layer_view is None else layer_view.arrays)
-                    stats += [] if layer_stats is None else [layer_stats]
-                return x, (None if kv is None else tuple(new_kv)), stats
-
-            return jax.checkpoint(run, policy=REMAT_POLICIES[policy.remat]) if remat else run
+        context = dict(mask=mask, rope=rope, local_rope=local_rope, policy=policy, view=view)
 
         if not self.stacked:
             stats = []
             for i, block in enumerate(self.blocks):
-                weights, static = eqx.partition((block,), eqx.is_array)
                 kv = None if cache is None else (cache[i],)
                 r, j = divmod(i, self.period)
                 # One block per call: its pattern entry as a period of one.
                 row = None if pattern is None else pattern.at(r, slice(j, j + 1))
-                x, kv, layer_stats = runner(static)(x, weights, kv, None, row)
+                x, kv, layer_stats = _unrolled_layer(
+                    block, x, kv, row, **context, remat=remat, sharding=active()
+                )
                 cache = cache if kv is None else (*cache[:i], kv[0], *cache[i + 1 :])
                 stats += layer_stats
             return x, _stack_stats(stats), cache
 
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        run = runner(static)
+        run = _period_runner(static, **context, remat=remat)
 
         def repeat(carry, xs):
             x, kv = carry
@@ -181,6 +165,44 @@ class Stack(eqx.Module):
         # [repeats] per MoE block of the period -> [repeats * n_moe] in layer order.
         stats = jax.tree.map(lambda *s: jnp.stack(s, axis=1), *stats)
         return x, jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats), cache
+
+
+def _period_runner(static, *, mask, rope, local_rope, policy, view, remat) -> Callable:
+    """(x, weights, cache, layer index, pattern row or None) -> (x, cache, stats) for the
+    period's blocks `static` (their weights come as `weights`), as `Stack.__call__` runs them;
+    under `jax.checkpoint` with the policy's remat when `remat`."""
+
+    def run(x, weights, kv, index, row):
+        new_kv, stats = [], []
+        for j, block in enumerate(eqx.combine(weights, static)):
+            layer_view = None if kv is None else view(kv[j], index)
+            layer_mask, layer_rope = mask, rope
+            if row is not None:
+                layer_mask, layer_rope = row.at(j).apply(mask, rope, local_rope)
+            x, layer_stats, layer_view = block(
+                x, layer_mask, layer_rope, policy=policy, cache=layer_view
+            )
+            new_kv.append(None if layer_view is None else layer_view.arrays)
+            stats += [] if layer_stats is None else [layer_stats]
+        return x, (None if kv is None else tuple(new_kv)), stats
+
+    return jax.checkpoint(run, policy=REMAT_POLICIES[policy.remat]) if remat else run
+
+
+@eqx.filter_jit
+def _unrolled_layer(block, x, kv, row, *, mask, rope, local_rope, policy, view, remat, sharding):
+    """One unrolled layer as a program of its own inside the caller's: JAX traces it once per
+    distinct block structure and input shapes and the caller's lowering calls it per layer (XLA
+    inlines the calls), so tracing a 30-layer model costs about one layer, not thirty
+    (bench/RESULTS.md, "The first `generate`"). `sharding` (the active rules and mesh, which
+    `constrain` reads inside) is part of the cache key, with every setting that is not an array.
+    """
+    del sharding
+    weights, static = eqx.partition((block,), eqx.is_array)
+    run = _period_runner(
+        static, mask=mask, rope=rope, local_rope=local_rope, policy=policy, view=view, remat=remat
+    )
+    return run(x, weights, kv, None, row)
 
 
 def pattern_period(windows: tuple[int | None, ...]) -> int:
