@@ -493,6 +493,11 @@ def default_prompt_tokens(model: Transformer, decode_tokens: int, chunk: int) ->
     return max(1, (KERNEL_TOKENS - decode_tokens) // chunk) * chunk
 
 
+def _forward_shape(plan: StepPlan) -> tuple[int, int]:
+    """What a step's forward program is compiled for: its tokens and drafts per row."""
+    return plan.tokens.shape[0], plan.drafts.shape[1]
+
+
 def _check_count(name: str, value, *, low: int = 1) -> int:
     """A count argument: an int (numpy's included, bool not) of at least `low`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
@@ -998,9 +1003,8 @@ class Engine:
         `generate`")."""
         new = {}
         for plan in plans:
-            shape = (plan.tokens.shape[0], plan.drafts.shape[1])
-            if shape not in self._programs and shape not in new:
-                new[shape] = plan
+            if _forward_shape(plan) not in self._programs:
+                new.setdefault(_forward_shape(plan), plan)
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
             compiling = {
                 shape: pool.submit(self._lower(plan, self.state).compile)
@@ -1016,7 +1020,7 @@ class Engine:
         forward (one per prompt-part shape and width) and its sampling program (one per width,
         whatever the prompt part). JAX keeps what it lowered and compiled: engines of one
         configuration share the programs, and a later engine's warm-up only looks them up."""
-        shape = (plan.tokens.shape[0], plan.drafts.shape[1])
+        shape = _forward_shape(plan)
         if shape not in self._programs:
             self._programs[shape] = self._lower(plan, self.state).compile()
         forward = self._programs[shape]

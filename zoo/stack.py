@@ -190,7 +190,7 @@ def _period_runner(static, *, mask, rope, local_rope, policy, view, remat) -> Ca
 
 
 @eqx.filter_jit
-def _unrolled_layer(block, x, kv, row, *, mask, rope, local_rope, policy, view, remat, sharding):
+def _unrolled_layer(block, x, kv, row, *, remat, sharding, **context):
     """One unrolled layer as a program of its own inside the caller's: JAX traces it once per
     distinct block structure and input shapes and the caller's lowering calls it per layer (XLA
     inlines the calls), so tracing a 30-layer model costs about one layer, not thirty
@@ -199,10 +199,7 @@ def _unrolled_layer(block, x, kv, row, *, mask, rope, local_rope, policy, view, 
     """
     del sharding
     weights, static = eqx.partition((block,), eqx.is_array)
-    run = _period_runner(
-        static, mask=mask, rope=rope, local_rope=local_rope, policy=policy, view=view, remat=remat
-    )
-    return run(x, weights, kv, None, row)
+    return _period_runner(static, **context, remat=remat)(x, weights, kv, None, row)
 
 
 def pattern_period(windows: tuple[int | None, ...]) -> int:
