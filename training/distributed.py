@@ -147,16 +147,25 @@ def _flags(args: Args) -> dict[str, Any]:
 
 
 def _allgather(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every process's `report` (JSON-ready), in process order."""
-    from jax.experimental import multihost_utils
+    """Every process's `report` (JSON-ready), in process order.
 
+    Returns once every local device's share of the all-gather has finished, not only the first
+    device's (`multihost_utils.process_allgather` reads device 0's copy and returns): a process
+    that then stops, its other devices still connecting to the peers', left a peer waiting
+    ~150 s for those connections at exit (Gloo's timeout)."""
     data = json.dumps(report).encode()
     if len(data) > REPORT_BYTES:  # flags too long to send whole: compare their digest
         digest = hashlib.sha256(json.dumps(report["flags"]).encode()).hexdigest()
         data = json.dumps({**report, "flags": {"sha256": digest}}).encode()
-    buffer = np.zeros(REPORT_BYTES, np.uint8)
-    buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(buffer))
+    buffer = np.zeros((1, REPORT_BYTES), np.uint8)
+    buffer[0, : len(data)] = np.frombuffer(data, np.uint8)
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    mesh = jax.sharding.Mesh(devices, ("processes", "local"))
+    rows = jax.make_array_from_process_local_data(
+        jax.NamedSharding(mesh, jax.P("processes")), buffer
+    )
+    gathered = jax.jit(lambda x: x, out_shardings=jax.NamedSharding(mesh, jax.P()))(rows)
+    gathered = np.asarray(gathered.block_until_ready().addressable_data(0))
     return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
 
 
@@ -205,7 +214,7 @@ def agree(processes: Processes, args: Args, run_dir: Path, claim: Callable[[], A
             lock.close()
         # Every process raises this same error here, so they leave the coordination service
         # together now rather than each at interpreter exit, where the shutdown barrier waits
-        # on the slowest teardown (the suite has seen such a stop take ~150 s under load).
+        # on the slowest teardown.
         jax.distributed.shutdown()
         raise
     return lock
