@@ -1,11 +1,14 @@
 """Test set-up: 8 fake CPU devices, float32, no network. Runs before any test imports JAX."""
 
 import atexit
+import collections
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 # Bytecode caches are written whatever PYTHONDONTWRITEBYTECODE says. The suite starts many
 # Python processes (CLI runs, training processes, examples), each importing the library, and
@@ -48,7 +51,8 @@ def _mimalloc() -> str | None:
 # The processes the run starts (pytest-xdist's workers, the CLI runs and training processes tests
 # start) allocate with mimalloc instead of glibc's malloc: compiling a program allocates and frees
 # millions of small MLIR and LLVM objects, and glibc's malloc was a fifth of a worker's CPU
-# (perf); with mimalloc a module compiled 12-14% faster in half the memory (bench/RESULTS.md).
+# (perf); with mimalloc the suite took 12% less CPU, a worker about half the memory
+# (bench/RESULTS.md).
 # Only a process's start reads LD_PRELOAD, so the one that loads this first (the controller, or
 # a plain run) does not get it. What the tests compute is unchanged: the allocator holds no
 # numbers.
@@ -120,6 +124,63 @@ def pytest_collection_modifyitems(config, items):
             item._id = type(item._id).parse(nodeid)
         else:
             item._nodeid = nodeid
+    items[:] = _longest_groups_first(items)
+
+
+# Seconds each group took in a recorded run. pytest-xdist hands groups out in the order of their
+# test counts, which put the few-test long groups (the multi-process and pipelined training runs,
+# 35-45 s each) last: one worker ran them alone while the other had finished (39-44 s apart).
+# Longest first, the groups left at the end are short. Rewritten by
+# `pytest -n 2 --dist loadgroup --record-group-seconds`; a group not in it counts its tests times
+# the recorded seconds per test, so a stale file costs only balance.
+GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
+
+
+def _longest_groups_first(items: list) -> list:
+    """`items` (each node id ending in `@group`) grouped, the groups ordered by their expected
+    seconds, longest first; the tests of a group keep their order."""
+    recorded = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.exists() else {}
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item.nodeid.rpartition("@")[2], []).append(item)
+    known = [g for g in groups if g in recorded]
+    per_test = sum(recorded[g] for g in known) / max(1, sum(len(groups[g]) for g in known))
+    expected = {g: recorded.get(g, len(tests) * per_test) for g, tests in groups.items()}
+    order = sorted(groups, key=lambda g: -expected[g])
+    return [item for g in order for item in groups[g]]
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-group-seconds",
+        action="store_true",
+        help=f"write each test group's seconds to tests/{GROUP_SECONDS.name} (-n 2 --dist "
+        "loadgroup)",
+    )
+
+
+def pytest_configure(config):
+    """The controller hands the groups out in the order the workers collected them (longest
+    first), not by their test counts."""
+    if config.getoption("dist", None) == "loadgroup":
+        config.option.loadscopereorder = False
+
+
+_GROUP_SECONDS = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    """Each group's seconds (set-up, call and tear-down), as the controller receives them."""
+    if "@" in report.nodeid:
+        _GROUP_SECONDS[report.nodeid.rpartition("@")[2]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("record_group_seconds") and _GROUP_SECONDS:
+        if hasattr(session.config, "workerinput"):
+            return  # a worker: the controller saw every group
+        seconds = {g: round(t, 1) for g, t in sorted(_GROUP_SECONDS.items())}
+        GROUP_SECONDS.write_text(json.dumps(seconds, indent=0) + "\n")
 
 
 # Compiled programs are dropped when a worker holds more than this many memory mappings (of
