@@ -115,16 +115,18 @@ def pytest_collection_modifyitems(config, items):
     group was silently ignored, so the suffix is written here where it takes effect."""
     if not getattr(config.option, "loadgroup", False):
         return
+    groups: dict[str, list] = {}
     for item in items:
-        suffix = f"@{_xdist_group(item)}"
-        if item.nodeid.endswith(suffix):
+        group = _xdist_group(item)
+        groups.setdefault(group, []).append(item)
+        if item.nodeid.endswith(f"@{group}"):
             continue  # a pytest-xdist that works with this pytest wrote it already
-        nodeid = item.nodeid + suffix
+        nodeid = f"{item.nodeid}@{group}"
         if hasattr(item, "_id"):  # pytest >= 9.2
             item._id = type(item._id).parse(nodeid)
         else:
             item._nodeid = nodeid
-    items[:] = _longest_groups_first(items)
+    items[:] = _longest_first(groups)
 
 
 # Seconds each group took in a recorded run. pytest-xdist hands groups out in the order of their
@@ -136,18 +138,14 @@ def pytest_collection_modifyitems(config, items):
 GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
 
 
-def _longest_groups_first(items: list) -> list:
-    """`items` (each node id ending in `@group`) grouped, the groups ordered by their expected
-    seconds, longest first; the tests of a group keep their order."""
+def _longest_first(groups: dict[str, list]) -> list:
+    """The tests of `groups` (name: its tests), the groups ordered by their expected seconds,
+    longest first; the tests of a group keep their order."""
     recorded = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.exists() else {}
-    groups: dict[str, list] = {}
-    for item in items:
-        groups.setdefault(item.nodeid.rpartition("@")[2], []).append(item)
     known = [g for g in groups if g in recorded]
     per_test = sum(recorded[g] for g in known) / max(1, sum(len(groups[g]) for g in known))
     expected = {g: recorded.get(g, len(tests) * per_test) for g, tests in groups.items()}
-    order = sorted(groups, key=lambda g: -expected[g])
-    return [item for g in order for item in groups[g]]
+    return [item for g in sorted(groups, key=lambda g: -expected[g]) for item in groups[g]]
 
 
 def pytest_addoption(parser):
@@ -176,9 +174,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    if session.config.getoption("record_group_seconds") and _GROUP_SECONDS:
-        if hasattr(session.config, "workerinput"):
-            return  # a worker: the controller saw every group
+    """With --record-group-seconds, the controller (it saw every group) writes them."""
+    worker = hasattr(session.config, "workerinput")
+    if session.config.getoption("record_group_seconds") and _GROUP_SECONDS and not worker:
         seconds = {g: round(t, 1) for g, t in sorted(_GROUP_SECONDS.items())}
         GROUP_SECONDS.write_text(json.dumps(seconds, indent=0) + "\n")
 

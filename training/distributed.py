@@ -146,6 +146,12 @@ def _flags(args: Args) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in PER_PROCESS}
 
 
+def _same(x):
+    """The identity: jitted with replicated output shardings, an all-gather (one function, so
+    the run's several gathers compile once)."""
+    return x
+
+
 def _allgather(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Every process's `report` (JSON-ready), in process order.
 
@@ -164,7 +170,7 @@ def _allgather(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = jax.make_array_from_process_local_data(
         jax.NamedSharding(mesh, jax.P("processes")), buffer
     )
-    gathered = jax.jit(lambda x: x, out_shardings=jax.NamedSharding(mesh, jax.P()))(rows)
+    gathered = jax.jit(_same, out_shardings=jax.NamedSharding(mesh, jax.P()))(rows)
     gathered = np.asarray(gathered.block_until_ready().addressable_data(0))
     return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
 
