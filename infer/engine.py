@@ -18,8 +18,10 @@ one step behind, streaming, prefix reuse, preemption.
   chunks up to the budget; a step takes the largest size its waiting chunks fill, so padding is
   at most each prompt's last chunk, or, when no row decodes, the smallest size that holds them
   all where its padding costs less than the steps it saves: `prompt_part`), each one compiled
-  forward, all compiled when the engine starts beside the decode-only one; no prompt length,
-  batch mix or sampler setting compiles anything new.
+  forward. All are lowered when the engine starts, beside the decode-only one, and compiled on
+  background threads (infer/compiling.py) in the order a new request needs them: a step waits
+  only for its own programs. No prompt length, batch mix or sampler setting compiles anything
+  new.
 - The device keeps what the next step needs: each row's last token, how many it generated and
   whether it is done (a stop token or its budget). Sampling, stop checks and the per-row sampler
   settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
@@ -46,7 +48,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import os
 import threading
 import time
 import typing
@@ -59,6 +60,7 @@ import numpy as np
 from jax.extend.random import threefry_2x32
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
+from infer.compiling import compile_soon
 from infer.pages import PagePool
 from infer.rows import pin_rows, row_sharding
 from infer.sampling import Greedy, Sampler, SamplingParams, check_settings, sample
@@ -104,11 +106,6 @@ WARM_UP_TIMINGS = 3
 # How many times each program was traced (= compiled): the engine's programs depend only on
 # shapes and static settings, so engines of one configuration share them.
 TRACES = collections.Counter()
-# The executables (by id) this process has run once: XLA:CPU's first run of a program costs
-# hundreds of ms more than later ones, so warm-up pays it, once per process (`generate` builds an
-# engine per call and finds the programs here). A reused id only skips a warm run: speed, never
-# values.
-_RUN_ONCE: set[int] = set()
 
 
 class RowState(eqx.Module):
@@ -498,6 +495,12 @@ def _forward_shape(plan: StepPlan) -> tuple[int, int]:
     return plan.tokens.shape[0], plan.drafts.shape[1]
 
 
+def _width(plan: StepPlan) -> tuple[int, bool]:
+    """What a step's sampling program is compiled for: drafts per row, and whether the drafts
+    come without their probabilities `q`."""
+    return plan.drafts.shape[1], plan.q is None
+
+
 def _check_count(name: str, value, *, low: int = 1) -> int:
     """A count argument: an int (numpy's included, bool not) of at least `low`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
@@ -527,8 +530,10 @@ class Engine:
     the model's end of turn and end of sequence, and every request stops where the model says
     stop); `kv_dtype` the pools' dtype (None: the compute dtype; "int8": numbers with a scale per
     token and K/V head, about twice the pages of bfloat16 in the same bytes; the choices are
-    `layers.paged_cache.KV_DTYPES`); `warm_up` compiles both programs now (an engine of the
-    same configuration compiled before shares them); `log_steps` prints a `StepRecord` per
+    `layers.paged_cache.KV_DTYPES`); `warm_up` lowers every step program now and compiles them
+    on background threads, a step waiting only for its own (an engine of the same
+    configuration built before shares them, compiled or compiling; without it each step shape
+    compiles at its first step); `log_steps` prints a `StepRecord` per
     step (`engine.records` keeps them); `speculative` a proposer (infer/speculative/:
     `PromptLookup(k=4)`, `DraftModel(small, k=4)`, `MTPDraft(k=1)`: the model's own DeepSeek
     MTP module) whose `k` is the most drafts a row verifies per step (each request may ask for
@@ -719,10 +724,10 @@ class Engine:
             page_size=page_size, placement=self.placement,
             keep_hidden=isinstance(speculative, MTPDraft),
         )  # fmt: skip
-        # Each step shape's compiled forward, by (prompt chunks, drafts per row), and each
-        # width's sampling program, by (drafts per row, whether drafts come with their `q`).
-        self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
-        self._samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        # Each step shape's forward, by (prompt chunks, drafts per row), and each width's
+        # sampling program, by `_width`: compiled or compiling (`infer.compiling`).
+        self._programs: dict[tuple[int, int], concurrent.futures.Future] = {}
+        self._samplers: dict[tuple[int, bool], concurrent.futures.Future] = {}
         # `self.model`'s leaves, flattened once per model (`_weights`), and its structure.
         self._flat: tuple[Transformer, list, jax.tree_util.PyTreeDef] | None = None
         # A step that verifies nothing passes these (an upload of nothing still costs a call).
@@ -947,30 +952,25 @@ class Engine:
         return [None] if self.proposer is None else [{}]
 
     def _warm_up(self) -> None:
-        """Compile the programs now: without prompt chunks and with each of `prompt_shapes`,
-        at each width (one token per row and, speculating, `k + 1`), and run each once per
-        process (`_RUN_ONCE`). All are compiled before any runs: a program lowered for the
-        engine's fresh state is the one another engine of this configuration looks up (the
-        state a run leaves is committed to its devices, which is another lowering). A draft
-        model's or MTP module's programs compile by running, every row idle (nothing written,
-        nothing emitted); an adaptive engine then times its decode-only programs
-        (`time_steps`)."""
+        """Start compiling the programs now: without prompt chunks and with each of
+        `prompt_shapes`, at each width (one token per row and, speculating, `k + 1`). Every
+        program is lowered here, before anything runs (a program lowered for the engine's fresh
+        state is the one another engine of this configuration looks up; the state a run leaves
+        is committed to its devices, which is another lowering) and compiled on background
+        threads (`infer.compiling`): a step waits only for its own program. A draft model's or
+        MTP module's programs compile by running, every row idle (nothing written, nothing
+        emitted); an adaptive engine then times its decode-only programs (`time_steps`)."""
         plans = [
             self._plan([], [], chunks, {}, drafts)
             for drafts in self._widths()
             for chunks in (0, *self.prompt_shapes)
         ]
         if self.drafter is None:
-            programs = self._compile_ahead(plans)
-            for plan, compiled in zip(plans, programs, strict=True):
-                executables = {id(program.runtime_executable()) for program in compiled}
-                if executables - _RUN_ONCE:
-                    _RUN_ONCE.update(executables)
-                    self._launch(plan, [])  # every row idle: nothing written or emitted
+            self._compile_ahead(plans)
         else:
             for plan in plans:
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
-        self._rows[0].block_until_ready()
+            self._rows[0].block_until_ready()
         if self.adaptive:
             self.time_steps(WARM_UP_TIMINGS)
 
@@ -993,45 +993,58 @@ class Engine:
                 self._launch(plan, [])[0].block_until_ready()
                 self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
 
-    def _compile_ahead(
-        self, plans: list[StepPlan]
-    ) -> list[tuple[jax.stages.Compiled, jax.stages.Compiled]]:
-        """`_compiled` of each plan, the forwards compiled side by side: each is lowered here
-        (tracing holds Python's lock) while XLA compiles those lowered before on other threads
-        (compiling releases the lock), so the warm-up costs the tracing plus about one program's
-        compile instead of every program's one after another (bench/RESULTS.md, "The first
-        `generate`")."""
-        new = {}
+    def _compile_ahead(self, plans: list[StepPlan]) -> None:
+        """Lower each plan's forward here (tracing holds Python's lock) and compile it on the
+        background threads, and each width's sampling program, lowered from whichever of that
+        width's first two forwards (no prompt part, the smallest one) compiles first: the
+        sampler takes the forward's outputs as they are placed. The threads take the programs in
+        the order a new request needs them: those two forwards, the sampler, then the larger
+        prompt parts (bench/RESULTS.md, "The first `generate`")."""
+        widths: dict[tuple[int, bool], list[StepPlan]] = {}
         for plan in plans:
-            if _forward_shape(plan) not in self._programs:
-                new.setdefault(_forward_shape(plan), plan)
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-            compiling = {
-                shape: pool.submit(self._lower(plan, self.state).compile)
-                for shape, plan in new.items()
-            }
-            for shape, program in compiling.items():
-                self._programs[shape] = program.result()
-                self._compiled(new[shape])  # its sampling program, while the others compile
-        return [self._compiled(plan) for plan in plans]
+            widths.setdefault(_width(plan), []).append(plan)
+        first, rest = [], []
+        for same in widths.values():
+            first += same[:2]
+            rest += same[2:]
+        for plan in first:
+            self._compile_forward(plan)
+        for width, same in widths.items():
+            if width not in self._samplers:
+                futures = {self._programs[_forward_shape(plan)]: plan for plan in same[:2]}
+                done, _ = concurrent.futures.wait(futures, return_when="FIRST_COMPLETED")
+                forward = next(iter(done))
+                self._samplers[width] = compile_soon(self._lower_sampler(futures[forward], forward))
+        for plan in rest:
+            self._compile_forward(plan)
 
-    def _compiled(self, plan: StepPlan) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
-        """The step's two programs for `plan`'s shape, compiled ahead of their first run: its
-        forward (one per prompt-part shape and width) and its sampling program (one per width,
-        whatever the prompt part). JAX keeps what it lowered and compiled: engines of one
-        configuration share the programs, and a later engine's warm-up only looks them up."""
+    def _compile_forward(self, plan: StepPlan) -> concurrent.futures.Future:
+        """The forward for `plan`'s shape, compiled or compiling."""
         shape = _forward_shape(plan)
         if shape not in self._programs:
-            self._programs[shape] = self._lower(plan, self.state).compile()
-        forward = self._programs[shape]
-        width = (plan.drafts.shape[1], plan.q is None)
+            self._programs[shape] = compile_soon(self._lower(plan, self.state))
+        return self._programs[shape]
+
+    def _compiled(self, plan: StepPlan) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+        """The step's two programs for `plan`'s shape, waiting for them if they are still
+        compiling: its forward (one per prompt-part shape and width) and its sampling program
+        (one per width, whatever the prompt part). JAX keeps what it lowered and compiled:
+        engines of one configuration share the programs, and a later engine's warm-up only looks
+        them up."""
+        forward = self._compile_forward(plan)
+        width = _width(plan)
         if width not in self._samplers:
-            _, logits, row_plan, _ = forward.out_info
-            args = (logits, row_plan, *self._rows, self._row_params(), plan.allowed, plan.q)
-            self._samplers[width] = _sample_program.lower(
-                *args, self.draw_key, placement=self.placement
-            ).compile()
-        return forward, self._samplers[width]
+            self._samplers[width] = compile_soon(self._lower_sampler(plan, forward))
+        return forward.result(), self._samplers[width].result()
+
+    def _lower_sampler(
+        self, plan: StepPlan, forward: concurrent.futures.Future
+    ) -> jax.stages.Lowered:
+        """The sampling program for `plan`'s width, lowered on the outputs of `forward` (a
+        compiled or compiling forward of that width)."""
+        _, logits, row_plan, _ = forward.result().out_info
+        args = (logits, row_plan, *self._rows, self._row_params(), plan.allowed, plan.q)
+        return _sample_program.lower(*args, self.draw_key, placement=self.placement)
 
     def _lower(self, plan: StepPlan, state: RowState) -> jax.stages.Lowered:
         """The step's forward lowered for `plan`'s shape and `state` (real or abstract)."""

@@ -413,6 +413,26 @@ def test_engines_share_the_sampling_program_and_a_second_engine_compiles_nothing
     assert _lowerings(lambda: Engine(other, **{**SHAPE, "max_batch": 3})) > 0  # the count counts
 
 
+def test_an_engine_built_while_the_last_ones_programs_compile_shares_them():
+    """The warm-up lowers every program and compiles them on background threads; an engine of
+    the same configuration built right after (as `generate` builds one per call) takes the same
+    compiles, in flight or done, rather than compiling them again, and a step waits for its own
+    program: both engines give every request its greedy tokens."""
+    model = zoo.Transformer(zoo.preset("tiny-llama", n_layers=1), key=jax.random.key(7))
+    shape = dict(max_batch=2, max_len=48, page_size=8, chunk=8)  # this test's own programs
+    first, second = Engine(model, **shape), Engine(model, **shape)
+    assert len(first._programs) == 1 + len(first.prompt_shapes) and first._samplers
+    assert first._programs.keys() == second._programs.keys()
+    for shape_key, future in first._programs.items():
+        assert second._programs[shape_key] is future
+    assert [second._samplers[w] for w in first._samplers] == list(first._samplers.values())
+    cases = prompts([3, 21, 9], seed=11)
+    for engine in (second, first):
+        requests = [engine.submit(p, max_new_tokens=4) for p in cases]
+        engine.run()
+        assert [r.tokens for r in requests] == [alone(model, p, 4) for p in cases]
+
+
 def test_a_request_joins_and_its_step_is_dispatched_while_the_device_is_busy(llama):
     """The host runs one step behind the device: admitting a request (its sampler's settings,
     stop tokens, budget) and dispatching the step it joins need nothing computed on the device.
