@@ -37,7 +37,8 @@ _THREADS = concurrent.futures.ThreadPoolExecutor(
 # arguments returns the same one) and keeps its executable once compiled: an engine of the same
 # configuration built later (`generate` builds one per call) finds its programs here, compiled
 # or compiling, and neither compiles them again nor queues behind other programs' compiles.
-# An entry lives as long as JAX keeps the lowering.
+# An entry lives as long as JAX keeps the lowering; a compile that failed leaves (every engine
+# waiting for it gets its error, and the next one asking compiles again).
 _COMPILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -49,6 +50,15 @@ def compile_soon(lowered: jax.stages.Lowered) -> concurrent.futures.Future:
     # each request compiles on its own, which only costs time.
     lowering = getattr(lowered, "_lowering", lowered)
     with _LOCK:
-        if lowering not in _COMPILES:
-            _COMPILES[lowering] = _THREADS.submit(lowered.compile)
-        return _COMPILES[lowering]
+        if lowering in _COMPILES:
+            return _COMPILES[lowering]
+        future = _COMPILES[lowering] = _THREADS.submit(lowered.compile)
+    future.add_done_callback(lambda done: _forget_if_failed(lowering, done))
+    return future
+
+
+def _forget_if_failed(lowering: object, done: concurrent.futures.Future) -> None:
+    if done.exception() is not None:
+        with _LOCK:
+            if _COMPILES.get(lowering) is done:
+                del _COMPILES[lowering]
