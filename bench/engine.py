@@ -156,7 +156,9 @@ def latency(model, table: Table, gguf: Path, ceilings: Ceilings) -> None:
             key=jax.random.key(0),
         ))[0]  # fmt: skip
 
-    first = call(WARMUP_LEN, WARMUP_LEN)  # compiles every program of a batch-1 engine
+    # Lowers every program of a batch-1 engine and waits for the two this request runs (the
+    # larger prompt parts compile behind it: infer/compiling.py).
+    first = call(WARMUP_LEN, WARMUP_LEN)
     predicted = predicted_s(model, ceilings, [WARMUP_LEN], NEW_TOKENS - 1, 1)
     table.add({
         "what": f"the first generate call of the process, {WARMUP_LEN}-token prompt, "
@@ -165,7 +167,8 @@ def latency(model, table: Table, gguf: Path, ceilings: Ceilings) -> None:
         "ours": f"{first * 1e3:.0f} ms",
         "peer": "-" if hf is None else f"{hf[0]['seconds'] * 1e3:.0f} ms (HF's first generate)",
         "ratio": "-" if hf is None else f"{hf[0]['seconds'] / first:.2f}x",
-        "note": "ours compiles the engine's step programs (one per prompt-part shape) here",
+        "note": "ours compiles the step programs this request runs here (the engine's other "
+        "prompt-part shapes compile behind it)",
     })  # fmt: skip
     traces = sum(TRACES.values())
     for i, n in enumerate(UNSEEN):
