@@ -60,7 +60,7 @@ import numpy as np
 from jax.extend.random import threefry_2x32
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
-from infer.compiling import compile_soon
+from infer.compiling import Compile, compile_soon
 from infer.pages import PagePool
 from infer.rows import pin_rows, row_sharding
 from infer.sampling import Greedy, Sampler, SamplingParams, check_settings, sample
@@ -726,8 +726,8 @@ class Engine:
         )  # fmt: skip
         # Each step shape's forward, by (prompt chunks, drafts per row), and each width's
         # sampling program, by `_width`: compiled or compiling (`infer.compiling`).
-        self._programs: dict[tuple[int, int], concurrent.futures.Future] = {}
-        self._samplers: dict[tuple[int, bool], concurrent.futures.Future] = {}
+        self._programs: dict[tuple[int, int], Compile] = {}
+        self._samplers: dict[tuple[int, bool], Compile] = {}
         # `self.model`'s leaves, flattened once per model (`_weights`), and its structure.
         self._flat: tuple[Transformer, list, jax.tree_util.PyTreeDef] | None = None
         # A step that verifies nothing passes these (an upload of nothing still costs a call).
@@ -998,8 +998,9 @@ class Engine:
         background threads, and each width's sampling program, lowered from whichever of that
         width's first two forwards (no prompt part, the smallest one) compiles first: the
         sampler takes the forward's outputs as they are placed. The threads take the programs in
-        the order a new request needs them: those two forwards, the sampler, then the larger
-        prompt parts (bench/RESULTS.md, "The first `generate`")."""
+        the order a new request needs them: those two forwards, the sampler, then, compiled
+        ahead at a lower priority, the larger prompt parts (bench/RESULTS.md, "The first
+        `generate`")."""
         widths: dict[tuple[int, bool], list[StepPlan]] = {}
         for plan in plans:
             widths.setdefault(_width(plan), []).append(plan)
@@ -1011,18 +1012,20 @@ class Engine:
             self._compile_forward(plan)
         for width, same in widths.items():
             if width not in self._samplers:
-                futures = {self._programs[_forward_shape(plan)]: plan for plan in same[:2]}
-                done, _ = concurrent.futures.wait(futures, return_when="FIRST_COMPLETED")
-                forward = next(iter(done))
-                self._samplers[width] = compile_soon(self._lower_sampler(futures[forward], forward))
+                forwards = {self._programs[_forward_shape(plan)].future: plan for plan in same[:2]}
+                done, _ = concurrent.futures.wait(forwards, return_when="FIRST_COMPLETED")
+                plan = forwards[next(iter(done))]
+                forward = self._programs[_forward_shape(plan)]
+                self._samplers[width] = compile_soon(self._lower_sampler(plan, forward))
         for plan in rest:
-            self._compile_forward(plan)
+            self._compile_forward(plan, ahead=True)
 
-    def _compile_forward(self, plan: StepPlan) -> concurrent.futures.Future:
-        """The forward for `plan`'s shape, compiled or compiling."""
+    def _compile_forward(self, plan: StepPlan, *, ahead: bool = False) -> Compile:
+        """The forward for `plan`'s shape, compiled or compiling (`ahead`: no step waits for it
+        yet, `infer.compiling`)."""
         shape = _forward_shape(plan)
         if shape not in self._programs:
-            self._programs[shape] = compile_soon(self._lower(plan, self.state))
+            self._programs[shape] = compile_soon(self._lower(plan, self.state), ahead=ahead)
         return self._programs[shape]
 
     def _compiled(self, plan: StepPlan) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
@@ -1037,9 +1040,7 @@ class Engine:
             self._samplers[width] = compile_soon(self._lower_sampler(plan, forward))
         return forward.result(), self._samplers[width].result()
 
-    def _lower_sampler(
-        self, plan: StepPlan, forward: concurrent.futures.Future
-    ) -> jax.stages.Lowered:
+    def _lower_sampler(self, plan: StepPlan, forward: Compile) -> jax.stages.Lowered:
         """The sampling program for `plan`'s width, lowered on the outputs of `forward` (a
         compiled or compiling forward of that width)."""
         _, logits, row_plan, _ = forward.result().out_info
