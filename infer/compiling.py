@@ -8,60 +8,81 @@ first step then waits for the one or two programs it runs, not for every step sh
 
 Two kinds of compile: those a request needs now run on a thread per core at the caller's
 priority; those compiled ahead, in case a later request needs them (an engine's larger prompt
-parts), one at a time on one thread of lower priority (Linux's nice values, per thread), so a
-request's steps and another engine's first programs keep most of the cores (two threads ahead
-made the next `generate` call wait for both: bench/RESULTS.md). A compile asked for ahead and
-then waited for before its thread took it moves to the threads of the caller's priority.
+parts), one at a time on one thread that runs only on cores nothing else wants (Linux's
+SCHED_IDLE: any other thread that wakes takes its core at once), so running requests never slow
+down for them (at a nice value 10 above the caller's they still did: bench/RESULTS.md, "Compiles
+made ahead on idle cores"). A compile made ahead that a caller waits for is hurried: still
+queued, it moves to the threads of the caller's priority; already compiling, its thread goes
+back to the caller's priority, or where the process may not raise a thread's priority (an
+unprivileged one, RLIMIT_NICE 0), those threads compile it too and the first to finish answers:
+a busy machine cannot starve a program a request waits for.
 
-The threads run every program handed to them, also at the process's exit: nothing is left
-half-compiled, and a process that ends right after its first call takes as long as one that
-waited for every program before its first step.
+When the process ends, the compiles still queued ahead are dropped (nothing can wait for them
+then; one already compiling finishes): a script that generates once and exits does not wait for
+programs it never runs.
 """
 
 import concurrent.futures
 import os
-import sys
 import threading
 import weakref
 
 import jax
 
-# How much lower than the caller's the priority of the compiles made ahead is (nice values).
-NICER = 10
-
-
-def _nicer() -> None:
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.nice(0) + NICER)
-
-
 _NOW = concurrent.futures.ThreadPoolExecutor(
     os.cpu_count() or 1, thread_name_prefix="eqx-zoo-compile"
 )
-_AHEAD = concurrent.futures.ThreadPoolExecutor(
-    1, thread_name_prefix="eqx-zoo-compile-ahead", initializer=_nicer
-)
+_AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eqx-zoo-compile-ahead")
+
+# Set when the main thread ends: no compile made ahead starts after it. Python's hook for "the
+# main thread ended, its threads are about to be joined" is the one concurrent.futures stops its
+# own threads with (hooks run last registered first: this one before theirs); without it
+# (another Python) the compiles queued ahead still run at exit, which only costs time.
+_ENDING = threading.Event()
+getattr(threading, "_register_atexit", lambda hook: None)(_ENDING.set)
 
 # Each lowering's compile, in flight or done. JAX caches a lowering (`jit(f).lower` with the same
 # arguments returns the same one) and keeps its executable once compiled: an engine of the same
 # configuration built later (`generate` builds one per call) finds its programs here, compiled
 # or compiling, and neither compiles them again nor queues behind other programs' compiles. An
-# entry lives as long as JAX keeps the lowering (a `Compile` drops its lowering once a thread
-# takes it); a compile that failed leaves (every engine waiting for it gets its error, and the
-# next one asking compiles again).
+# entry lives as long as JAX keeps the lowering (a `Compile` drops its lowering once compiled);
+# a compile that failed leaves (every engine waiting for it gets its error, and the next one
+# asking compiles again).
 _COMPILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
+def _idle_priority() -> None:
+    """The calling thread runs only on cores no other thread wants (Linux; elsewhere unchanged)."""
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _restore_priority(thread: int) -> bool:
+    """Put thread `thread` (a native id) back to the default policy at its nice value; False
+    where this process may not (leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return True  # never lowered
+    try:
+        os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+    except PermissionError:
+        return False
+    return True
+
+
 class Compile:
     """One lowering's compile, queued, running or done: `result()` is the `jax.stages.Compiled`
-    (waiting for it, and hurrying a compile still queued ahead); `future` to wait on several."""
+    (waiting for it, and hurrying one made ahead); `future` to wait on several."""
 
     def __init__(self, lowered: jax.stages.Lowered, *, ahead: bool):
         self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self._lowered: jax.stages.Lowered | None = lowered
+        self._lowered: jax.stages.Lowered | None = lowered  # until compiled
+        self._thread: int | None = None  # the native id of the first thread compiling it
         self._hurried = not ahead
-        (_AHEAD if ahead else _NOW).submit(self._run)
+        if ahead:
+            _AHEAD.submit(self._compile_ahead)
+        else:
+            _NOW.submit(self._compile)
 
     def done(self) -> bool:
         return self.future.done()
@@ -70,30 +91,56 @@ class Compile:
         if self.future.done():  # every step asks: no lock once compiled
             return self.future.result()
         with _LOCK:
-            hurry = self._lowered is not None and not self._hurried
+            hurry = not self._hurried and self._lowered is not None
             self._hurried = True
-        if hurry:  # still queued behind the compiles made ahead: the caller's threads take it
-            _NOW.submit(self._run)
+            if hurry and self._thread is not None:  # compiling on the idle-priority thread
+                hurry = not _restore_priority(self._thread)
+        if hurry:  # queued ahead, or compiling where it cannot be raised: compile it again
+            try:
+                _NOW.submit(self._compile, again=True)
+            except RuntimeError:  # the process is ending: its threads take no new work
+                self._compile(again=True)
         return self.future.result()
 
-    def _run(self) -> None:
-        with _LOCK:  # the first thread to take it compiles it; a second finds it taken
-            lowered, self._lowered = self._lowered, None
-        if lowered is None:
-            return
-        self.future.set_running_or_notify_cancel()
+    def _compile_ahead(self) -> None:
+        if _ENDING.is_set():
+            return  # the process is ending: nothing runs a program made ahead any more
+        _idle_priority()  # again for each compile: a hurried one left the thread raised
+        self._compile()
+
+    def _compile(self, *, again: bool = False) -> None:
+        """Compile the lowering unless it is done or, `again` false, another thread took it."""
+        with _LOCK:
+            lowered = self._lowered
+            if lowered is None or (self._thread is not None and not again):
+                return
+            if self._thread is None:
+                self._thread = threading.get_native_id()
         try:
-            self.future.set_result(lowered.compile())
+            compiled = lowered.compile()
         except BaseException as error:  # the askers get it from `result()`; the next compiles
-            with _LOCK:
+            self._finish(error=error)
+        else:
+            self._finish(compiled=compiled)
+
+    def _finish(self, *, compiled=None, error: BaseException | None = None) -> None:
+        """Answer with the first compile to finish (a hurried one may run twice)."""
+        with _LOCK:
+            if self._lowered is None:
+                return
+            self._lowered = None
+            if error is not None:
                 for lowering in [key for key, job in _COMPILES.items() if job is self]:
                     del _COMPILES[lowering]
+        if error is not None:
             self.future.set_exception(error)
+        else:
+            self.future.set_result(compiled)
 
 
 def compile_soon(lowered: jax.stages.Lowered, *, ahead: bool = False) -> Compile:
-    """`lowered.compile()` on a background thread (`ahead`: at a lower priority, for a program
-    no request waits for yet), or the compile asked for before for the same lowering."""
+    """`lowered.compile()` on a background thread (`ahead`: only on otherwise idle cores, for a
+    program no request waits for yet), or the compile asked for before for the same lowering."""
     # `Lowered._lowering` is the object JAX caches and compiles once; without it (another JAX),
     # each request compiles on its own, which only costs time.
     lowering = getattr(lowered, "_lowering", lowered)

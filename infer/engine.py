@@ -62,7 +62,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
 from infer.compiling import Compile, compile_soon
 from infer.pages import PagePool
-from infer.rows import pin_rows, row_sharding
+from infer.rows import committed, pin_rows, row_sharding
 from infer.sampling import Greedy, Sampler, SamplingParams, check_settings, sample
 from infer.speculative.adaptive import GIVE_UP, Acceptance, StepCosts, drafts_that_pay
 from infer.speculative.draft import DraftModel, DraftRunner
@@ -685,11 +685,11 @@ class Engine:
         self._everything_allowed = jnp.full(
             (max_batch, allowed_words(model.config.vocab_size)), -1, jnp.int32
         )
-        rows = jax.device_put(
+        rows = committed(jax.device_put(
             (jnp.zeros(max_batch, jnp.int32), jnp.zeros(max_batch, jnp.int32),
              jnp.ones(max_batch, bool)),
             row_sharding(self.placement, 1),
-        )  # fmt: skip
+        ))  # fmt: skip
         self.state = RowState(pages, *rows)
         self._params_host = {
             "temperature": np.zeros(max_batch, np.float32),
@@ -711,7 +711,7 @@ class Engine:
                 ring_extra=self.max_drafts,
             )  # fmt: skip
             self.drafter = DraftRunner(
-                speculative, self.placement.place_arrays(draft_pages), rows=max_batch,
+                speculative, committed(self.placement.place_arrays(draft_pages)), rows=max_batch,
                 page_size=page_size, placement=self.placement, key=jax.random.split(self.key)[1],
             )  # fmt: skip
         elif isinstance(speculative, MTPDraft):
@@ -959,15 +959,15 @@ class Engine:
         is committed to its devices, which is another lowering) and compiled on background
         threads (`infer.compiling`): a step waits only for its own program. A draft model's or
         MTP module's programs compile by running, every row idle (nothing written, nothing
-        emitted); an adaptive engine then times its decode-only programs (`time_steps`)."""
+        emitted), one step per shape, while the threads compile the target's programs; an
+        adaptive engine then times its decode-only programs (`time_steps`)."""
         plans = [
             self._plan([], [], chunks, {}, drafts)
             for drafts in self._widths()
             for chunks in (0, *self.prompt_shapes)
         ]
-        if self.drafter is None:
-            self._compile_ahead(plans)
-        else:
+        self._compile_ahead(plans)
+        if self.drafter is not None:
             for plan in plans:
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self._rows[0].block_until_ready()
@@ -999,7 +999,7 @@ class Engine:
         width's first two forwards (no prompt part, the smallest one) compiles first: the
         sampler takes the forward's outputs as they are placed. The threads take the programs in
         the order a new request needs them: those two forwards, the sampler, then, compiled
-        ahead at a lower priority, the larger prompt parts (bench/RESULTS.md, "The first
+        ahead on otherwise idle cores, the larger prompt parts (bench/RESULTS.md, "The first
         `generate`")."""
         widths: dict[tuple[int, bool], list[StepPlan]] = {}
         for plan in plans:

@@ -18,6 +18,13 @@ def row_sharding(placement: Placement, ndim: int, *, vocab: bool = False):
     return NamedSharding(placement.mesh, PartitionSpec(*spec))
 
 
+def committed(tree):
+    """`tree`'s arrays committed to the devices they lie on, as a program's outputs are: a jitted
+    program (a draft model's, compiled by its first call) then lowers on its first call what it
+    lowers on every later one (an uncommitted argument is another lowering, another compile)."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+
+
 def pin_rows(tree, placement: Placement, *, vocab: bool = False):
     """Inside a program: `tree`'s arrays pinned to `row_sharding`."""
     if not placement.sharded:

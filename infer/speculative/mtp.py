@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from infer.rows import pin_rows
+from infer.rows import committed, pin_rows
 from infer.speculative.draft import checked_vocab, draw_drafts, head_rows
 from infer.speculative.proposer import check_k
 from layers.paged_cache import PagedKVCache
@@ -172,7 +172,7 @@ class MTPRunner:
         pages = model.mtp.body.init_pages(
             n_pages, page_size, rows=window_rows, span=max_len, ring_extra=draft.k
         )
-        self.pages = placement.place_arrays(pages)
+        self.pages = committed(placement.place_arrays(pages))
         self.head = None if draft.vocab is None else head_rows(model.mtp.body, draft.vocab)
         vocab = model.config.vocab_size
         self.drafts = jnp.zeros((rows, draft.k), jnp.int32)

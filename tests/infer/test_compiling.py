@@ -1,16 +1,25 @@
 """Programs compiled on background threads (infer/compiling.py): one compile per lowering however
 many ask for it while it runs or after; a compile made ahead that a caller then waits for leaves
-the queue of those made ahead; a failed compile's error reaches every asker while the next one to
-ask compiles again."""
+the queue of those made ahead; those made ahead run at idle priority, go back to the caller's
+when a caller waits for them (or, where that is not permitted, compile again at the caller's),
+and those still queued when the process ends are dropped; a failed compile's error reaches every
+asker while the next one to ask compiles again."""
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import infer.compiling
 from infer.compiling import compile_soon
+
+IDLE_POLICY = hasattr(os, "SCHED_IDLE")  # Linux: compiles made ahead run at SCHED_IDLE
 
 
 class Lowering:
@@ -35,6 +44,9 @@ class Lowered(jax.stages.Lowered):
         self._lowering, self.release, self.state = lowering, release, state
 
     def compile(self, compiler_options=None):
+        if IDLE_POLICY:  # the compiling thread's, as it starts
+            self.state.setdefault("threads", []).append(threading.get_native_id())
+            self.state.setdefault("policies", []).append(os.sched_getscheduler(0))
         self.release.wait()
         self.state["calls"] += 1
         if self.state["failures"]:
@@ -93,3 +105,89 @@ def test_a_jax_lowering_compiles_to_the_program_it_lowered():
     lowered = jax.jit(lambda x: x * 3 + 1).lower(jnp.arange(4.0))
     program = compile_soon(lowered).result()
     assert jnp.array_equal(program(jnp.arange(4.0)), jnp.arange(4.0) * 3 + 1)
+
+
+def wait_until(condition) -> None:
+    """Poll `condition` until it holds (a guard against a hang, not a measure of speed)."""
+    for _ in range(6000):
+        if condition():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.skipif(not IDLE_POLICY, reason="priorities by scheduling policy are Linux's")
+def test_a_compile_made_ahead_runs_at_idle_priority_until_a_caller_waits_for_it():
+    release, state = threading.Event(), {"calls": 0, "failures": 0}
+    job = compile_soon(Lowered(Lowering(), release, state), ahead=True)
+    waiter = threading.Thread(target=job.result)
+    try:
+        wait_until(lambda: "policies" in state)  # the ahead thread runs it
+        idle = state["policies"] == [os.SCHED_IDLE]
+        waiter.start()
+        # The waiter puts the compiling thread back to the default policy or, where this
+        # process may not, compiles the lowering again at its own priority.
+        thread = state["threads"][0]
+        wait_until(
+            lambda: os.sched_getscheduler(thread) != os.SCHED_IDLE or len(state["policies"]) == 2
+        )
+    finally:
+        release.set()  # a failure leaves no thread blocked
+    waiter.join(timeout=60)
+    assert idle and not waiter.is_alive() and job.result() is COMPILED
+
+
+@pytest.mark.skipif(not IDLE_POLICY, reason="priorities by scheduling policy are Linux's")
+def test_a_waiter_that_may_not_raise_the_compile_ahead_compiles_it_at_its_own_priority(
+    monkeypatch,
+):
+    # Unprivileged, a process cannot take a thread out of SCHED_IDLE: the waiter must not depend on
+    # the idle thread, which a busy machine may starve (here it never finishes until released).
+    monkeypatch.setattr(infer.compiling, "_restore_priority", lambda thread: False)
+    starved, ready, state = threading.Event(), threading.Event(), {"calls": 0, "failures": 0}
+    ready.set()
+    lowered = Lowered(Lowering(), starved, state)
+    job = compile_soon(lowered, ahead=True)
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(job.result()))
+    try:
+        wait_until(lambda: "policies" in state)  # the ahead thread runs it
+        lowered.release = ready  # the second compile finishes at once
+        waiter.start()
+        waiter.join(timeout=60)  # a guard against a hang, not a measure of speed
+        finished = not waiter.is_alive()
+    finally:
+        starved.set()  # a failure leaves no thread blocked
+    assert finished and results == [COMPILED]
+    assert state["policies"] == [os.SCHED_IDLE, os.SCHED_OTHER]
+
+
+ENDING = """
+import threading
+from pathlib import Path
+import jax
+from infer import compiling
+
+class Lowered(jax.stages.Lowered):
+    def __init__(self, name):
+        self.name = name
+    def compile(self, compiler_options=None):
+        started.set()
+        compiling._ENDING.wait()  # runs until the main thread has ended
+        with open(LOG, "a") as log:
+            log.write(self.name + "\\n")
+
+started = threading.Event()
+jobs = [compiling.compile_soon(Lowered(f"ahead {i}"), ahead=True) for i in range(3)]
+started.wait()
+"""
+
+
+def test_compiles_queued_ahead_are_dropped_when_the_process_ends(tmp_path):
+    log = tmp_path / "compiled.txt"
+    script = f"LOG = {str(log)!r}\n" + textwrap.dedent(ENDING)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    # The first was compiling when the main thread ended and finished; the other two never ran.
+    assert log.read_text().splitlines() == ["ahead 0"]

@@ -14,7 +14,7 @@ from infer.engine import TRACES, Engine
 from infer.sampling import Temperature
 from infer.speculative import MTPDraft
 from infer.speculative.mtp import TRACES as MTP_TRACES
-from tests.infer.test_engine import alone, prompts
+from tests.infer.test_engine import _lowerings, alone, prompts
 from zoo.mtp import MTP
 
 CONFIG = zoo.preset("tiny-deepseek-v3")
@@ -111,9 +111,15 @@ def test_nothing_compiles_for_new_requests_or_sampling(drafting):
     Engine(drafting, **kwargs)  # compiles the programs (or the test above did)
     before = dict(TRACES), dict(MTP_TRACES)
     engine = Engine(drafting, **kwargs)
-    for prompt in prompts([3, 30, 9]):
-        engine.submit(prompt, max_new_tokens=8, sampler=Temperature(0.8))
-    engine.run()
+
+    def run():
+        for prompt in prompts([3, 30, 9]):
+            engine.submit(prompt, max_new_tokens=8, sampler=Temperature(0.8))
+        engine.run()
+
+    # Nor lowered again: the module's pools are committed from the start, as its programs'
+    # outputs are (an uncommitted first state was another lowering of its decode programs).
+    assert _lowerings(run) == 0
     assert (dict(TRACES), dict(MTP_TRACES)) == before
 
 

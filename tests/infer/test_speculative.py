@@ -34,7 +34,7 @@ from infer.speculative.adaptive import (
 )
 from infer.speculative.draft import DRAFT_VOCAB, draw_drafts, head_rows
 from infer.speculative.draft import TRACES as DRAFT_TRACES
-from tests.infer.test_engine import FAMILIES, LLAMA, alone, prompts
+from tests.infer.test_engine import FAMILIES, LLAMA, _lowerings, alone, prompts
 
 
 class Oracle(Proposer):
@@ -455,6 +455,21 @@ class TurnsWrong(Proposer):
     def propose(self, tokens, k):
         drafts = np.array(self.answer[len(tokens) : len(tokens) + k], np.int64)
         return drafts if len(tokens) < self.until else (drafts + 1) % 256
+
+
+def test_a_draft_models_first_request_lowers_nothing(llama):
+    """The draft's programs compile at the warm-up on the state every later step has (committed
+    to its device, as a program's outputs are): the first request lowers nothing. (An
+    uncommitted first state was another lowering: the first request compiled the draft's decode
+    programs again.) A configuration no other test runs, so nothing was compiled before."""
+    draft = DraftModel(llama, k=3, adaptive=False)
+    engine = Engine(llama, **dict(SHAPE, max_len=72), speculative=draft)
+
+    def run():
+        engine.submit(prompts([5], seed=9)[0], max_new_tokens=6)
+        engine.run()
+
+    assert _lowerings(run) == 0
 
 
 def test_adaptive_speculation_follows_the_acceptance_rate(llama):
