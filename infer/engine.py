@@ -957,22 +957,37 @@ class Engine:
         program is lowered here, before anything runs (a program lowered for the engine's fresh
         state is the one another engine of this configuration looks up; the state a run leaves
         is committed to its devices, which is another lowering) and compiled on background
-        threads (`infer.compiling`): a step waits only for its own program. A draft model's or
-        MTP module's programs compile by running, every row idle (nothing written, nothing
-        emitted), one step per shape, while the threads compile the target's programs; an
-        adaptive engine then times its decode-only programs (`time_steps`)."""
+        threads (`infer.compiling`): a step waits only for its own program; a draft model's
+        too (`DraftRunner.compile_soon`). An MTP module's programs compile by running, every row
+        idle (nothing written, nothing emitted), one step per shape, while the threads compile
+        the target's programs; an adaptive engine then times its decode-only programs
+        (`time_steps`)."""
         plans = [
             self._plan([], [], chunks, {}, drafts)
             for drafts in self._widths()
             for chunks in (0, *self.prompt_shapes)
         ]
+        if isinstance(self.drafter, DraftRunner):
+            plans = [self._compile_drafter(plan) for plan in plans]
         self._compile_ahead(plans)
-        if self.drafter is not None:
+        if self.drafter is not None and not isinstance(self.drafter, DraftRunner):
             for plan in plans:
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self._rows[0].block_until_ready()
         if self.adaptive:
             self.time_steps(WARM_UP_TIMINGS)
+
+    def _compile_drafter(self, plan: StepPlan) -> StepPlan:
+        """Start compiling the draft model's programs for `plan`'s shape, and return the plan a
+        step of that shape hands the target's programs (a verifying one: with drafts)."""
+        observing = self.adaptive and plan.drafts.shape[1] == 0  # as `_with_drafter` decides
+        drafts = 1 if observing else self.drafter.draft.k
+        ahead = plan.tokens.shape[0] > self.prompt_shapes[0]  # as `_compile_ahead` orders them
+        sampling = self._row_params().sampling
+        proposed = self.drafter.compile_soon(
+            plan, self._rows[0], sampling, self.steps, drafts=drafts, ahead=ahead
+        )
+        return plan if observing else proposed
 
     def time_steps(self, repeats: int) -> None:
         """Run each compiled decode-only program `repeats` times on idle rows (nothing written)

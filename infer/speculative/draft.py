@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from infer.rows import pin_rows
+from infer.compiling import Compile, compile_soon
+from infer.rows import committed, pin_rows, row_sharding
 from infer.sampling import SamplingParams
 from infer.speculative.proposer import check_k
 from infer.speculative.verify import target_probs
@@ -305,7 +306,8 @@ def drafts_program(
     carry = (1, token, lengths, pages, proposed, probs)
     if drafts > 1:
         carry = jax.lax.while_loop(lambda c: c[0] < forwards, next_draft, carry)
-    return carry[3], carry[4], carry[5]
+    # Pinned, as the engine's sampling program (compiled before any draft is made) takes them.
+    return carry[3], pin_rows(carry[4], placement), pin_rows(carry[5], placement, vocab=True)
 
 
 class DraftRunner:
@@ -318,6 +320,8 @@ class DraftRunner:
         self.draft, self.pages, self.page_size, self.placement = draft, pages, page_size, placement
         self.key = key
         self.lengths = np.zeros(rows, np.int32)
+        self._compiles: dict[tuple, Compile] = {}  # `compile_soon`'s, by program and shape
+        self._proposals: dict[int, tuple] = {}  # the drafts program's outputs, by drafts per row
 
     def propose(
         self, plan, sequences: dict[int, tuple[list[int], int]], last, sampling, step: int,
@@ -341,7 +345,65 @@ class DraftRunner:
         at the token the step gives (module docstring: the row's acceptance trial)."""
         return self._run(plan, sequences, last, sampling, step, drafts=1, forwards=1)[0][:, 0]
 
+    def compile_soon(
+        self, plan, last, sampling, step: int, *, drafts: int, ahead: bool = False
+    ):  # fmt: skip
+        """Lower the two programs a step of `plan`'s shape with `drafts` per row runs, on an
+        idle step's arguments (nothing runs, nothing changes), and compile them on the
+        background threads (`infer.compiling`; `ahead`: no step waits for them yet). JAX keeps
+        what they compile: the step's own calls then find the programs compiled (waiting for
+        them if they are still compiling) instead of compiling them by running. Returns `plan`
+        as `propose` would (zero drafts, placed as the drafts program places its own), for the
+        engine to lower its programs on."""
+        catch_up, lengths = self._catch_up_arguments(plan, {}, last)
+        lowered = catch_up_program.lower(
+            self.draft, self.pages, *catch_up, page_size=self.page_size, placement=self.placement
+        )
+        self._compiles[("catch-up", plan.tokens.shape)] = compile_soon(lowered, ahead=ahead)
+        if ("drafts", drafts) not in self._compiles:
+            self._compile_drafts(plan, lowered, lengths, sampling, step, drafts)
+        _, proposed, q = self._proposals[drafts]
+        zeros = lambda x, **vocab: jax.device_put(  # noqa: E731
+            jnp.zeros(x.shape, x.dtype), row_sharding(self.placement, x.ndim, **vocab)
+        )
+        return eqx.tree_at(
+            lambda p: (p.drafts, p.q), plan, committed((zeros(proposed), zeros(q, vocab=True))),
+            is_leaf=lambda x: x is None,
+        )  # fmt: skip
+
+    def _compile_drafts(self, plan, catch_up, lengths, sampling, step: int, drafts: int) -> None:
+        """`compile_soon`'s drafts program, lowered on what `catch_up` (lowered) hands it."""
+        # What the catch-up hands over: the pools as they lie, the logits as `pin_rows` places
+        # them (the catch-up's lowering does not know where its outputs will lie).
+        lying = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+        pages = jax.tree.map(lambda x: lying(x, x.sharding), self.pages)
+        _, logits = catch_up.out_info
+        device = jax.tree.leaves(self.pages)[0].sharding
+        logits = lying(logits, row_sharding(self.placement, 2, vocab=True) or device)
+        lowered = drafts_program.lower(
+            self.draft, pages, *self._drafts_arguments(plan, lengths, logits, sampling, step, 0),
+            drafts=drafts, page_size=self.page_size, placement=self.placement,
+        )  # fmt: skip
+        self._compiles[("drafts", drafts)] = compile_soon(lowered)
+        self._proposals[drafts] = lowered.out_info
+
     def _run(self, plan, sequences, last, sampling, step: int, *, drafts: int, forwards: int):
+        catch_up, lengths = self._catch_up_arguments(plan, sequences, last)
+        self._wait(("catch-up", plan.tokens.shape))
+        self.pages, logits = catch_up_program(
+            self.draft, self.pages, *catch_up, page_size=self.page_size, placement=self.placement
+        )
+        self._wait(("drafts", drafts))
+        self.pages, proposed, q = drafts_program(
+            self.draft, self.pages,
+            *self._drafts_arguments(plan, lengths, logits, sampling, step, forwards),
+            drafts=drafts, page_size=self.page_size, placement=self.placement,
+        )  # fmt: skip
+        return proposed, q
+
+    def _catch_up_arguments(self, plan, sequences, last):
+        """`catch_up_program`'s arguments after the pools, and the lengths its rows' draft caches
+        hold before it; notes what each row's holds after the step."""
         rows = self.lengths.size
         catch_up = np.zeros((rows, CATCH_UP), np.int32)
         catch_up_n = np.zeros(rows, np.int32)
@@ -353,17 +415,21 @@ class DraftRunner:
         for row, n, start in zip(plan.row, plan.n, plan.start, strict=True):
             if n:
                 self.lengths[row] = start + n
-        self.pages, logits = catch_up_program(
-            self.draft, self.pages, plan.table, catch_up, catch_up_n, last, lengths,
-            (plan.row, plan.tokens, plan.n, plan.start), page_size=self.page_size,
-            placement=self.placement,
+        chunks = (plan.row, plan.tokens, plan.n, plan.start)
+        return (plan.table, catch_up, catch_up_n, last, lengths, chunks), lengths + catch_up_n
+
+    def _drafts_arguments(self, plan, lengths, logits, sampling, step: int, forwards: int):
+        """`drafts_program`'s arguments after the pools."""
+        return (
+            plan.table, lengths, plan.k, np.int32(forwards), logits, sampling, self.key,
+            np.int32(step),
         )  # fmt: skip
-        self.pages, proposed, q = drafts_program(
-            self.draft, self.pages, plan.table, lengths + catch_up_n, plan.k, np.int32(forwards),
-            logits, sampling, self.key, np.int32(step), drafts=drafts, page_size=self.page_size,
-            placement=self.placement,
-        )  # fmt: skip
-        return proposed, q
+
+    def _wait(self, program: tuple) -> None:
+        """Wait for `program` if `compile_soon` started compiling it (once compiled: at once)."""
+        job = self._compiles.get(program)
+        if job is not None:
+            job.result()
 
     def kept(self, row: int, cached: int) -> None:
         """After a verification: the row's draft cache holds no more than the target kept."""
