@@ -970,7 +970,7 @@ class Engine:
         if isinstance(self.drafter, DraftRunner):
             plans = [self._compile_drafter(plan) for plan in plans]
         self._compile_ahead(plans)
-        if self.drafter is not None and not isinstance(self.drafter, DraftRunner):
+        if isinstance(self.drafter, MTPRunner):
             for plan in plans:
                 self._launch(self._with_drafter(plan, [], [], warm_up=True)[0], [])
             self._rows[0].block_until_ready()
