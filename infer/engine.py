@@ -982,10 +982,9 @@ class Engine:
         step of that shape hands the target's programs (a verifying one: with drafts)."""
         observing = self.adaptive and plan.drafts.shape[1] == 0  # as `_with_drafter` decides
         drafts = 1 if observing else self.drafter.draft.k
-        ahead = plan.tokens.shape[0] > self.prompt_shapes[0]  # as `_compile_ahead` orders them
         sampling = self._row_params().sampling
         proposed = self.drafter.compile_soon(
-            plan, self._rows[0], sampling, self.steps, drafts=drafts, ahead=ahead
+            plan, self._rows[0], sampling, self.steps, drafts=drafts, ahead=self._made_ahead(plan)
         )
         return plan if observing else proposed
 
@@ -1019,21 +1018,25 @@ class Engine:
         widths: dict[tuple[int, bool], list[StepPlan]] = {}
         for plan in plans:
             widths.setdefault(_width(plan), []).append(plan)
-        first, rest = [], []
-        for same in widths.values():
-            first += same[:2]
-            rest += same[2:]
-        for plan in first:
-            self._compile_forward(plan)
+        for plan in plans:
+            if not self._made_ahead(plan):
+                self._compile_forward(plan)
         for width, same in widths.items():
             if width not in self._samplers:
-                forwards = {self._programs[_forward_shape(plan)].future: plan for plan in same[:2]}
+                first = [plan for plan in same if not self._made_ahead(plan)]
+                forwards = {self._programs[_forward_shape(plan)].future: plan for plan in first}
                 done, _ = concurrent.futures.wait(forwards, return_when="FIRST_COMPLETED")
                 plan = forwards[next(iter(done))]
                 forward = self._programs[_forward_shape(plan)]
                 self._samplers[width] = compile_soon(self._lower_sampler(plan, forward))
-        for plan in rest:
-            self._compile_forward(plan, ahead=True)
+        for plan in plans:
+            if self._made_ahead(plan):
+                self._compile_forward(plan, ahead=True)
+
+    def _made_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan`'s programs are compiled ahead, on otherwise idle cores: its prompt part
+        is larger than the smallest, which no new request's first step runs."""
+        return plan.tokens.shape[0] > self.prompt_shapes[0]
 
     def _compile_forward(self, plan: StepPlan, *, ahead: bool = False) -> Compile:
         """The forward for `plan`'s shape, compiled or compiling (`ahead`: no step waits for it
