@@ -55,8 +55,8 @@ class Chat:
                  placement: shard.Placement | None = None, kv_dtype: str | None = None,
                  write=sys.stdout.write, speculative: Proposer | DraftModel | None = None,
                  special_in_content: SpecialInContent = "text"):  # fmt: skip
-        """`model` with LoRA adapters folded in, in the decode storage (`storage="unrolled"`,
-        what `load_pretrained` gives; a run's stacked model is converted once); `max_len` the
+        """`model` with LoRA adapters folded in, in the decode storage (`for_decode`, what
+        `load_pretrained` gives; converted once where it differs); `max_len` the
         tokens the conversation may hold (default `flags.MAX_LEN`, or the model's max_seq_len
         if smaller; more than that is refused); `speculative` a proposer of draft tokens
         (infer/speculative/); `special_in_content` what a special token's text typed in a
@@ -65,7 +65,7 @@ class Chat:
         tokenizer.render_chat([{"role": "user", "content": "hi"}])  # no template: fail now
         self.tokenizer = tokenizer
         self.engine = infer.Engine(
-            plain(model).with_policy(storage="unrolled"),
+            plain(model).for_decode(sharded=placement is not None and placement.sharded),
             max_batch=1,
             max_len=flags.max_len(max_len, model.config),
             key=jax.random.key(seed),
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo chat") -> list[stre
         draft = load_artifact(args.draft, attention=args.attention, placement=placement)
         if draft.tokenizer is not None:
             check_tokenizers(artifact.tokenizer, draft.tokenizer)
-        small = quantize(plain(draft.model).with_policy(storage="unrolled"), "int8")
+        small = quantize(plain(draft.model).for_decode(sharded=placement.sharded), "int8")
         # A distilled draft's vocabulary, when it has one (infer.speculative.draft_vocab).
         speculative = DraftModel(small, k=args.draft_k, vocab=draft_vocab(args.draft))
     model = artifact.model

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo sample") -> stream.
             parser(prog).error(f"argument --prompt: with no tokenizer it {error}")
     else:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
-    model = plain(artifact.model).with_policy(storage="unrolled")  # decode storage: one copy
+    model = plain(artifact.model).for_decode(sharded=placement.sharded)  # at most one copy
     max_len = min(len(prompt) + args.max_new_tokens, model.config.max_seq_len)
     start = time.perf_counter()
     print("compiling the engine (prefill and decode programs) ...", file=sys.stderr, flush=True)

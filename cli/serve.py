@@ -111,7 +111,7 @@ def build(argv: list[str] | None = None, prog: str = "eqx-zoo serve"):
             f"--model {args.model!r} comes with no tokenizer to serve text with: give a "
             "checkpoint or a run that has one"
         )
-    model = plain(artifact.model).with_policy(storage="unrolled")  # the decode storage
+    model = plain(artifact.model).for_decode(sharded=placement.sharded)
     if adapters:  # one base, the adapters applied per row (not a merged model each)
         adapted = [zoo.load_adapter(model, path, placement=placement) for path in adapters.values()]
         model = zoo.bank_adapters(model, adapted)

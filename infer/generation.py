@@ -58,10 +58,11 @@ def generate(
     256, at most the model's max_seq_len), its pages in `kv_dtype` (the `Engine`'s: None, the
     compute dtype, or "int8"). Bad input is a ValueError before anything runs.
 
-    Decode runs as the model's policy says: `zoo.load_pretrained` gives one array per layer,
-    the fastest decode (`Policy.inference`); a model built for training (stacked layers) works
-    the same, slower per token where slicing a stacked weight copies it (XLA:CPU;
-    `model.with_policy(storage="unrolled")` converts once). Nothing copies the weights per call.
+    Decode runs as the model's policy says: `zoo.load_pretrained` gives the fastest decode's
+    layer storage (`Policy.inference`: stacked on one CPU device in float32, each projection's
+    kernel reading its layer in place; one array per layer elsewhere); any model works the same,
+    slower per token where a stacked weight's slice is copied (bfloat16, a mesh, a GPU:
+    `model.for_decode()` converts once). Nothing copies the weights per call.
     Sharded generation: give the `placement` the model was created or loaded in
     (`shard.Placement(mesh, rules)`); the rows must divide by the mesh's batch axes.
     `speculative` a proposer of draft tokens (`infer.speculative.PromptLookup(k=4)`,

@@ -6,7 +6,7 @@ import string
 import equinox as eqx
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from layers.init import scaled_normal
 from layers.kernels.cpu.dense import dense_product, uses_dense_kernel
@@ -20,6 +20,11 @@ class Linear(eqx.Module):
     `[batch, seq, embed] -> [batch, seq, heads, head_dim]` (einsum "bsa,abc->bsbc" style).
 
     Weights use fan-in normal init (std = 1/sqrt(fan_in)) unless `init_std` is given.
+
+    `layer`: None, or, inside a stacked model's layer loop, the layer this projection is: its
+    weight is then the whole stack `[layers, *in_shape, *out_shape]` (bias sliced) and the CPU
+    kernel reads `weight[layer]` where it lies, since a slice fed to a product is a copy of the
+    weight every step (`at_layer`; XLA's einsum path takes the slice).
     """
 
     weight: Float[Array, "..."]
@@ -27,6 +32,7 @@ class Linear(eqx.Module):
     in_shape: tuple[int, ...] = eqx.field(static=True)
     out_shape: tuple[int, ...] = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
+    layer: Int[Array, ""] | None = None
 
     def __init__(
         self,
@@ -52,15 +58,34 @@ class Linear(eqx.Module):
         self.bias = jnp.zeros(self.out_shape, dtype) if use_bias else None
 
     @staticmethod
-    def of(weight: Array, bias: Array | None, *, n_in: int, axes: tuple[str, ...]) -> "Linear":
+    def of(
+        weight: Array,
+        bias: Array | None,
+        *,
+        n_in: int,
+        axes: tuple[str, ...],
+        layer: Int[Array, ""] | None = None,
+    ) -> "Linear":
         """A Linear holding these arrays (no initialisation): `weight` is `[*layers, *in_shape,
         *out_shape]` with `n_in` input dims and len(axes) dims after any leading layer dims."""
         shape = weight.shape[weight.ndim - len(axes) :]
         linear = object.__new__(Linear)
         for name, value in [("weight", weight), ("bias", bias), ("in_shape", shape[:n_in]),
-                            ("out_shape", shape[n_in:]), ("axes", tuple(axes))]:  # fmt: skip
+                            ("out_shape", shape[n_in:]), ("axes", tuple(axes)),
+                            ("layer", layer)]:  # fmt: skip
             object.__setattr__(linear, name, value)
         return linear
+
+    def at_layer(self, layer: Int[Array, ""]) -> "Linear":
+        """This stacked projection (`[layers, ...]` arrays) as layer `layer`: the weight kept
+        whole and read at `layer` by the call, the bias sliced."""
+        bias = None if self.bias is None else self.bias[layer]
+        return Linear.of(self.weight, bias, n_in=len(self.in_shape), axes=self.axes, layer=layer)
+
+    def layer_weight(self) -> Float[Array, "*in_and_out"]:
+        """The weight `[*in_shape, *out_shape]` this projection multiplies by (a slice of the
+        stack, a copy, when it reads a layer)."""
+        return self.weight if self.layer is None else self.weight[self.layer]
 
     def __call__(
         self, x: Float[Array, "..."], *, dtype: DTypeLike | None = None
@@ -73,13 +98,15 @@ class Linear(eqx.Module):
         batch = x.shape[: x.ndim - n_in]
         if uses_dense_kernel(math.prod(batch), x.dtype, self.weight.dtype, dtype):
             k, n = math.prod(self.in_shape), math.prod(self.out_shape)
-            flat = dense_product(x.reshape(-1, k), self.weight.reshape(k, n), False)
+            stack = () if self.layer is None else (-1,)
+            w = self.weight.reshape(*stack, k, n)
+            flat = dense_product(x.reshape(-1, k), w, False, self.layer)
             y = flat.reshape(*batch, *self.out_shape)
             return y if self.bias is None else y + self.bias
         letters = string.ascii_letters
         contract, out = letters[:n_in], letters[n_in : n_in + n_out]
         spec = f"...{contract},{contract}{out}->...{out}"
-        y = jnp.einsum(spec, x.astype(dtype), self.weight.astype(dtype))
+        y = jnp.einsum(spec, x.astype(dtype), self.layer_weight().astype(dtype))
         if self.bias is not None:
             y = y + self.bias.astype(dtype)
         return y

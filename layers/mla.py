@@ -172,7 +172,7 @@ class MLA(eqx.Module):
                 f"{type(self.kv_b_proj).__name__} (LoRA or quantized): merge the adapter "
                 "(zoo.merge_adapter) or dequantize (zoo.dequantize_base) before decoding"
             )
-        return self.kv_b_proj.weight
+        return self.kv_b_proj.layer_weight()
 
     def _absorbed_query(self, q_nope, q_pe) -> Float[Array, "batch seq heads width"]:
         """[q_nope W_uk, q_pe]: the query in the cache's latent space."""

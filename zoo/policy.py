@@ -10,15 +10,18 @@ projection each, and how MoE layers dispatch tokens. A model holds one policy;
 parameter dtype changes (a one-time conversion).
 
 Two starting points: `Policy()` trains (stacked layers under `lax.scan`: compile time does not
-grow with depth); `Policy.inference(dtype)` is what `load_pretrained` gives and decodes fastest:
-one array per layer, because a step that slices a stacked weight copies it (XLA:CPU measured 2x
-slower per token; bench/RESULTS.md).
+grow with depth); `Policy.inference(dtype)` is what `load_pretrained` gives and decodes fastest
+in the storage `decode_storage` picks: stacked where the CPU kernels read each layer's
+projections in place (`Linear.layer`), so a step program holds one layer's body and compiles
+about twice as fast; elsewhere one array per layer, because a step that slices a stacked
+weight for XLA's product copies it (XLA:CPU measured 2x slower per token; bench/RESULTS.md).
 """
 
 import dataclasses
 import typing
 from typing import Literal, get_args
 
+import jax
 import jax.numpy as jnp
 
 from layers.kernels import AttentionKernel, kernel_named
@@ -49,12 +52,12 @@ class Policy:
     on a GPU, since xla cannot soft-cap); `scan_layers`: run stacked layers with `lax.scan`
     (False: a Python loop over the same weights, compile time growing with depth); `storage`:
     "stacked" (a leading `[repeats]` axis per weight, what `lax.scan` and pipelines need) or
-    "unrolled" (one block per layer, what decode wants); `fused`: q/k/v and gate/up as one
-    projection each (fewer kernels per decode step; training, adapters, quantization and export
-    need them separate); `decode_kernel`: the paged attention kernel of cached one-token steps
-    (`XlaPagedKernel()`, `PallasDecodeKernel()`, `CpuDecodeKernel()`, or None: the backend's
-    default, the Pallas kernel on a GPU and the C++ one on a CPU where they serve the model, the
-    XLA path elsewhere); `moe_dispatch`:
+    "unrolled" (one block per layer; `decode_storage` says which decodes faster); `fused`:
+    q/k/v and gate/up as one projection each (fewer kernels per decode step; training,
+    adapters, quantization and export need them separate); `decode_kernel`: the paged
+    attention kernel of cached one-token steps (`XlaPagedKernel()`, `PallasDecodeKernel()`,
+    `CpuDecodeKernel()`, or None: the backend's default, the Pallas kernel on a GPU and the C++
+    one on a CPU where they serve the model, the XLA path elsewhere); `moe_dispatch`:
     `Dropless()`, `Capacity(factor)` or "dropless"/"capacity" (factor 1.25). On a mesh with a
     `pipeline` axis (zoo/pipeline.py; unused elsewhere): `microbatches`, how many micro-batches
     stream through the stages per forward; `pipeline_schedule`, "gpipe", "1f1b" or
@@ -155,10 +158,27 @@ class Policy:
         return Policy(compute_dtype=dtype, param_dtype=dtype)
 
     @staticmethod
-    def inference(dtype: str = "float32") -> "Policy":
-        """Compute and store in `dtype`, one array per layer: the fastest decode measured
-        (bench/RESULTS.md, "Engine v2"); what `load_pretrained` gives unless told otherwise."""
-        return Policy(compute_dtype=dtype, param_dtype=dtype, storage="unrolled")
+    def inference(
+        dtype: str = "float32", *, sharded: bool = False, experts: bool = False
+    ) -> "Policy":
+        """Compute and store in `dtype`, layers stored as `decode_storage(dtype, sharded=,
+        experts=)` says: the fastest decode measured (bench/RESULTS.md); what `load_pretrained`
+        gives unless told otherwise."""
+        storage = decode_storage(dtype, sharded=sharded, experts=experts)
+        return Policy(compute_dtype=dtype, param_dtype=dtype, storage=storage)
+
+
+def decode_storage(*dtypes: str, sharded: bool = False, experts: bool = False) -> Storage:
+    """The layer storage that decodes fastest for a model computing and stored in `dtypes`
+    (`experts`: with MoE layers): "stacked" on one CPU device in float32 without experts, where
+    every projection's kernel (dense.cc, or the packed weights' matmul.cc) reads its layer of
+    the stack in place, so decode costs what unrolled layers cost and its step programs compile
+    about twice as fast (one layer's body in a loop, not 30 inlined copies: bench/RESULTS.md,
+    "Stacked layers read in place"); "unrolled" elsewhere (other dtypes, a mesh, a GPU, MoE
+    experts), where a stacked weight's slice is copied every step."""
+    float32 = all(dtype == "float32" for dtype in dtypes or ("float32",))
+    in_place = jax.default_backend() == "cpu" and not sharded and not experts and float32
+    return "stacked" if in_place else "unrolled"
 
 
 def attention_needs(config: Config, dtype: str | None = None) -> Needs:

@@ -21,11 +21,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from layers.kernels import AttentionMask
 from layers.kernels.flash.attention import RESIDUAL_NAMES as FLASH_RESIDUALS
+from layers.linear import Linear
 from layers.moe import MoEStats
+from layers.quantized import QuantizedLinear
 from shard.rules import active
 from zoo.block import Block, Rope
 from zoo.config import Config
@@ -77,6 +79,21 @@ class Stack(eqx.Module):
             return self
         layers = tuple(self.layer(i) for i in range(self.n_layers))
         return Stack(layers, self.repeats, self.period, stacked=False)
+
+    @property
+    def stackable(self) -> bool:
+        """Whether `restacked` can stack these layers: each block of the period has the same
+        structure, shapes and dtypes in every repeat (a GGUF may store each layer's projections
+        in its own block type)."""
+
+        def signature(block: Block):
+            leaves = [(a.shape, a.dtype) for a in jax.tree.leaves(block) if eqx.is_array(a)]
+            return jax.tree.structure(eqx.filter(block, eqx.is_array)), leaves
+
+        return self.stacked or all(
+            all(signature(b) == signature(self.blocks[j]) for b in self.blocks[j :: self.period])
+            for j in range(self.period)
+        )
 
     def restacked(self) -> "Stack":
         """The inverse of `unstacked`: each block of the period with its repeats' weights
@@ -143,16 +160,26 @@ class Stack(eqx.Module):
 
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         run = _period_runner(static, **context, remat=remat)
+        # A cached call (inference) passes the weights to each layer whole: its projections
+        # read their layer where it lies (`_read_layer`), where a slice would copy every weight
+        # every step.
+        in_place = cache is not None and policy.scan_layers
 
         def repeat(carry, xs):
             x, kv = carry
             weights, index, row = xs
-            x, kv, stats = run(x, weights, kv, index, row)
+            runner = run
+            if in_place:
+                layer = _read_layer(eqx.combine(dynamic, static), index)
+                weights, layer_static = eqx.partition(layer, eqx.is_array)
+                runner = _period_runner(layer_static, **context, remat=remat)
+            x, kv, stats = runner(x, weights, kv, index, row)
             return (x, kv), tuple(stats)
 
         indices = jnp.arange(self.repeats)
         if policy.scan_layers:
-            (x, cache), stats = jax.lax.scan(repeat, (x, cache), (dynamic, indices, pattern))
+            xs = (None if in_place else dynamic, indices, pattern)
+            (x, cache), stats = jax.lax.scan(repeat, (x, cache), xs)
         else:
             outs = []
             for r in range(self.repeats):
@@ -165,6 +192,20 @@ class Stack(eqx.Module):
         # [repeats] per MoE block of the period -> [repeats * n_moe] in layer order.
         stats = jax.tree.map(lambda *s: jnp.stack(s, axis=1), *stats)
         return x, jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats), cache
+
+
+def _read_layer(blocks: PyTree, index: Int[Array, ""]) -> PyTree:
+    """Stacked blocks (`[repeats, ...]` arrays) as repeat `index`: each projection
+    (`Linear`, `QuantizedLinear`) keeps its stacked weight and reads `index` of it in its
+    kernel (`at_layer`), every other array (norms, biases, experts, adapters) is sliced."""
+    projection = lambda node: isinstance(node, Linear | QuantizedLinear)  # noqa: E731
+
+    def take(node):
+        if projection(node):
+            return node.at_layer(index)
+        return node[index] if eqx.is_array(node) else node
+
+    return jax.tree.map(take, blocks, is_leaf=projection)
 
 
 def _period_runner(static, *, mask, rope, local_rope, policy, view, remat) -> Callable:

@@ -42,7 +42,7 @@ from zoo.config import Config
 from zoo.output import ModelOutput
 from zoo.pattern import LayerPattern
 from zoo.pipeline import run_stack
-from zoo.policy import Policy
+from zoo.policy import Policy, decode_storage
 from zoo.stack import Stack, make_stacks
 
 if TYPE_CHECKING:  # zoo/mtp.py builds on Transformer
@@ -144,6 +144,18 @@ class Transformer(eqx.Module):
         model = jax.tree.map(lambda leaf: leaf, model)
         object.__setattr__(model, "policy", policy)
         return model
+
+    def for_decode(self, *, sharded: bool = False) -> "Transformer":
+        """This model in the layer storage that decodes fastest for its dtypes
+        (`zoo.policy.decode_storage`; `sharded`: on a mesh), converted once where it differs;
+        unrolled where its layers cannot stack (a GGUF's layers in different block types)."""
+        policy = self.policy
+        experts = self.config.n_experts > 0
+        dtypes = policy.compute_dtype, policy.param_dtype
+        storage = decode_storage(*dtypes, sharded=sharded, experts=experts)
+        if not all(stack.stackable for stack in self.stacks):
+            storage = "unrolled"
+        return self.with_policy(storage=storage)
 
     def with_mtp(self, mtp: "MTP | None") -> "Transformer":
         """This model with `mtp` as its multi-token-prediction module (zoo/mtp.py; None: none),

@@ -149,8 +149,9 @@ def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
     """The target's first `n_layers` layers under its embedding, final norm and head: a draft
     that costs `n_layers / model.config.n_layers` of a target step, with the target's tokenizer
     by construction (the early-exit drafts of self-speculative decoding, Zhang et al. 2024,
-    "Draft & Verify", without their layer choice). The weights are the target's own arrays (no
-    copy); the model's layers must form one stack."""
+    "Draft & Verify", without their layer choice), in the target's layer storage. Unrolled
+    layers are the target's own arrays (no copy), stacked ones their first layers' slices (a
+    copy of those layers); the model's layers must form one stack."""
     config = model.config
     if (
         isinstance(n_layers, bool)
@@ -166,14 +167,18 @@ def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
             f"truncated_draft takes a model whose layers form one stack, got "
             f"{len(model.stacks)} stacks (dense layers before experts)"
         )
-    model = model.with_policy(storage="unrolled")
     (stack,) = model.stacks
     if n_layers % stack.period:
         raise ValueError(
             f"truncated_draft n_layers={n_layers} cuts the model's attention pattern (a period "
             f"of {stack.period} layers); give a multiple of {stack.period}"
         )
-    stack = Stack(stack.blocks[:n_layers], n_layers // stack.period, stack.period, stacked=False)
+    repeats = n_layers // stack.period
+    if stack.stacked:
+        first = lambda w: w[:repeats] if eqx.is_array(w) else w  # noqa: E731
+        stack = Stack(jax.tree.map(first, stack.blocks), repeats, stack.period, stacked=True)
+    else:
+        stack = Stack(stack.blocks[:n_layers], repeats, stack.period, stacked=False)
     types = config.layer_types and config.layer_types[:n_layers]
     draft = eqx.tree_at(lambda m: m.stacks, model, (stack,))
     # A static field: rebuilt from the same leaves (no copy), as Transformer.with_policy does.

@@ -18,7 +18,7 @@ import math
 import equinox as eqx
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from layers.kernels.quantized import quantized_matmul
 from layers.linear import Linear
@@ -34,6 +34,7 @@ class QuantizedLinear(eqx.Module):
     in_shape: tuple[int, ...] = eqx.field(static=True)
     out_shape: tuple[int, ...] = eqx.field(static=True)
     axes: tuple[str, ...] = eqx.field(static=True)
+    layer: Int[Array, ""] | None = None  # as `Linear.layer`: the packed stack read at `layer`
 
     @property
     def kind(self) -> str:
@@ -77,6 +78,12 @@ class QuantizedLinear(eqx.Module):
             )
         return QuantizedLinear(packed, bias, tuple(in_shape), tuple(out_shape), tuple(axes))
 
+    def at_layer(self, layer: Int[Array, ""]) -> "QuantizedLinear":
+        """This stacked projection as layer `layer`, as `Linear.at_layer`: the packed weight
+        kept whole and read at `layer` by the call, the bias sliced."""
+        bias = None if self.bias is None else self.bias[layer]
+        return QuantizedLinear(self.packed, bias, self.in_shape, self.out_shape, self.axes, layer)
+
     def weight(self, dtype: DTypeLike = jnp.float32) -> Float[Array, "..."]:
         """The dequantized weight `[*layers, *in_shape, *out_shape]` in `dtype` (computed in
         float32): what `Linear.weight` would hold."""
@@ -90,7 +97,7 @@ class QuantizedLinear(eqx.Module):
         dtype = dtype or x.dtype
         batch = x.shape[: x.ndim - len(self.in_shape)]
         flat = x.astype(dtype).reshape(-1, self.packed.cols)
-        y = quantized_matmul(flat, self.packed).reshape(*batch, *self.out_shape)
+        y = quantized_matmul(flat, self.packed, self.layer).reshape(*batch, *self.out_shape)
         if self.bias is not None:
             y = y + self.bias.astype(dtype)
         return y

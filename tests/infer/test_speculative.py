@@ -382,6 +382,12 @@ def test_a_truncated_draft_is_the_targets_first_layers(llama, without_runtime_ty
     for bad in (0, 2, True):
         with pytest.raises(ValueError, match=r"n_layers must be an int in \[1, 1\]"):
             truncated_draft(target, bad)
+    # A stacked target (the CPU's decode storage) gives a stacked draft: its first layers' slices.
+    stacked = truncated_draft(llama, 1)
+    assert stacked.stacks[0].stacked and stacked.stacks[0].repeats == 1
+    for a, b in zip(jax.tree.leaves(stacked.stacks[0].blocks),
+                    jax.tree.leaves(llama.stacks[0].blocks), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b[:1])
 
 
 def test_acceptance_counts_judged_drafts_and_forgets_old_ones():

@@ -75,6 +75,41 @@ def test_the_kernel_is_the_product_within_the_float32_bound(k, n, walk, transpos
         assert_within_bound(got, x, w)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("transposed", [False, True], ids=["x.w", "x.wT"])
+def test_a_layer_of_a_stack_is_read_where_it_lies(tokens, transposed):
+    # A stacked model's layer loop (`Linear.at_layer`): the kernel reads W[layer] in place, the
+    # same walk over the same floats as on the layer's own copy: bit for bit its product.
+    stack = jax.random.normal(jax.random.key(0), (3, 33, 50))
+    x = jax.random.normal(jax.random.key(1), (tokens, 50 if transposed else 33))
+    read = jax.jit(lambda x, w, i: dense_matmul(x, w, transposed=transposed, layer=i))
+    copy = jax.jit(lambda x, w: dense_matmul(x, w, transposed=transposed))
+    for i in range(3):
+        np.testing.assert_array_equal(read(x, stack, jnp.int32(i)), copy(x, stack[i]))
+    with pytest.raises(Exception, match="layer out of range"):
+        read(x, stack, jnp.int32(3)).block_until_ready()
+    with pytest.raises(ValueError, match=r"W \[k, n\], or \[layers, k, n\] with a layer"):
+        dense_matmul(x, stack, transposed=transposed)
+
+
+def test_a_linear_reading_a_layer_computes_what_its_slice_does():
+    # Within the kernel's token range (the kernel, in place) and past it (XLA's einsum on the
+    # slice), with the bias sliced.
+    keys = jax.random.split(jax.random.key(0), 3)
+    stacked = eqx.filter_vmap(
+        lambda k: Linear(40, (2, 8), axes=("embed", "heads", "head_dim"), use_bias=True, key=k)
+    )(keys)
+    stacked = eqx.tree_at(
+        lambda s: s.bias, stacked, jax.random.normal(jax.random.key(2), (3, 2, 8))
+    )
+    for tokens in (1, 4, 200):
+        x = jax.random.normal(jax.random.key(tokens), (tokens, 40))
+        for i in range(3):
+            got = jax.jit(lambda x, s, i: s.at_layer(i)(x))(x, stacked, jnp.int32(i))
+            want = jax.jit(lambda x, s: s(x))(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+            np.testing.assert_array_equal(got, want)
+
+
 def test_an_unknown_walk_is_refused():
     with pytest.raises(ValueError, match="walk must be one of"):
         dense_matmul(jnp.ones((2, 4)), jnp.ones((4, 3)), walk="avx512")

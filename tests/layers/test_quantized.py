@@ -552,3 +552,23 @@ def test_pallas_kernel_lowers_for_cuda(monkeypatch, kind, group, rows, cols, tok
     text = lowered.as_text()
     # The Pallas kernel, and not the CPU kernel's custom call.
     assert text.count(TRITON_CALL) == 1 and library.QUANTIZED_TARGET not in text
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_a_layer_of_a_stacked_weight_is_read_where_it_lies(kind, tokens):
+    # What a stacked model's layer loop runs (`QuantizedLinear.at_layer`): the kernel reads layer
+    # i of the stack in place, the same work on the same bytes as on the layer's own copy, so
+    # bit for bit its product; one token, the per-token walk and the blocked one (33 rows).
+    keys = jax.random.split(jax.random.key(0), 3)
+    stacked = eqx.filter_vmap(lambda k: Linear(64, 48, axes=("embed", "mlp"), key=k))(keys)
+    q = QuantizedLinear.from_linear(stacked, kind)
+    x = jax.random.normal(jax.random.key(1), (tokens, 64))
+    call = jax.jit(lambda x, q, i: q.at_layer(i)(x))
+    for i in range(3):
+        one = jax.tree.map(lambda a, i=i: a[i], q)
+        np.testing.assert_array_equal(call(x, q, jnp.int32(i)), jax.jit(lambda x, q: q(x))(x, one))
+    with pytest.raises(ValueError, match=r"stacked \[experts or layers, rows, cols\] with"):
+        cpu_matmul(x, q.packed)  # a stack without a layer
+    with pytest.raises(Exception, match="layer out of range"):
+        call(x, q, jnp.int32(3)).block_until_ready()

@@ -288,7 +288,8 @@ def test_gguf_loads_the_model_it_was_written_from(reference, name):
     # GGUF stores the norm epsilon as a float32.
     assert loaded.config == config.replace(norm_eps=float(np.float32(config.norm_eps)))
     written = random_model(config, list(GGUF_MODELS).index(name))
-    assert loaded.policy.storage == "unrolled"  # load_pretrained's default: the fast decode
+    # load_pretrained's default: the fast decode's storage (stacked on a CPU: decode_storage)
+    assert loaded.policy.storage == zoo.Policy.inference().storage
     loaded = loaded.with_policy(written.policy)
     for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)

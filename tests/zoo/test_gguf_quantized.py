@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import infer
 import zoo
 from layers import QuantizedEmbedding, QuantizedLinear
 from layers.quantized import PackedWeight
@@ -48,9 +49,9 @@ def random_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
     return data
 
 
-def write_gguf(path, *, unsupported: str | None = None) -> str:
+def write_gguf(path, *, unsupported: str | None = None, layer_types=LAYER_TYPES) -> str:
     """A llama GGUF of CONFIG: F32 norms, a Q8_0 token table (tied head), each layer's
-    projections in LAYER_TYPES' types (`unsupported`: that tensor in Q5_K instead)."""
+    projections in `layer_types`' types (`unsupported`: that tensor in Q5_K instead)."""
     c, rng = CONFIG, np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(c.n_layers)
@@ -74,7 +75,7 @@ def write_gguf(path, *, unsupported: str | None = None) -> str:
               "attn_v": (c.kv_dim, c.d_model), "attn_output": (c.d_model, c.q_dim),
               "ffn_gate": (c.d_ff, c.d_model), "ffn_up": (c.d_ff, c.d_model),
               "ffn_down": (c.d_model, c.d_ff)}  # fmt: skip
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(layer_types):
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(c.d_model, np.float32))
         for name, qtype in types.items():
@@ -114,7 +115,9 @@ def test_blocks_stay_packed_in_their_own_types(mixed):
 
 def test_packed_model_computes_what_the_dequantized_file_does(mixed):
     packed = zoo.load_pretrained(mixed)
-    floats = zoo.load_pretrained(mixed, quantized=False)
+    # One array per layer as the packed model (its layers' block types differ: unrolled), which
+    # the float one is not by default on a CPU (stacked: zoo.policy.decode_storage).
+    floats = zoo.load_pretrained(mixed, quantized=False).with_policy(storage="unrolled")
     assert not quantized_formats(floats)
     # The packed weights are exactly the file's dequantized ones (llama's Q/K rows unpermuted
     # the same way on both paths)...
@@ -128,6 +131,25 @@ def test_packed_model_computes_what_the_dequantized_file_does(mixed):
     ours, want = forward(packed, TOKENS), forward(floats, TOKENS)
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(ours / scale, want / scale, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_the_same_types_load_stacked_and_decode_as_unrolled(tmp_path):
+    # Every layer in the first layer's types: one stack of packed weights (the CPU decode
+    # storage), each projection's kernel reading its layer in place; the same greedy tokens as
+    # the same weights one array per layer.
+    path = write_gguf(tmp_path / "same.gguf", layer_types=[LAYER_TYPES[0]] * CONFIG.n_layers)
+    stacked = zoo.load_pretrained(path)
+    assert stacked.stacks[0].stacked and quantized_formats(stacked) == [
+        "q4_0",
+        "q4_1",
+        "q4_k",
+        "q6_k",
+        "q8_0",
+    ]
+    unrolled = stacked.with_policy(storage="unrolled")
+    prompts = [[3, 14, 15, 92], [65, 35, 89, 79, 32, 38]]
+    greedy = dict(max_new_tokens=5, sampler=infer.Greedy(), key=jax.random.key(0))
+    assert infer.generate(stacked, prompts, **greedy) == infer.generate(unrolled, prompts, **greedy)
 
 
 def test_a_type_the_zoo_does_not_pack_is_named(tmp_path):

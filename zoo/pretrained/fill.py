@@ -170,8 +170,10 @@ def load_weights(
     placed in its sharding under `placement` as it is read, in the policy's layer storage (a
     fused policy fuses the projections once they are loaded). With `quantized` (a source with
     `read_packed`: GGUF), a projection or token table stored in quantized blocks is kept in them
-    (`layers.QuantizedLinear` / `QuantizedEmbedding`) on unrolled storage whatever the policy
-    says (a GGUF may hold each layer in its own block type, which a stacked array cannot)."""
+    (`layers.QuantizedLinear` / `QuantizedEmbedding`), read one layer at a time and stacked
+    after, where the policy asks for stacked layers and every layer has the same block types (a
+    GGUF may hold each layer in its own block type, which a stacked array cannot: those stay
+    unrolled)."""
     if not any(name.startswith(arch.prefix) for name in source.names()):
         source = _Prefixed(source, arch.prefix)
     groups = arch.tensors_in(config, source.names())
@@ -222,4 +224,5 @@ def load_weights(
         raise AssertionError(f"{arch.name} mapping fills {len(paths)} of {n_leaves} weights")
     model = eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
     model = _as_quantized(model, packed) if packed else model
-    return model.with_policy(policy.replace(storage=layout.storage))
+    stack = policy.storage == "stacked" and all(s.stackable for s in model.stacks)
+    return model.with_policy(policy.replace(storage="stacked" if stack else "unrolled"))

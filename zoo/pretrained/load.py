@@ -24,9 +24,10 @@ def load_pretrained(
     `gguf.ARCHITECTURES` (llama, qwen2, qwen3, phi3, gemma2, gemma3).
 
     The architecture and sizes always come from the checkpoint; how the model runs is `policy`,
-    by default `Policy.inference`: the fastest decode (one array per layer), computing and
-    storing in the dtype config.json declares (float32 if none), float32 for GGUF. Training
-    takes stacked layers: pass a policy with `storage="stacked"` (train.py does). Weights are
+    by default `Policy.inference`: the fastest decode (its layer storage by backend, dtype and
+    `placement`: `zoo.policy.decode_storage`), computing and storing in the dtype config.json
+    declares (float32 if none), float32 for GGUF. Training takes stacked layers: pass a policy
+    with `storage="stacked"` (train.py does). Weights are
     read one tensor group at a time (no second copy of the checkpoint is held) and each goes
     straight into its sharding under `placement` (`shard.Placement(mesh, rules)`) as it is read.
 
@@ -35,9 +36,10 @@ def load_pretrained(
     none.
 
     A GGUF's quantized projections and token table stay in their blocks (`quantized`, default:
-    on one device) as packed weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: layers/quantized), on
-    unrolled storage, which decode reads 4 to 6x fewer bytes of than float32 and which the
-    quantized kernels multiply without a float copy (bench/RESULTS.md); another quantized type
+    on one device) as packed weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: layers/quantized), which
+    decode reads 4 to 6x fewer bytes of than float32 and which the quantized kernels multiply
+    without a float copy (bench/RESULTS.md), stacked where every layer has the same block types
+    and the policy stacks (else one array per layer); another quantized type
     is an error naming it. `quantized=False` dequantizes every tensor to float32 instead (a
     model to fine-tune, or to shard over a mesh whose axes do not divide the blocks).
     """
@@ -49,7 +51,9 @@ def load_pretrained(
         reader = gguf.open_gguf(path)
         hf = gguf.hf_config(reader)
         arch, config = config_from_hf(hf)
-        policy = policy or Policy.inference("float32")
+        policy = policy or Policy.inference(
+            "float32", sharded=placement.sharded, experts=config.n_experts > 0
+        )
         source = gguf.GGUFSource(reader, hf)
         keep = not placement.sharded if quantized is None else quantized
         return load_weights(
@@ -67,7 +71,9 @@ def load_pretrained(
         )
     hf = read_hf_config(path)
     arch, config = config_from_hf(hf)
-    policy = policy or Policy.inference(declared_dtype(hf))
+    policy = policy or Policy.inference(
+        declared_dtype(hf), sharded=placement.sharded, experts=config.n_experts > 0
+    )
     source = SafetensorsSource(path)
     model = load_weights(source, arch, config, policy=policy, placement=placement)
     if arch.name == deepseek_mtp.ARCHITECTURE:

@@ -505,14 +505,24 @@ constexpr int64_t kSlices = 4;
 constexpr int64_t kThreadedSlices = 1 << 16;
 
 ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xb, ffi::Buffer<ffi::F32> wb,
-                       ffi::ResultBuffer<ffi::F32> out, bool transposed, int32_t walk) {
+                       ffi::Buffer<ffi::S32> layer_b, ffi::ResultBuffer<ffi::F32> out,
+                       bool transposed, int32_t walk) {
+  // W is [k, n] ([n, k] transposed), or a stack of them [layers, k, n] read at `layer` in place
+  // (a stacked model's layer loop: no copy of the layer's slice).
+  const auto dims = wb.dimensions();
+  const int64_t stacked = dims.size() == 3 ? 1 : 0;
+  if (dims.size() != 2 + stacked)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "dense matmul: W must be 2-D or 3-D");
   const int64_t tokens = xb.dimensions()[0], k = xb.dimensions()[1];
-  const int64_t n = wb.dimensions()[transposed ? 0 : 1];
-  if (wb.dimensions()[transposed ? 1 : 0] != k || out->dimensions()[0] != tokens ||
+  const int64_t n = dims[stacked + (transposed ? 0 : 1)];
+  if (dims[stacked + (transposed ? 1 : 0)] != k || out->dimensions()[0] != tokens ||
       out->dimensions()[1] != n)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "dense matmul: shapes do not agree");
+  const int64_t layer = layer_b.typed_data()[0], layers = stacked ? dims[0] : 1;
+  if (layer < 0 || layer >= layers)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "dense matmul: layer out of range");
   const float* x = xb.typed_data();
-  const float* w = wb.typed_data();
+  const float* w = wb.typed_data() + layer * k * n;
   float* y = out->typed_data();
   // `walk` (dense.py's WALKS): 0 the CPU's fastest, 1 the AVX2 walk, 2 the plain C++ one.
   if (walk < 0 || walk > 2)
@@ -585,6 +595,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooDenseMatmul, DenseMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transposed")
                                   .Attr<int32_t>("walk"));

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from layers.kernels.cpu import DENSE_TARGET, WALKS, ensure_built, fastest_walk
 from shard.rules import active
@@ -38,12 +38,15 @@ KERNEL_TOKENS = {
 
 def dense_matmul(
     x: Float[Array, "tokens k"],
-    w: Float[Array, "k n"] | Float[Array, "n k"],
+    w: Float[Array, "*layers k n"] | Float[Array, "*layers n k"],
     *,
     transposed: bool = False,
     walk: str = "fastest",
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "tokens n"]:
-    """`x · W` (or `x · W^T` when `transposed`, W then [n, k]) in float32 by dense.cc: each output
+    """`x · W` (or `x · W^T` when `transposed`, W then [n, k]) in float32 by dense.cc; with
+    `layer`, W is a stack `[layers, k, n]` and the kernel reads `W[layer]` where it lies (a
+    stacked model's layer loop: slicing it first would copy it every step). Each output
     of `x · W` summed over k in order with one FMA a term (one token's: over each of 4 slices
     of k in order, then the slices' sums in order), of `x · W^T` in 16 lanes (8 with AVX2) then
     across them (XLA sums in other orders: they agree to the float32 rounding of a
@@ -54,14 +57,20 @@ def dense_matmul(
     after another."""
     if walk not in WALKS:
         raise ValueError(f"dense_matmul walk must be one of {WALKS}, got {walk!r}")
+    if w.ndim != (2 if layer is None else 3):
+        raise ValueError(
+            f"dense_matmul takes W [k, n], or [layers, k, n] with a layer; got {w.shape} and "
+            f"layer {'None' if layer is None else 'given'}"
+        )
     ensure_built()
-    n = w.shape[0] if transposed else w.shape[1]
+    n = w.shape[-2] if transposed else w.shape[-1]
     call = jax.ffi.ffi_call(
         DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential"
     )
     return call(
         x.astype(jnp.float32),
         w.astype(jnp.float32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32),
         transposed=transposed,
         walk=np.int32(WALKS.index(walk)),
     )
@@ -83,11 +92,15 @@ def uses_dense_kernel(tokens: int, *dtypes, transposed: bool = False) -> bool:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def dense_product(
-    x: Float[Array, "tokens k"], w: Float[Array, "k n"] | Float[Array, "n k"], transposed: bool
+    x: Float[Array, "tokens k"],
+    w: Float[Array, "*layers k n"] | Float[Array, "*layers n k"],
+    transposed: bool,
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "tokens n"]:
-    """`dense_matmul(x, w, transposed=transposed)`, with derivatives (forward and reverse mode)
-    by XLA's products of the tangents, as for `x @ w` (or `x @ w.T`)."""
-    return dense_matmul(x, w, transposed=transposed)
+    """`dense_matmul(x, w, transposed=transposed, layer=layer)`, with derivatives (forward and
+    reverse mode) by XLA's products of the tangents, as for `x @ w` (or `x @ w.T`; `w[layer]`
+    with a layer)."""
+    return dense_matmul(x, w, transposed=transposed, layer=layer)
 
 
 @functools.partial(dense_product.defjvp, symbolic_zeros=True)
@@ -96,11 +109,12 @@ def _dense_jvp(transposed, primals, tangents):
     # derivative of `x @ w` does. Multiplying by the instantiated zeros instead is wasted work,
     # and wrong on XLA:CPU in test_kv_int8's jacfwd over 1,024 directions: all-NaN tangents
     # with this kernel, ~1e36 with a plain `x @ w` under the same rule (fine at 512).
-    (x, w), (dx, dw) = primals, tangents
-    y = dense_product(x, w, transposed)
+    (x, w, layer), (dx, dw, _) = primals, tangents
+    y = dense_product(x, w, transposed, layer)
     dy = jnp.zeros_like(y)
+    at = (lambda a: a) if layer is None else (lambda a: a[layer])
     if not isinstance(dx, SymbolicZero):
-        dy = dy + dx @ (w.T if transposed else w)
+        dy = dy + dx @ (at(w).T if transposed else at(w))
     if not isinstance(dw, SymbolicZero):
-        dy = dy + x @ (dw.T if transposed else dw)
+        dy = dy + x @ (at(dw).T if transposed else at(dw))
     return y, dy

@@ -989,11 +989,14 @@ void blocked_rows(const Weight& w, const float* x, float* y, int64_t tokens, int
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
-                  std::string_view format, int64_t group, int64_t experts, bool linear,
-                  float offset, bool int8, bool portable) {
+                  std::string_view format, int64_t group, int64_t experts, int64_t layers,
+                  bool linear, float offset, bool int8, bool portable) {
   // Arguments: x [T, K] f32, the format's arrays (table last for "u4"), then group_sizes [E]
-  // int32 when experts > 0.
+  // int32 when experts > 0, or, when layers > 0, the arrays stacked [layers, ...] and the layer
+  // to read (int32 []): a stacked model's layer loop reads its layer in place, no copy.
   const int64_t n_args = static_cast<int64_t>(args.size());
+  if (experts > 0 && layers > 0) return invalid("a weight is stacked by experts or by layers");
+  const int64_t trailing = experts > 0 || layers > 0 ? 1 : 0;
   auto x_arg = args.get<ffi::AnyBuffer>(0);
   if (!x_arg.has_value() || x_arg->element_type() != ffi::DataType::F32 ||
       x_arg->dimensions().size() != 2) {
@@ -1005,7 +1008,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     return invalid("K must be a multiple of 32 and the group 16 or a multiple of 32 dividing K");
   }
   std::vector<ffi::AnyBuffer> a;
-  for (int64_t i = 1; i < n_args - (experts > 0 ? 1 : 0); ++i) a.push_back(*args.get<ffi::AnyBuffer>(i));
+  for (int64_t i = 1; i < n_args - trailing; ++i) a.push_back(*args.get<ffi::AnyBuffer>(i));
   const int64_t stack = std::max<int64_t>(experts, 1);
   const int32_t* group_sizes = nullptr;
   if (experts > 0) {
@@ -1019,7 +1022,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   if (!parse_format(format, a, k, group, linear, offset, base)) {
     return invalid("unknown format or wrong number of arrays for it");
   }
-  auto weight = [&](int64_t e) { return expert_weight(base, a, e, stack); };
+  if (layers > 0) {
+    const int32_t layer =
+        *static_cast<const int32_t*>(args.get<ffi::AnyBuffer>(n_args - 1)->untyped_data());
+    if (layer < 0 || layer >= layers) return invalid("layer out of range");
+    base = expert_weight(base, a, layer, layers);
+  }
+  auto weight = [&](int64_t e) { return layers > 0 ? base : expert_weight(base, a, e, stack); };
 
   const float* x = static_cast<const float*>(x_arg->untyped_data());
   float* y = static_cast<float*>(out->untyped_data());
@@ -1173,6 +1182,7 @@ static auto packed_weight_binding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooQuantizedMatmul, Matmul,
                               packed_weight_binding()
                                   .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("layers")
                                   .Attr<bool>("linear")
                                   .Attr<float>("offset")
                                   .Attr<bool>("int8")

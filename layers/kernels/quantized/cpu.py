@@ -44,16 +44,29 @@ def cpu_matmul(
     *,
     int8_activations: bool = False,
     portable: bool = False,
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "tokens rows"]:
     """`x · W^T` (float32) for `weight` `[rows, cols]`, or with `group_sizes` for an expert-stacked
     `[experts, rows, cols]` weight: rows of x sorted by expert, `group_sizes[e]` of them for
-    expert e (rows past their sum give zeros). `int8_activations`: `quantize_activations(x) ·
-    W^T` instead (the module docstring). `portable` runs the kernel's plain C++ path instead of
-    its AVX-512 (or, without AVX-512, AVX2) ones (a test of both)."""
+    expert e (rows past their sum give zeros), or with `layer` for a layer-stacked `[layers,
+    rows, cols]` weight, read at `layer` where it lies (a stacked model's layer loop: slicing
+    it first would copy it every step). `int8_activations`: `quantize_activations(x) · W^T`
+    instead (the module docstring). `portable` runs the kernel's plain C++ path instead of its
+    AVX-512 (or, without AVX-512, AVX2) ones (a test of both)."""
+    stacks = (group_sizes is not None) + (layer is not None)
+    if len(weight.lead) != stacks or stacks > 1:
+        raise ValueError(
+            f"cpu_matmul takes a weight [rows, cols], or one stacked [experts or layers, rows, "
+            f"cols] with group_sizes or a layer; got leading dims {weight.lead} with "
+            f"{'group_sizes' if group_sizes is not None else 'no group_sizes'} and "
+            f"{'a layer' if layer is not None else 'no layer'}"
+        )
     ensure_built()
     rows, _ = weight.shape
     experts = 0 if group_sizes is None else weight.lead[-1]
+    layers = 0 if layer is None else weight.lead[-1]
     extra = () if group_sizes is None else (group_sizes.astype(jnp.int32),)
+    extra += () if layer is None else (jnp.asarray(layer, jnp.int32),)
     call = jax.ffi.ffi_call(
         QUANTIZED_TARGET,
         jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32),
@@ -67,6 +80,7 @@ def cpu_matmul(
         format=weight.kernel_format,
         group=np.int64(weight.group),
         experts=np.int64(experts),
+        layers=np.int64(layers),
         linear=bool(attrs["linear"]),
         offset=np.float32(attrs["offset"]),
         int8=int8_activations,

@@ -72,26 +72,37 @@ def _frozen(weight: PackedWeight) -> PackedWeight:
     return jax.tree.map(_zero_cotangent, weight)
 
 
+def at_layer(weight: PackedWeight, layer: Int[Array, ""]) -> PackedWeight:
+    """Layer `layer` of a layer-stacked weight `[layers, rows, cols]` (a copy of its arrays)."""
+    return jax.tree.map(lambda a: a[layer], weight)
+
+
 @jax.custom_vjp
 def quantized_matmul(
-    x: Float[Array, "tokens cols"], weight: PackedWeight
+    x: Float[Array, "tokens cols"], weight: PackedWeight, layer: Int[Array, ""] | None = None
 ) -> Float[Array, "tokens rows"]:
-    """`x · W^T` in x's dtype for `weight` `[rows, cols]` (see the module docstring)."""
+    """`x · W^T` in x's dtype for `weight` `[rows, cols]`, or with `layer` for a layer-stacked
+    `[layers, rows, cols]` weight `W[layer]` (see the module docstring; the CPU kernel reads
+    that layer where it lies, the other paths slice it first)."""
     backend = jax.default_backend()
     if backend == "cpu" and x.shape[0] <= KERNEL_TOKENS:
         int8 = weight.activations == "int8"
-        return cpu_matmul(x, weight, int8_activations=int8).astype(x.dtype)
+        return cpu_matmul(x, weight, int8_activations=int8, layer=layer).astype(x.dtype)
+    weight = weight if layer is None else at_layer(weight, layer)
     if backend == "gpu" and x.shape[0] <= PALLAS_TOKENS and pallas.supports(weight):
         return pallas.pallas_matmul(x, weight)
     return x @ dequantized(weight, x.dtype).T  # `reference_matmul`, by one call on a CPU
 
 
-def _matmul_fwd(x, weight):
-    return quantized_matmul(x, weight), weight
+def _matmul_fwd(x, weight, layer):
+    return quantized_matmul(x, weight, layer), (weight, layer)
 
 
-def _matmul_bwd(weight, dy):
-    return dy @ dequantized(weight, dy.dtype), _frozen(weight)
+def _matmul_bwd(residuals, dy):
+    weight, layer = residuals
+    taken = weight if layer is None else at_layer(weight, layer)
+    no_layer = None if layer is None else np.zeros(layer.shape, jax.dtypes.float0)
+    return dy @ dequantized(taken, dy.dtype), _frozen(weight), no_layer
 
 
 quantized_matmul.defvjp(_matmul_fwd, _matmul_bwd)
