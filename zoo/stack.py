@@ -10,9 +10,12 @@ Storage: `stacked` (each leaf of a period block carries a leading `[repeats]` ax
 `eqx.filter_vmap`, run by `lax.scan` so compile time does not grow with depth, or by a Python loop
 over the same weights) or unrolled (one block per layer, run by a Python loop, each layer a
 call of a program JAX traces once per distinct block: `_unrolled_layer`), as the model's
-`Policy.storage` says: unrolled where per-layer arrays run faster (decode, on backends that copy
-a stacked weight's slice inside a step; bench/decode_layout.py measures it), stacked for
-training. `Transformer.with_policy` converts between them once; nothing converts per call.
+`Policy.storage` says: stacked for training, and for decode where the kernels read a layer of a
+stacked weight in place (a cached call's loop gets the stacks whole: `_read_layer`; one CPU
+device in float32, `zoo.policy.decode_storage`), so a step program holds one layer's body;
+unrolled where a stacked weight's slice would be copied inside each step (bf16, a mesh, a GPU;
+bench/decode_layout.py measures it). `Transformer.with_policy` converts between them once;
+nothing converts per call.
 """
 
 from collections.abc import Callable
@@ -95,17 +98,26 @@ class Stack(eqx.Module):
             for j in range(self.period)
         )
 
-    def restacked(self) -> "Stack":
+    def restacked(self, *, consume: bool = False) -> "Stack":
         """The inverse of `unstacked`: each block of the period with its repeats' weights
-        stacked on a leading axis (a copy of the weights)."""
+        stacked on a leading axis (a copy of the weights). `consume`: each layer's arrays are
+        deleted once stacked, so the copy never holds more than one weight twice (for a caller
+        that owns them: `load_pretrained` stacking what it just read); this stack is then
+        unusable."""
         if self.stacked:
             return self
+
+        def stack(*layers):
+            stacked = jnp.stack(layers)
+            for array in {id(a): a for a in layers}.values() if consume else ():
+                array.delete()
+            return stacked
+
         blocks = []
         for j in range(self.period):
             layers = self.blocks[j :: self.period]
             dynamic, static = eqx.partition(layers, eqx.is_array)
-            stacked = jax.tree.map(lambda *w: jnp.stack(w), *dynamic)
-            blocks.append(eqx.combine(stacked, static[0]))
+            blocks.append(eqx.combine(jax.tree.map(stack, *dynamic), static[0]))
         return Stack(tuple(blocks), self.repeats, self.period, stacked=True)
 
     def cache_like(self, make: Callable[..., PyTree], windows: tuple[int | None, ...]) -> tuple:

@@ -98,3 +98,15 @@ def test_the_decode_storage_is_stacked_where_the_kernels_read_in_place():
     moe = random_model(zoo.preset("tiny-moe", n_layers=2), 0)
     assert moe.for_decode().policy.storage == "unrolled"
     assert random_model(CONFIG, 0).with_policy(storage="unrolled").for_decode().stacks[0].stacked
+
+
+def test_restacking_can_consume_the_layers_it_stacks():
+    # What load_pretrained does with a GGUF's packed layers (read one at a time): each layer's
+    # arrays are freed once stacked, so the weights are never all held twice.
+    stacked = MODELS["int8"]()
+    unrolled = stacked.with_policy(storage="unrolled")
+    layers = [a for a in jax.tree.leaves(unrolled.stacks) if eqx.is_array(a)]
+    again = unrolled.stacks[0].restacked(consume=True)
+    assert all(a.is_deleted() for a in layers)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(stacked.stacks[0]), strict=True):
+        assert jnp.array_equal(a, b)

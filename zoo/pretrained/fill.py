@@ -224,5 +224,11 @@ def load_weights(
         raise AssertionError(f"{arch.name} mapping fills {len(paths)} of {n_leaves} weights")
     model = eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
     model = _as_quantized(model, packed) if packed else model
-    stack = policy.storage == "stacked" and all(s.stackable for s in model.stacks)
-    return model.with_policy(policy.replace(storage="stacked" if stack else "unrolled"))
+    del arrays, packed
+    if policy.storage == "stacked" and all(s.stackable for s in model.stacks):
+        # Read one layer at a time, stacked here: each layer's arrays freed once stacked, so
+        # the file's weights are never held twice.
+        stacks = tuple(stack.restacked(consume=True) for stack in model.stacks)
+        model = eqx.tree_at(lambda m: m.stacks, model, stacks)
+    stacked = model.stacks[0].stacked
+    return model.with_policy(policy.replace(storage="stacked" if stacked else "unrolled"))
