@@ -9,6 +9,8 @@ tests/zoo/test_transformer.py's tolerance for another schedule, relative to the 
 (random blocks give logits far from 1).
 """
 
+import os
+
 import equinox as eqx
 import gguf
 import jax
@@ -20,6 +22,7 @@ import infer
 import zoo
 from layers import QuantizedEmbedding, QuantizedLinear
 from layers.quantized import PackedWeight
+from zoo.pretrained.gguf import open_gguf
 from zoo.quantize import quantized_formats
 
 CONFIG = zoo.preset(
@@ -168,3 +171,12 @@ def test_quantized_load_of_a_safetensors_directory_is_refused(tmp_path):
 def test_a_quantized_gguf_model_is_not_quantized_again(mixed):
     with pytest.raises(ValueError, match=r"already quantized \(q4_0, q4_1, q4_k, q6_k, q8_0\)"):
         zoo.quantize(zoo.load_pretrained(mixed), "int8")
+
+
+def test_the_reader_parses_a_plain_view_of_the_memory_map(mixed):
+    # numpy's memmap subclass runs Python code for every view taken of it, and the parser takes
+    # one per vocabulary string: the reader's bytes are a plain ndarray over the file's mapping
+    # (not a copy of the file).
+    reader = open_gguf(mixed)
+    assert type(reader.data) is np.ndarray and isinstance(reader.data.base, np.memmap)
+    assert reader.data.nbytes == os.path.getsize(mixed)
