@@ -165,8 +165,8 @@ def open_gguf(path: str) -> gguf.GGUFReader:
     """The reader for `path`, with a clear error for a file that is cut short or not GGUF.
 
     Readers are cached per file version: parsing the metadata (tens of thousands of vocabulary
-    strings) takes about half a second (`_Reader`), and the model and its tokenizer both need it. A reader memory-maps
-    the file, so the cache holds no tensor data.
+    strings) takes about half a second (`_Reader`), and the model and its tokenizer both need
+    it. A reader memory-maps the file, so the cache holds no tensor data.
     """
     stat = os.stat(path)
     return _reader(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
