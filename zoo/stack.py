@@ -182,7 +182,7 @@ class Stack(eqx.Module):
             weights, index, row = xs
             runner = run
             if in_place:
-                layer = _read_layer(eqx.combine(dynamic, static), index)
+                layer = _read_layer(self.blocks, index)
                 weights, layer_static = eqx.partition(layer, eqx.is_array)
                 runner = _period_runner(layer_static, **context, remat=remat)
             x, kv, stats = runner(x, weights, kv, index, row)

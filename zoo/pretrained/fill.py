@@ -224,7 +224,6 @@ def load_weights(
         raise AssertionError(f"{arch.name} mapping fills {len(paths)} of {n_leaves} weights")
     model = eqx.tree_at(lambda m: [leaf(m, p) for p in paths], skeleton, arrays)
     model = _as_quantized(model, packed) if packed else model
-    del arrays, packed
     if policy.storage == "stacked" and all(s.stackable for s in model.stacks):
         # Read one layer at a time, stacked here: each layer's arrays freed once stacked, so
         # the file's weights are never held twice.
