@@ -17,6 +17,11 @@ back to the caller's priority, or where the process may not raise a thread's pri
 unprivileged one, RLIMIT_NICE 0), those threads compile it too and the first to finish answers:
 a busy machine cannot starve a program a request waits for.
 
+A compile made ahead starts only while no engine holds a request (`Hold`): even at idle
+priority, a compile beside a memory-bound step slows it (a float32 model's first `generate` by
+about 8%: bench/RESULTS.md, "Compiles made ahead wait for an idle engine"); one already compiling
+when a request arrives finishes, and one a request waits for is hurried as above.
+
 When the process ends, the compiles still queued ahead are dropped (nothing can wait for them
 then; one already compiling finishes): a script that generates once and exits does not wait for
 programs it never runs.
@@ -39,7 +44,6 @@ _AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eqx-zoo-co
 # own threads with (hooks run last registered first: this one before theirs); without it
 # (another Python) the compiles queued ahead still run at exit, which only costs time.
 _ENDING = threading.Event()
-getattr(threading, "_register_atexit", lambda hook: None)(_ENDING.set)
 
 # Each lowering's compile, in flight or done. JAX caches a lowering (`jit(f).lower` with the same
 # arguments returns the same one) and keeps its executable once compiled: an engine of the same
@@ -50,6 +54,46 @@ getattr(threading, "_register_atexit", lambda hook: None)(_ENDING.set)
 # asking compiles again).
 _COMPILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+
+# How many `Hold`s are held; the thread for compiles made ahead waits on `_QUIET` until none is
+# (or the compile it would start was hurried, or the process is ending).
+_HOLDERS = 0
+_QUIET = threading.Condition(_LOCK)
+
+
+def _end() -> None:
+    with _QUIET:
+        _ENDING.set()
+        _QUIET.notify_all()
+
+
+getattr(threading, "_register_atexit", lambda hook: None)(_end)
+
+
+class Hold:
+    """A caller's claim on the cores while it holds requests (an engine, from a submission until
+    every request is done): while any is held, no compile made ahead starts. As a context
+    manager, held inside the block: a caller that makes an engine to submit to it at once holds
+    one from before the engine's warm-up until its requests are in (`infer.generate`), or the
+    first of the warm-up's compiles made ahead would start in between."""
+
+    def __init__(self):
+        self.held = False
+
+    def __enter__(self) -> "Hold":
+        self.set(True)
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.set(False)
+
+    def set(self, held: bool) -> None:
+        global _HOLDERS
+        with _QUIET:
+            if held != self.held:
+                self.held = held
+                _HOLDERS += 1 if held else -1
+                _QUIET.notify_all()
 
 
 def _idle_priority() -> None:
@@ -90,9 +134,17 @@ class Compile:
     def result(self) -> jax.stages.Compiled:
         if self.future.done():  # every step asks: no lock once compiled
             return self.future.result()
+        self.hurry()
+        return self.future.result()
+
+    def hurry(self) -> None:
+        """Compile it now, at the caller's priority, if it was made ahead (without waiting)."""
+        if self.future.done():
+            return
         with _LOCK:
             hurry = not self._hurried and self._lowered is not None
             self._hurried = True
+            _QUIET.notify_all()  # the thread for compiles made ahead need not wait for it
             if hurry and self._thread is not None:  # compiling on the idle-priority thread
                 hurry = not _restore_priority(self._thread)
         if hurry:  # queued ahead, or compiling where it cannot be raised: compile it again
@@ -100,11 +152,12 @@ class Compile:
                 _NOW.submit(self._compile, again=True)
             except RuntimeError:  # the process is ending: its threads take no new work
                 self._compile(again=True)
-        return self.future.result()
 
     def _compile_ahead(self) -> None:
-        if _ENDING.is_set():
-            return  # the process is ending: nothing runs a program made ahead any more
+        with _QUIET:
+            _QUIET.wait_for(lambda: not _HOLDERS or self._hurried or _ENDING.is_set())
+            if self._hurried or _ENDING.is_set():
+                return  # a caller's thread compiles it / nothing runs a program made ahead now
         _idle_priority()  # again for each compile: a hurried one left the thread raised
         self._compile()
 
@@ -148,3 +201,14 @@ def compile_soon(lowered: jax.stages.Lowered, *, ahead: bool = False) -> Compile
         if lowering not in _COMPILES:
             _COMPILES[lowering] = Compile(lowered, ahead=ahead)
         return _COMPILES[lowering]
+
+
+def finish_compiles() -> None:
+    """Wait until every compile asked for so far is done, those made ahead hurried (compiled now,
+    at the caller's priority): a benchmark's steady state, or a test of step shapes, where no
+    step may take a smaller prompt part for want of its program (`Engine` takes the compiled
+    ones meanwhile)."""
+    with _LOCK:
+        jobs = list({id(job): job for job in _COMPILES.values()}.values())
+    for job in jobs:
+        job.result()

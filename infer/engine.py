@@ -19,9 +19,11 @@ one step behind, streaming, prefix reuse, preemption.
   at most each prompt's last chunk, or, when no row decodes, the smallest size that holds them
   all where its padding costs less than the steps it saves: `prompt_part`), each one compiled
   forward. All are lowered when the engine starts, beside the decode-only one, and compiled on
-  background threads (infer/compiling.py) in the order a new request needs them: a step waits
-  only for its own programs. No prompt length, batch mix or sampler setting compiles anything
-  new.
+  background threads (infer/compiling.py): the smallest prompt part's at once (a new request's
+  first step waits for them), the larger ones ahead, while no engine holds a request. A step
+  takes only prompt parts whose programs are compiled (hurrying the one it would rather take),
+  so no step waits for a program made ahead. No prompt length, batch mix or sampler setting
+  compiles anything new.
 - The device keeps what the next step needs: each row's last token, how many it generated and
   whether it is done (a stop token or its budget). Sampling, stop checks and the per-row sampler
   settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
@@ -51,6 +53,7 @@ import functools
 import threading
 import time
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -60,7 +63,7 @@ import numpy as np
 from jax.extend.random import threefry_2x32
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, UInt32
 
-from infer.compiling import Compile, compile_soon
+from infer.compiling import Compile, Hold, compile_soon
 from infer.pages import PagePool
 from infer.rows import committed, pin_rows, row_sharding
 from infer.sampling import Greedy, Sampler, SamplingParams, check_settings, sample
@@ -680,6 +683,10 @@ class Engine:
         self.submitted = 0
         # What other threads hand the stepping thread: new requests and cancellations.
         self._lock = threading.Lock()
+        # Held from a submission until every request is done (and while timing steps): compiles
+        # made ahead wait for it (`infer.compiling`), also if the engine is dropped holding it.
+        self._hold = Hold()
+        weakref.finalize(self, self._hold.set, False)
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
         self._everything_allowed = jnp.full(
@@ -853,6 +860,7 @@ class Engine:
             request.seed = request.order if seed is None else int(seed)
             self.submitted += 1
             self._inbox.append(request)
+        self._hold.set(True)
         return request
 
     def _checked_stops(self, stop_tokens: Sequence[int]) -> frozenset[int]:
@@ -927,6 +935,8 @@ class Engine:
         if self._launched is not None:
             self._consume(self._launched)
         self._launched = launched
+        if not self.busy:
+            self._hold.set(False)
 
     def _step_drafts(self) -> int:
         """How many drafts per row the next step verifies at most (0: none, one token per
@@ -998,14 +1008,18 @@ class Engine:
             kind for drafts in self._widths()
             for kind in (["plain"] if drafts is None else self.costs.verify)
         ]  # fmt: skip
-        for kind in kinds:
-            for _ in range(repeats):
-                started = time.perf_counter()
-                plan = self._plan([], [], 0, {}, None if kind == "plain" else {})
-                forwards = 1 if kind == "plain" else kind
-                plan, _ = self._with_drafter(plan, [], [], warm_up=True, forwards=forwards)
-                self._launch(plan, [])[0].block_until_ready()
-                self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
+        self._hold.set(True)  # no compile made ahead starts beside the timed steps
+        try:
+            for kind in kinds:
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    plan = self._plan([], [], 0, {}, None if kind == "plain" else {})
+                    forwards = 1 if kind == "plain" else kind
+                    plan, _ = self._with_drafter(plan, [], [], warm_up=True, forwards=forwards)
+                    self._launch(plan, [])[0].block_until_ready()
+                    self.costs.add(kind, time.perf_counter() - started, first_may_compile=False)
+        finally:
+            self._hold.set(self.busy)
 
     def _compile_ahead(self, plans: list[StepPlan]) -> None:
         """Lower each plan's forward here (tracing holds Python's lock) and compile it on the
@@ -1258,16 +1272,19 @@ class Engine:
         request.preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]], tuple[int, ...]]:
         """This step's decode rows and prompt tokens (each prompting request's next `n`), with
-        their pages: oldest requests first; every decoding row, then prompt chunks within
-        `prompt_part` (a request cut short by it ends on a whole chunk); when the pool is dry
-        the youngest running request is preempted."""
+        their pages, and the prompt part sizes it may take (`_compiled_shapes`): oldest requests
+        first; every decoding row, then prompt chunks within `prompt_part` (a request cut short
+        by it ends on a whole chunk); when the pool is dry the youngest running request is
+        preempted."""
         running = sorted((r for r in self.rows if r is not None), key=lambda r: r.order)
         waiting = sum(-(-(len(r.sequence) - r.cached) // self.chunk)
                       for r in running if r.prefilling)  # fmt: skip
         decoding = any(not r.prefilling for r in running)
-        room = prompt_part(waiting, self.prompt_shapes, self.chunk, decoding=decoding) * self.chunk
+        wanted = prompt_part(waiting, self.prompt_shapes, self.chunk, decoding=decoding)
+        shapes = self._compiled_shapes(wanted)
+        room = prompt_part(waiting, shapes, self.chunk, decoding=decoding) * self.chunk
         decode, chunks = [], []
         for request in running:
             if request.row < 0:  # preempted below for an older request
@@ -1295,7 +1312,31 @@ class Engine:
                 decode.append(request)
         # Victims are always younger than the request that needed the page, so none of them
         # was scheduled before it.
-        return decode, chunks
+        return decode, chunks, shapes
+
+    def _compiled_shapes(self, wanted: int) -> tuple[int, ...]:
+        """The prompt part sizes (in chunks) a step may take now: the smallest (a new request's
+        first step waits for its programs) and every larger one whose programs are compiled.
+        `wanted`, if not among them, is hurried (a compile made ahead waits for an idle engine:
+        `infer.compiling`), and steps take the sizes compiled meanwhile: no step, and so no
+        running request, waits for a program made ahead."""
+        smallest = self.prompt_shapes[0]
+        shapes = tuple(
+            c for c in self.prompt_shapes
+            if c == smallest or all(job.done() for job in self._shape_compiles(c))
+        )  # fmt: skip
+        if wanted and wanted not in shapes:
+            for job in self._shape_compiles(wanted):
+                job.hurry()
+        return shapes
+
+    def _shape_compiles(self, chunks: int) -> list[Compile]:
+        """The compiles of every program a step with a prompt part of `chunks` chunks runs (at
+        any width, the draft model's included)."""
+        jobs = [job for (tokens, _), job in self._programs.items() if tokens == chunks]
+        if isinstance(self.drafter, DraftRunner):
+            jobs += self.drafter.compiles(chunks)
+        return jobs
 
     def _pieces(self, chunks: list[tuple[Request, int]]) -> list[tuple[Request, int, int]]:
         """The step's prompt tokens (`(request, n)`, from each request's `cached`) cut into
@@ -1374,14 +1415,14 @@ class Engine:
         self._take_inbox()
         self._admit()
         masks = self._masks()
-        decode, chunks = self._schedule()
+        decode, chunks, shapes = self._schedule()
         if not decode and not chunks:
             return None
         drafts = self._propose(decode, drafts_per_row) if drafts_per_row else None
         if self.adaptive and drafts is not None and not any(d.size for d in drafts.values()):
             drafts = None  # nothing to verify: the one-token program is the cheaper one
         pieces = self._pieces(chunks)
-        width = min((c for c in self.prompt_shapes if c >= len(pieces)), default=0) if pieces else 0
+        width = min((c for c in shapes if c >= len(pieces)), default=0) if pieces else 0
         plan = self._plan(decode, pieces, width, masks, drafts)
         plan, guesses = self._with_drafter(plan, decode, pieces)
         report, logprobs = self._launch(plan, [(r.sequence, start, n) for r, start, n in pieces])

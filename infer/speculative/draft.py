@@ -376,6 +376,14 @@ class DraftRunner:
             is_leaf=lambda x: x is None,
         )  # fmt: skip
 
+    def compiles(self, chunks: int) -> list[Compile]:
+        """The compiles (queued, running or done) of the draft's programs for a step whose
+        prompt part holds `chunks` chunks."""
+        return [
+            job for (program, shape), job in self._compiles.items()
+            if program == "catch-up" and shape[0] == chunks
+        ]  # fmt: skip
+
     def _compile_drafts(self, plan, catch_up, lengths, sampling, step: int, drafts: int) -> None:
         """`compile_soon`'s drafts program, lowered on what `catch_up` (lowered) hands it."""
         # What the catch-up hands over: the pools as they lie, the logits as `pin_rows` places

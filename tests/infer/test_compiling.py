@@ -2,9 +2,11 @@
 many ask for it while it runs or after; a compile made ahead that a caller then waits for leaves
 the queue of those made ahead; those made ahead run at idle priority, go back to the caller's
 when a caller waits for them (or, where that is not permitted, compile again at the caller's),
-and those still queued when the process ends are dropped; a failed compile's error reaches every
-asker while the next one to ask compiles again."""
+and those still queued when the process ends are dropped; none starts while a caller holds
+requests (a `Hold`) unless hurried, and `finish_compiles` hurries and waits for them all; a failed
+compile's error reaches every asker while the next one to ask compiles again."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import infer.compiling
-from infer.compiling import compile_soon
+from infer.compiling import Hold, compile_soon, finish_compiles
 
 IDLE_POLICY = hasattr(os, "SCHED_IDLE")  # Linux: compiles made ahead run at SCHED_IDLE
 
@@ -99,6 +101,31 @@ def test_a_compile_made_ahead_and_waited_for_does_not_queue_behind_those_made_ah
     assert finished and results == [COMPILED]
     assert [job.result() for job in busy] == [COMPILED] * len(busy)
     assert state["calls"] == len(busy) + 1  # the hurried compile ran once
+
+
+def test_no_compile_made_ahead_starts_while_a_hold_is_held_unless_hurried():
+    gc.collect()  # an engine an earlier test dropped holding requests lets go of its hold
+    ready, state = threading.Event(), {"calls": 0, "failures": 0}
+    ready.set()
+    with Hold():
+        waits = compile_soon(Lowered(Lowering(), ready, state), ahead=True)
+        hurried = compile_soon(Lowered(Lowering(), ready, state), ahead=True)
+        hurried.hurry()  # compiled at once on the caller's threads, the hold still held
+        wait_until(hurried.done)
+        threading.Event().wait(0.2)  # room for a wrongly started compile to finish
+        held = (waits.done(), state["calls"])
+    wait_until(waits.done)  # starts once no hold is held
+    assert held == (False, 1) and waits.result() is hurried.result() is COMPILED
+    assert state["calls"] == 2
+
+
+def test_finish_compiles_waits_for_every_compile_made_ahead():
+    ready, state = threading.Event(), {"calls": 0, "failures": 0}
+    ready.set()
+    with Hold():  # none would start on its own
+        jobs = [compile_soon(Lowered(Lowering(), ready, state), ahead=True) for _ in range(3)]
+        finish_compiles()
+        assert all(job.done() for job in jobs) and state["calls"] == 3
 
 
 def test_a_jax_lowering_compiles_to_the_program_it_lowered():

@@ -15,6 +15,7 @@ import pytest
 
 import infer
 import zoo
+from infer.compiling import Compile, Hold, finish_compiles
 from infer.engine import STEP_TOKENS, TRACES, Engine, prompt_part
 from layers.kernels import PallasDecodeKernel
 
@@ -148,6 +149,7 @@ def test_a_step_takes_the_waiting_prompts_chunks_its_budget_holds(llama):
     tokens alone, and nothing compiles after the start."""
     engine = Engine(llama, max_batch=3, max_len=64, page_size=8, chunk=8, token_budget=3 + 32)
     assert engine.prompt_shapes == (1, 4)
+    finish_compiles()  # the 4-chunk programs, made ahead
     before = dict(TRACES)
     cases = prompts([20, 5, 3], seed=9)
     requests = [engine.submit(p, max_new_tokens=4) for p in cases]
@@ -166,6 +168,7 @@ def test_with_no_row_decoding_a_prompt_goes_in_the_smallest_shape_that_holds_it(
     each step also advances the decoding row. Every request gets its tokens alone."""
     engine = Engine(llama, max_batch=2, max_len=64, page_size=8, chunk=8, token_budget=2 + 32)
     assert engine.prompt_shapes == (1, 4)
+    finish_compiles()  # the 4-chunk programs, made ahead
     cases = prompts([20, 20], seed=4)
     first = engine.submit(cases[0], max_new_tokens=8)
     engine.step()
@@ -176,6 +179,28 @@ def test_with_no_row_decoding_a_prompt_goes_in_the_smallest_shape_that_holds_it(
     assert records[0] == (0, 3, 20, 4)
     assert [r for r in records if r[1]][1:] == [(1, 1, 8, 1), (1, 1, 8, 1), (1, 1, 4, 1)]
     assert first.tokens == alone(llama, cases[0], 8)
+    assert second.tokens == alone(llama, cases[1], 3)
+
+
+def test_no_step_waits_for_a_program_made_ahead(llama, monkeypatch):
+    """Shapes of 1 or 4 chunks of 8, the 4-chunk programs made ahead. While they are not
+    compiled (a hold keeps the compiles made ahead from starting; hurrying them does nothing
+    here), a 20-token prompt goes in 1-chunk steps instead of waiting for them, and gets the
+    tokens it gets alone; once they are compiled, the next prompt takes one 4-chunk step."""
+    shape = dict(max_batch=2, max_len=40, page_size=8, chunk=8)  # this test's own programs
+    cases = prompts([20, 20], seed=5)
+    with monkeypatch.context() as patch, Hold():
+        patch.setattr(Compile, "hurry", lambda self: None)
+        engine = Engine(llama, token_budget=2 + 32, **shape)
+        assert engine.prompt_shapes == (1, 4)
+        first = engine.submit(cases[0], max_new_tokens=3)
+        engine.run()
+    assert [(r.chunks, r.shape) for r in engine.records if r.chunks] == [(1, 1)] * 3
+    finish_compiles()
+    second = engine.submit(cases[1], max_new_tokens=3)
+    engine.run()
+    assert [(r.chunks, r.shape) for r in engine.records if r.chunks][3:] == [(3, 4)]
+    assert first.tokens == alone(llama, cases[0], 3)
     assert second.tokens == alone(llama, cases[1], 3)
 
 
@@ -191,6 +216,7 @@ def test_an_idle_engines_prompt_part_pads_only_where_it_saves_steps():
 
 def test_pages_follow_the_tokens_and_come_back(llama):
     engine = Engine(llama, **SHAPE, prefix_sharing=False)
+    finish_compiles()  # the larger prompt parts' programs, made ahead
     request = engine.submit(list(range(1, 20)), max_new_tokens=6)
     engine.step()  # admits and prefills its 19 tokens (2 chunks of 16): 3 pages of 8
     assert engine.pool.in_use == 3
