@@ -10,17 +10,19 @@ Two kinds of compile: those a request needs now run on a thread per core at the 
 priority; those compiled ahead, in case a later request needs them (an engine's larger prompt
 parts), one at a time on one thread that runs only on cores nothing else wants (Linux's
 SCHED_IDLE: any other thread that wakes takes its core at once), so running requests never slow
-down for them (at a nice value 10 above the caller's they still did: bench/RESULTS.md, "Compiles
-made ahead on idle cores"). A compile made ahead that a caller waits for is hurried: still
+down for them as much (at a nice value 10 above the caller's they slowed more: bench/RESULTS.md,
+"Compiles made ahead on idle cores"). A compile made ahead that a caller waits for is hurried: still
 queued, it moves to the threads of the caller's priority; already compiling, its thread goes
 back to the caller's priority, or where the process may not raise a thread's priority (an
 unprivileged one, RLIMIT_NICE 0), those threads compile it too and the first to finish answers:
 a busy machine cannot starve a program a request waits for.
 
-A compile made ahead starts only while no engine holds a request (`Hold`): even at idle
-priority, a compile beside a memory-bound step slows it (a float32 model's first `generate` by
-about 8%: bench/RESULTS.md, "Compiles made ahead wait for an idle engine"); one already compiling
-when a request arrives finishes, and one a request waits for is hurried as above.
+A compile made ahead starts only once no engine has held a request (`Hold`) for `QUIET_S`: even
+at idle priority a compile beside a memory-bound step slows it (GPT-2's first `generate` by
+0.4-0.6 s of 3.8-4.5), and a script's calls come back to back, so one started between two calls
+slows the next (bench/RESULTS.md, "Compiles made ahead wait for a quiet moment"). One already
+compiling when a request arrives finishes; one a request wants is hurried as above (an engine
+meanwhile takes the programs it has: it never waits for one made ahead).
 
 When the process ends, the compiles still queued ahead are dropped (nothing can wait for them
 then; one already compiling finishes): a script that generates once and exits does not wait for
@@ -30,6 +32,7 @@ programs it never runs.
 import concurrent.futures
 import os
 import threading
+import time
 import weakref
 
 import jax
@@ -55,10 +58,17 @@ _ENDING = threading.Event()
 _COMPILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
-# How many `Hold`s are held; the thread for compiles made ahead waits on `_QUIET` until none is
-# (or the compile it would start was hurried, or the process is ending).
+# How many `Hold`s are held, and since when none is (`time.monotonic()`); the thread for
+# compiles made ahead waits on `_QUIET` until none has been for `QUIET_S` (or the compile it
+# would start was hurried, or the process is ending).
 _HOLDERS = 0
+_QUIET_SINCE = 0.0
 _QUIET = threading.Condition(_LOCK)
+
+# How long no request is held before a compile made ahead starts: longer than a script's pause
+# between two `generate` calls (milliseconds of tokenizing and printing), whose next call one
+# would slow, shorter than a person's between two chat turns.
+QUIET_S = 0.5
 
 
 def _end() -> None:
@@ -88,11 +98,12 @@ class Hold:
         self.set(False)
 
     def set(self, held: bool) -> None:
-        global _HOLDERS
+        global _HOLDERS, _QUIET_SINCE
         with _QUIET:
             if held != self.held:
                 self.held = held
                 _HOLDERS += 1 if held else -1
+                _QUIET_SINCE = time.monotonic()
                 _QUIET.notify_all()
 
 
@@ -123,6 +134,7 @@ class Compile:
         self._lowered: jax.stages.Lowered | None = lowered  # until compiled
         self._thread: int | None = None  # the native id of the first thread compiling it
         self._hurried = not ahead
+        self._asked = time.monotonic()
         if ahead:
             _AHEAD.submit(self._compile_ahead)
         else:
@@ -155,8 +167,15 @@ class Compile:
 
     def _compile_ahead(self) -> None:
         with _QUIET:
-            _QUIET.wait_for(lambda: not _HOLDERS or self._hurried or _ENDING.is_set())
-            if self._hurried or _ENDING.is_set():
+            while not (self._hurried or _ENDING.is_set()):
+                if _HOLDERS:
+                    _QUIET.wait()
+                    continue
+                left = max(_QUIET_SINCE, self._asked) + QUIET_S - time.monotonic()
+                if left <= 0:
+                    break
+                _QUIET.wait(left)
+            else:
                 return  # a caller's thread compiles it / nothing runs a program made ahead now
         _idle_priority()  # again for each compile: a hurried one left the thread raised
         self._compile()
