@@ -23,7 +23,7 @@ one step behind, streaming, prefix reuse, preemption.
   first step waits for them), the larger ones ahead, while no engine holds a request. A step
   takes only prompt parts whose programs are compiled (hurrying the one it would rather take),
   so no step waits for a program made ahead. No prompt length, batch mix or sampler setting
-  compiles anything new.
+  makes a new program (`TRACES` counts them).
 - The device keeps what the next step needs: each row's last token, how many it generated and
   whether it is done (a stop token or its budget). Sampling, stop checks and the per-row sampler
   settings and stop tokens (uploaded when a request joins) live there, so the host dispatches step
