@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo sample") -> stream.
         print("compiling the engine (prefill and decode programs) ...", file=sys.stderr, flush=True)
         engine = infer.Engine(
             model, max_batch=1, max_len=max_len, placement=placement,
-            key=jax.random.key(args.seed), kv_dtype=args.kv_dtype,
+            key=jax.random.key(args.seed), kv_dtype=args.kv_dtype, first_prompts=[len(prompt)],
         )  # fmt: skip
         print(f"(compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
         print(args.prompt, end="", flush=True)

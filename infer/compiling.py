@@ -212,14 +212,18 @@ class Compile:
 
 def compile_soon(lowered: jax.stages.Lowered, *, ahead: bool = False) -> Compile:
     """`lowered.compile()` on a background thread (`ahead`: only on otherwise idle cores, for a
-    program no request waits for yet), or the compile asked for before for the same lowering."""
+    program no request waits for yet), or the compile asked for before for the same lowering
+    (hurried if it was asked ahead and now is not)."""
     # `Lowered._lowering` is the object JAX caches and compiles once; without it (another JAX),
     # each request compiles on its own, which only costs time.
     lowering = getattr(lowered, "_lowering", lowered)
     with _LOCK:
         if lowering not in _COMPILES:
             _COMPILES[lowering] = Compile(lowered, ahead=ahead)
-        return _COMPILES[lowering]
+        job = _COMPILES[lowering]
+    if not ahead:  # asked ahead before, needed now
+        job.hurry()
+    return job
 
 
 def finish_compiles() -> None:

@@ -536,7 +536,9 @@ class Engine:
     `layers.paged_cache.KV_DTYPES`); `warm_up` lowers every step program now and compiles them
     on background threads, a step waiting only for its own (an engine of the same
     configuration built before shares them, compiled or compiling; without it each step shape
-    compiles at its first step); `log_steps` prints a `StepRecord` per
+    compiles at its first step); `first_prompts` the lengths of prompts about to be submitted
+    at once (`generate` gives its own): the prompt part their first step takes compiles at once,
+    beside the smallest, instead of ahead; `log_steps` prints a `StepRecord` per
     step (`engine.records` keeps them); `speculative` a proposer (infer/speculative/:
     `PromptLookup(k=4)`, `DraftModel(small, k=4)`, `MTPDraft(k=1)`: the model's own DeepSeek
     MTP module) whose `k` is the most drafts a row verifies per step (each request may ask for
@@ -574,6 +576,7 @@ class Engine:
         kv_dtype: str | None = None,
         key: PRNGKeyArray | None = None,
         warm_up: bool = True,
+        first_prompts: Sequence[int] = (),
         log_steps: bool = False,
         speculative: Proposer | DraftModel | MTPDraft | None = None,
     ):
@@ -640,6 +643,18 @@ class Engine:
         # A step never needs more chunks than every row's whole prompt.
         most = max_batch * -(-max_len // chunk)
         self.prompt_shapes = prompt_shapes(min((self.token_budget - decode_tokens) // chunk, most))
+        # The prompt parts compiled at once, not ahead: none (decode only), the smallest (any
+        # new request's first step) and the one `first_prompts` take in their first step.
+        if isinstance(first_prompts, str | bytes) or any(
+            isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1
+            for n in first_prompts
+        ):
+            raise ValueError(
+                f"Engine first_prompts must be prompt lengths (ints >= 1), got {first_prompts!r}"
+            )
+        waiting = sum(-(-int(n) // chunk) for n in first_prompts[:max_batch])
+        first = prompt_part(waiting, self.prompt_shapes, chunk, decoding=False)
+        self._at_once = {0, self.prompt_shapes[0], first}  # 0: decode only
         # Speculation decided per step from acceptance and cost (infer/speculative/adaptive.py).
         self.adaptive = isinstance(speculative, Proposer | DraftModel) and speculative.adaptive
         # A draft model's verification costs its forwards: timed at 1 draft and at K.
@@ -1049,8 +1064,8 @@ class Engine:
 
     def _made_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan`'s programs are compiled ahead, on otherwise idle cores: its prompt part
-        is larger than the smallest, which no new request's first step runs."""
-        return plan.tokens.shape[0] > self.prompt_shapes[0]
+        is neither the smallest (any new request's first step) nor `first_prompts`' first."""
+        return plan.tokens.shape[0] not in self._at_once
 
     def _compile_forward(self, plan: StepPlan, *, ahead: bool = False) -> Compile:
         """The forward for `plan`'s shape, compiled or compiling (`ahead`: no step waits for it

@@ -107,6 +107,7 @@ def generate(
             key=key,
             stop_tokens=stops.tolist(),
             speculative=speculative,
+            first_prompts=[row.size for row in rows],
         )
         requests = [
             engine.submit(row.tolist(), max_new_tokens=max_new_tokens, sampler=sampler)

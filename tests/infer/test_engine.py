@@ -6,6 +6,7 @@ token; prefixes are shared; bad input is refused at submit without disturbing wh
 flight."""
 
 import collections
+import concurrent.futures
 
 import equinox as eqx
 import jax
@@ -202,6 +203,21 @@ def test_no_step_waits_for_a_program_made_ahead(llama, monkeypatch):
     assert [(r.chunks, r.shape) for r in engine.records if r.chunks][3:] == [(3, 4)]
     assert first.tokens == alone(llama, cases[0], 3)
     assert second.tokens == alone(llama, cases[1], 3)
+
+
+def test_the_prompt_part_first_prompts_take_compiles_at_once_not_ahead(llama):
+    """A 20-token prompt announced at the start (`first_prompts`, as `generate` does) wants the
+    4-chunk part in its first step: those programs compile while a hold keeps every compile
+    made ahead from starting. Bad lengths are refused."""
+    shape = dict(max_batch=2, max_len=24, page_size=8, chunk=8)  # this test's own programs
+    with Hold():
+        engine = Engine(llama, token_budget=2 + 32, first_prompts=[20], **shape)
+        jobs = engine._shape_compiles(4)
+        done, _ = concurrent.futures.wait([job.future for job in jobs], timeout=300)
+    assert engine.prompt_shapes == (1, 4) and jobs and len(done) == len(jobs)
+    for bad in ([0], [-3], [True]):
+        with pytest.raises(ValueError, match="first_prompts must be prompt lengths"):
+            Engine(llama, first_prompts=bad, warm_up=False, **shape)
 
 
 def test_an_idle_engines_prompt_part_pads_only_where_it_saves_steps():
