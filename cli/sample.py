@@ -25,10 +25,8 @@ import jax
 import infer
 import shard
 from cli import commands, flags, stream
-from infer.compiling import Hold
 from training import run_dir as runs
 from training.artifacts import load_artifact, plain
-from zoo import Tokenizer
 
 
 def token_ids(text: str) -> list[int]:
@@ -83,34 +81,20 @@ def main(argv: list[str] | None = None, prog: str = "eqx-zoo sample") -> stream.
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
     model = plain(artifact.model).for_decode(sharded=placement.sharded)  # at most one copy
     max_len = min(len(prompt) + args.max_new_tokens, model.config.max_seq_len)
+    start = time.perf_counter()
+    print("compiling the engine (prefill and decode programs) ...", file=sys.stderr, flush=True)
+    engine = infer.Engine(
+        model, max_batch=1, max_len=max_len, placement=placement, key=jax.random.key(args.seed),
+        kv_dtype=args.kv_dtype, first_prompts=[len(prompt)],
+    )  # fmt: skip
+    print(f"(compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
     budget = max_len - len(prompt)
     if budget < 1:
         raise ValueError(
             f"the prompt ({len(prompt)} tokens) fills the model's max_seq_len "
             f"({model.config.max_seq_len}): shorten it"
         )
-    # Held until the answer is out: the compiles the engine makes ahead (for later requests,
-    # which a one-shot command never has) do not start beside its only request.
-    with Hold():
-        start = time.perf_counter()
-        print("compiling the engine (prefill and decode programs) ...", file=sys.stderr, flush=True)
-        engine = infer.Engine(
-            model, max_batch=1, max_len=max_len, placement=placement,
-            key=jax.random.key(args.seed), kv_dtype=args.kv_dtype, first_prompts=[len(prompt)],
-        )  # fmt: skip
-        print(f"(compiled in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
-        print(args.prompt, end="", flush=True)
-        return _continue(engine, tokenizer, prompt, budget, args)
-
-
-def _continue(
-    engine: infer.Engine,
-    tokenizer: Tokenizer | None,
-    prompt: list[int],
-    budget: int,
-    args: argparse.Namespace,
-) -> stream.Reply | list[int]:
-    """Generate `budget` tokens after `prompt`, streamed (ids without a tokenizer)."""
+    print(args.prompt, end="", flush=True)
     if tokenizer is None:
         request = engine.submit(
             prompt, max_new_tokens=budget, sampler=flags.sampler(args),

@@ -82,10 +82,9 @@ getattr(threading, "_register_atexit", lambda hook: None)(_end)
 
 class Hold:
     """A caller's claim on the cores while it holds requests (an engine, from a submission until
-    every request is done): while any is held, no compile made ahead starts. As a context
-    manager, held inside the block: a caller that makes an engine to submit to it at once holds
-    one from before the engine's warm-up until its requests are in (`infer.generate`), or the
-    first of the warm-up's compiles made ahead would start in between."""
+    every request is done, and while it warms up): while any is held, and for `QUIET_S` after
+    the last is let go, no compile made ahead starts. As a context manager, held inside the
+    block."""
 
     def __init__(self):
         self.held = False
@@ -99,12 +98,13 @@ class Hold:
 
     def set(self, held: bool) -> None:
         global _HOLDERS, _QUIET_SINCE
+        if held == self.held:  # every engine step asks: no lock unless it changes
+            return
         with _QUIET:
-            if held != self.held:
-                self.held = held
-                _HOLDERS += 1 if held else -1
-                _QUIET_SINCE = time.monotonic()
-                _QUIET.notify_all()
+            self.held = held
+            _HOLDERS += 1 if held else -1
+            _QUIET_SINCE = time.monotonic()
+            _QUIET.notify_all()
 
 
 def _idle_priority() -> None:

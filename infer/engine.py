@@ -698,8 +698,9 @@ class Engine:
         self.submitted = 0
         # What other threads hand the stepping thread: new requests and cancellations.
         self._lock = threading.Lock()
-        # Held from a submission until every request is done (and while timing steps): compiles
-        # made ahead wait for it (`infer.compiling`), also if the engine is dropped holding it.
+        # Held while warming up, from a submission until every request is done and while timing
+        # steps: compiles made ahead wait for it (`infer.compiling`), also if the engine is
+        # dropped holding it.
         self._hold = Hold()
         weakref.finalize(self, self._hold.set, False)
         self._inbox: list[Request] = []
@@ -755,7 +756,8 @@ class Engine:
         # A step that verifies nothing passes these (an upload of nothing still costs a call).
         self._no_drafts = jnp.zeros((max_batch, 0), jnp.int32)
         if warm_up:
-            self._warm_up()
+            with self._hold:  # no compile made ahead starts beside the warm-up's own work
+                self._warm_up()
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -1298,7 +1300,7 @@ class Engine:
                       for r in running if r.prefilling)  # fmt: skip
         decoding = any(not r.prefilling for r in running)
         wanted = prompt_part(waiting, self.prompt_shapes, self.chunk, decoding=decoding)
-        shapes = self._compiled_shapes(wanted)
+        shapes = self._compiled_shapes(wanted) if waiting else self.prompt_shapes
         room = prompt_part(waiting, shapes, self.chunk, decoding=decoding) * self.chunk
         decode, chunks = [], []
         for request in running:

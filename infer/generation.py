@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jaxtyping import PRNGKeyArray
 
-from infer.compiling import Hold
 from infer.engine import Engine
 from infer.sampling import Sampler
 from infer.speculative.draft import DraftModel
@@ -97,22 +96,20 @@ def generate(
     # The engine compiles every step shape when it starts (the first call of a configuration;
     # later calls look them up), so no prompt length compiles anything later.
     batch = _bucket_rows(len(rows))
-    with Hold():  # no compile made ahead starts before the requests are in
-        engine = Engine(
-            model,
-            max_batch=batch,
-            max_len=span,
-            placement=placement,
-            kv_dtype=kv_dtype,
-            key=key,
-            stop_tokens=stops.tolist(),
-            speculative=speculative,
-            first_prompts=[row.size for row in rows],
-        )
-        requests = [
-            engine.submit(row.tolist(), max_new_tokens=max_new_tokens, sampler=sampler)
-            for row in rows
-        ]
+    engine = Engine(
+        model,
+        max_batch=batch,
+        max_len=span,
+        placement=placement,
+        kv_dtype=kv_dtype,
+        key=key,
+        stop_tokens=stops.tolist(),
+        speculative=speculative,
+        first_prompts=[row.size for row in rows],
+    )
+    requests = [
+        engine.submit(row.tolist(), max_new_tokens=max_new_tokens, sampler=sampler) for row in rows
+    ]
     sent, next_emit = [0] * len(requests), 1
     while not all(r.done for r in requests):
         engine.step()
