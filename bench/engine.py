@@ -210,6 +210,11 @@ def decode_step_ms(engine: Engine, rows: int) -> float:
     while engine.busy:
         if (seconds := _timed_decode_step(engine, rows)) is not None:
             times.append(seconds)
+    if len(times) < 2:
+        raise RuntimeError(
+            f"decode_step_ms: {len(times)} step(s) had all {rows} rows decoding; give the "
+            "requests more new tokens or finish the engine's compiles first"
+        )
     return 1e3 * statistics.median(times[1:])
 
 
@@ -386,6 +391,9 @@ def window_rings(table: Table, ceilings: Ceilings) -> None:
     for rings in (True, False):
         engine = Engine(model, max_batch=WINDOW_ROWS, max_len=WINDOW_PROMPT + WINDOW_NEW,
                         window_cache=rings)  # fmt: skip
+        # Its larger prompt parts compiled, so the prompts go in whole-budget steps (a fresh
+        # engine's first prompt goes in its smallest part until they are).
+        finish_compiles()
         requests = [engine.submit(p, max_new_tokens=WINDOW_NEW) for p in cases]
         # Steps with every row decoding: the budget prefills the prompts oldest first, so the
         # first rows decode beside the later ones' prompts.

@@ -50,6 +50,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import threading
 import time
 import typing
@@ -74,7 +75,7 @@ from infer.speculative.proposer import Proposer
 from infer.speculative.verify import verify
 from infer.step import check_prompts, check_tokens
 from infer.step_plan import PlanLayout, StepPlan, pack
-from layers.kernels.quantized import KERNEL_TOKENS
+from layers.kernels.quantized import kernel_tokens
 from layers.lora_bank import adapters_in, with_adapter_rows
 from layers.paged_cache import PagedKVCache, check_kv_dtype, pools_and_rings
 from layers.quantized import PackedWeight
@@ -483,14 +484,16 @@ def prompt_part(waiting: int, shapes: tuple[int, ...], chunk: int, *, decoding: 
 
 def default_prompt_tokens(model: Transformer, decode_tokens: int, chunk: int) -> int:
     """A step's prompt tokens beside its `decode_tokens` by default: `PROMPT_TOKENS`; with packed
-    (quantized) weights on a CPU, the whole chunks (at least one) that keep the step within the
-    packed kernel's `KERNEL_TOKENS`, since a step of more tokens dequantizes every weight to
-    run XLA's product, every step (bench/RESULTS.md: fewer tokens a step cost less in all)."""
+    (quantized) weights on a CPU that the kernel takes only up to `KERNEL_TOKENS` tokens
+    (`kernel_tokens`), the whole chunks (at least one) that keep the step within it, since a
+    step of more tokens dequantizes every weight to run XLA's product, every step
+    (bench/RESULTS.md: fewer tokens a step cost less in all)."""
     is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
-    packed = any(map(is_packed, jax.tree.leaves(model, is_leaf=is_packed)))
-    if not packed or jax.default_backend() != "cpu":
+    packed = [w for w in jax.tree.leaves(model, is_leaf=is_packed) if is_packed(w)]
+    most = min(map(kernel_tokens, packed), default=math.inf)
+    if most == math.inf or jax.default_backend() != "cpu":
         return PROMPT_TOKENS
-    return max(1, (KERNEL_TOKENS - decode_tokens) // chunk) * chunk
+    return max(1, (int(most) - decode_tokens) // chunk) * chunk
 
 
 def _forward_shape(plan: StepPlan) -> tuple[int, int]:

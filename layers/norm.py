@@ -1,10 +1,35 @@
-"""LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), both computed in float32."""
+"""LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019), both computed in float32, each
+token's statistics summed in an order of its own (`row_mean`)."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
+
+from shard.rules import active
+
+
+def row_mean(x: Float[Array, "*batch dim"]) -> Float[Array, "*batch 1"]:
+    """The mean over the last axis, summed in an order fixed by `dim` alone: halves added
+    elementwise while the width is even, then the odd rest left to right (pairwise summation).
+    Each row's bits depend on that row alone. XLA:CPU picks a reduction's order by the whole
+    array's shape, so a token's norm changed in its last bits with the number of tokens beside
+    it, which int8 activations' rounding turns into other greedy tokens (an engine's tokens
+    then depended on what else its steps held; bench/RESULTS.md, "Int8 activations sixteen
+    rows a vector"). Under a mesh's rules (`shard.rules.active`) the features may be split
+    over devices, where the halves would move between them: XLA's reduce there (one
+    all-reduce)."""
+    if active() is not None:
+        return x.mean(-1, keepdims=True)
+    total = x
+    while total.shape[-1] % 2 == 0:
+        half = total.shape[-1] // 2
+        total = total[..., :half] + total[..., half:]
+    rest = total[..., :1]
+    for i in range(1, total.shape[-1]):
+        rest = rest + total[..., i : i + 1]
+    return rest / x.shape[-1]
 
 
 class LayerNorm(eqx.Module):
@@ -31,8 +56,8 @@ class LayerNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        mean = row_mean(x32)
+        var = row_mean(jnp.square(x32 - mean))
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale.astype(jnp.float32)
         if self.bias is not None:
             y = y + self.bias.astype(jnp.float32)
@@ -73,7 +98,7 @@ class RMSNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(row_mean(jnp.square(x32)) + self.eps)
         scale = self.scale.astype(jnp.float32)
         return (y * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
 

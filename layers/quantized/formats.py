@@ -27,11 +27,11 @@ per-group minimum).
 `activations` ("float", the default, or "int8") is what the CPU kernel does with x at decode:
 "float" keeps x as it is; "int8" rounds it per 32 inputs to int8 codes and a step first
 (llama.cpp's Q8_0 activations, `layers.kernels.quantized.quantize_activations`) so that codes
-multiply codes in integers (AVX-512 VNNI). Since the float path multiplies each chunk of x into
-several rows at once it is the faster of the two at 1-16 tokens on the AVX-512 CPU measured, and
-it rounds nothing (bench/RESULTS.md, "Packed products of a few tokens, rows two or four at a
-time"). `with_activations(tree, mode)` sets it on every packed weight of a model. Prefill and
-training (the dequantize + XLA path) and the GPU kernel always take x as it is.
+multiply codes in integers (AVX-512 VNNI): for groups of 32 the faster path at every token
+count measured (bench/RESULTS.md, "Int8 activations sixteen rows a vector"), which a GGUF model
+loads with where the CPU has it (`layers.kernels.quantized.default_activations`). "float"
+rounds nothing. `with_activations(tree, mode)` sets it on every packed weight of a model.
+Prefill and training (the dequantize + XLA path) and the GPU kernel always take x as it is.
 
 Scales and minimums keep the precision their format stores: llama.cpp's float16, float32 for the
 zoo's own int8 and nf4 scales (a bfloat16 scale would add its own 2^-8 relative error to every

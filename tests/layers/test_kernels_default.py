@@ -19,7 +19,7 @@ def pools(head_dim: int, page_size: int = 16, dtype=jnp.float32):
     [
         ("cpu", 1, 64, 16, None, CpuDecodeKernel),
         ("cpu", 1, 64, 16, 0, CpuDecodeKernel),  # stacked layers: the C++ kernel takes the index
-        ("cpu", 4, 64, 16, None, XlaPagedKernel),  # a prefill chunk: the C++ kernel decodes only
+        ("cpu", 4, 64, 16, None, CpuDecodeKernel),  # a prefill chunk: each token its own item
         ("gpu", 1, 64, 16, None, PallasDecodeKernel),
         ("gpu", 4, 64, 16, None, XlaPagedKernel),  # a prefill chunk: Pallas decodes only
         ("gpu", 1, 80, 16, None, XlaPagedKernel),  # a head_dim Triton does not tile

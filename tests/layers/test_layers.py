@@ -7,6 +7,7 @@ import pytest
 
 from layers import MLP, Attention, Embedding, LayerNorm, LearnedPositions, Linear, RMSNorm, SwiGLU
 from layers.kernels import Naive, Xla, causal_mask
+from layers.norm import row_mean
 from layers.rotary import RopeScaling, apply_rotary, inverse_frequencies, rotary_frequencies
 
 KEY = jax.random.key(0)
@@ -60,6 +61,24 @@ def test_norms_match_reference(dtype):
     assert rms.dtype == dtype
     ref = x32 / jnp.sqrt((x32**2).mean(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(rms.astype(jnp.float32), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dim", [576, 768, 45])  # odd rests of 9, 3 and 45 after the halves
+@pytest.mark.parametrize("norm", [LayerNorm, RMSNorm])
+def test_a_rows_norm_is_the_same_bits_beside_any_other_rows(norm, dim):
+    # Each row's statistics are summed in an order of its own (`row_mean`): with XLA's
+    # reduction, SmolLM2's RMSNorm of 576 changed a row's last bits with the rows beside it.
+    layer = norm(dim)
+    x = jax.random.normal(KEY, (96, dim)) * jnp.linspace(0.1, 10.0, dim)
+    apply = jax.jit(lambda x: layer(x))
+    alone = np.stack([np.asarray(apply(x[i : i + 1]))[0] for i in range(96)])
+    for rows in (2, 8, 17, 96):
+        np.testing.assert_array_equal(np.asarray(apply(x[:rows])), alone[:rows])
+    # and it is the mean: within float32 summation error of numpy's in float64
+    x64 = np.asarray(x, np.float64)
+    want = np.mean(x64**2, -1, keepdims=True)
+    got = np.asarray(row_mean(jnp.square(x)))
+    assert np.all(np.abs(got - want) <= dim * np.finfo(np.float32).eps * want)
 
 
 def test_rotary_is_a_rotation_and_relative():

@@ -166,6 +166,22 @@ def test_prefill_chunk_through_the_xla_path_equals_naive(window, keys_per_block)
     assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
 
 
+@pytest.mark.parametrize("kernel", CPU_WALKS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_chunk_through_the_cpp_kernel_equals_naive_and_its_decode_steps(window, kernel):
+    """seq > 1 through the C++ kernel: each query token is its own item, so a chunk's token gets
+    the bits a decode step of that token alone gets (the engine's tokens do not depend on what
+    else its steps hold)."""
+    case = Case(lengths=(5, 16, 37), seq=5, window=window)
+    paged, q_positions, contiguous = build(case, seed=2)
+    got = run(KERNELS[kernel], case, paged, q_positions)
+    assert_close(got, reference(case, paged[0], q_positions, contiguous), case, contiguous[1])
+    q, *pools = paged
+    for i in range(case.seq):
+        alone = run(KERNELS[kernel], case, (q[:, i : i + 1], *pools), q_positions[:, i : i + 1])
+        np.testing.assert_array_equal(np.asarray(alone[:, 0]), np.asarray(got[:, i]))
+
+
 @pytest.mark.parametrize("kernel", ["xla-blocks", "cpu"])
 def test_a_stacked_layer_is_read_through_its_index(kernel):
     """Pools with a leading layers axis: `layer` picks one, as if it were the only pool."""
@@ -201,8 +217,8 @@ def test_the_xla_path_reads_only_the_blocks_that_hold_visible_keys():
 
 
 def test_a_cpu_decodes_through_the_cpp_kernel_where_it_serves_the_call():
-    """One float32 query token per row, no sharding rules: the C++ kernel; bfloat16 or int8
-    pools, or a mesh's rules: the XLA path (prefill chunks: tests/layers/test_kernels_default).
+    """Float32 query tokens (one per row, or a prompt chunk's), no sharding rules: the C++
+    kernel; bfloat16 or int8 pools, or a mesh's rules: the XLA path.
     Chosen explicitly where it cannot serve, it is refused with the reason."""
     (q, k_pages, _, _, _), _ = inputs()
     assert default_decode_kernel(q, k_pages, None) == CpuDecodeKernel()
@@ -215,9 +231,8 @@ def test_a_cpu_decodes_through_the_cpp_kernel_where_it_serves_the_call():
     args, q_positions = inputs(dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="needs float32 q and pools, got q bfloat16"):
         paged_attention(*args, q_positions=q_positions, kernel=CpuDecodeKernel())
-    args, q_positions = inputs(t=4)
-    with pytest.raises(ValueError, match=r"seq == 1\), got seq=4; use XlaPagedKernel"):
-        paged_attention(*args, q_positions=q_positions, kernel=CpuDecodeKernel())
+    args, q_positions = inputs(t=4)  # a prompt chunk: the C++ kernel too
+    assert default_decode_kernel(args[0], args[1], None) == CpuDecodeKernel()
 
 
 # The C++ kernel's vector path at its edges: a head_dim that is not a multiple of 16 (a masked

@@ -219,16 +219,27 @@ def test_activations_are_rounded_within_half_a_step():
     np.testing.assert_allclose(codes, jnp.round(codes), atol=1e-4)  # integers times the step
 
 
-@pytest.mark.parametrize("name, weight", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
-def test_one_token_equals_its_row_of_a_token_block_bit_for_bit(name, weight):
+# GGUF's groups of 32 with minimums (Q4_1) and two-level constants (Q4_K) on rows that leave a
+# partial vector of sixteen (int8 activations' path for them).
+BLOCK_CASES = [
+    *TAIL_CASES,
+    ("q4_1-51rows", random_gguf(51, 160, Q.Q4_1)[1]),
+    ("q4_k-40rows", random_gguf(40, 256, Q.Q4_K)[1]),
+]
+
+
+@pytest.mark.parametrize("name, weight", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_one_token_equals_its_row_of_a_token_block_bit_for_bit(name, weight, int8):
     """Float activations on AVX-512: groups of 32 run a lone token four rows at a time, blocks of
     8 tokens two rows at a time and of 4 and 2 four (51 rows: tails of one and three rows); other
-    groups a lone token four rows at a time, blocks of 4 and 2 one row at a time. Every path sums
-    each output in the same order, so a token's outputs are the same bits either way (on a CPU
-    without AVX-512 all are the portable path)."""
+    groups a lone token four rows at a time, blocks of 4 and 2 one row at a time. int8
+    activations with AVX-512 VNNI: groups of 32 sixteen rows a vector in blocks of 8, 4, 2 and 1
+    tokens. Every path sums each output in the same order, so a token's outputs are the same
+    bits either way (on a CPU without AVX-512 all are the portable path)."""
     tokens = 15  # below the blocked path's 16 (32): a block of 8 where the group is 32, 4, 2, 1
     x = jax.random.normal(jax.random.key(5), (tokens, weight.cols))
-    product = jax.jit(lambda x, w: cpu_matmul(x, w))
+    product = jax.jit(lambda x, w: cpu_matmul(x, w, int8_activations=int8))
     together = product(x, weight)
     for t in range(tokens):
         np.testing.assert_array_equal(product(x[t : t + 1], weight)[0], together[t], err_msg=name)

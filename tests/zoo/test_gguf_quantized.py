@@ -21,7 +21,8 @@ import pytest
 import infer
 import zoo
 from layers import QuantizedEmbedding, QuantizedLinear
-from layers.quantized import PackedWeight
+from layers.kernels.quantized import default_activations
+from layers.quantized import PackedWeight, with_activations
 from zoo.pretrained.gguf import open_gguf
 from zoo.quantize import quantized_formats
 
@@ -117,7 +118,9 @@ def test_blocks_stay_packed_in_their_own_types(mixed):
 
 
 def test_packed_model_computes_what_the_dequantized_file_does(mixed):
-    packed = zoo.load_pretrained(mixed)
+    # Its kernels taking x as it is (not the int8 activations a VNNI CPU loads with by default:
+    # their rounding is held to its own bound in tests/layers/test_quantized.py).
+    packed = with_activations(zoo.load_pretrained(mixed), "float")
     # One array per layer as the packed model (its layers' block types differ: unrolled), which
     # the float one is not by default on a CPU (stacked: zoo.policy.decode_storage).
     floats = zoo.load_pretrained(mixed, quantized=False).with_policy(storage="unrolled")
@@ -126,14 +129,22 @@ def test_packed_model_computes_what_the_dequantized_file_does(mixed):
     # the same way on both paths)...
     for a, b in zip(jax.tree.leaves(zoo.dequantize(packed)), jax.tree.leaves(floats), strict=True):
         np.testing.assert_array_equal(a, b)
-    # ...and the forward (kernels taking x as it is: a GGUF's float activations) differs from
-    # the float one by summation order alone.
+    # ...and the forward (kernels taking x as it is) differs from the float one by summation
+    # order alone.
     packed_weights = jax.tree.leaves(packed, is_leaf=lambda n: isinstance(n, PackedWeight))
     assert {w.activations for w in packed_weights if isinstance(w, PackedWeight)} == {"float"}
     forward = eqx.filter_jit(lambda m, t: m(t))
     ours, want = forward(packed, TOKENS), forward(floats, TOKENS)
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(ours / scale, want / scale, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_load_with_the_cpus_default_activations(mixed):
+    # int8 where the CPU multiplies codes in integers (AVX-512 VNNI), else float.
+    model = zoo.load_pretrained(mixed)
+    packed = [w for w in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, PackedWeight))
+              if isinstance(w, PackedWeight)]  # fmt: skip
+    assert {w.activations for w in packed} == {default_activations()}
 
 
 def test_layers_of_the_same_types_load_stacked_and_decode_as_unrolled(tmp_path):

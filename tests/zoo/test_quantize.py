@@ -28,6 +28,7 @@ from infer.engine import PROMPT_TOKENS
 from layers import Embedding, Linear, LoRA, QuantizedEmbedding, QuantizedLinear
 from layers.kernels.quantized import KERNEL_TOKENS
 from layers.moe import Experts, QuantizedExperts
+from layers.quantized import with_activations
 from training.step import split_model
 
 TOKENS = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)  # the kernel path
@@ -173,6 +174,35 @@ def test_engine_and_generate_run_quantized_models_unchanged(name, kind):
         expected = greedy(q, prompt, n)
         assert request.done and request.tokens == expected
         assert tokens == expected[:4]
+
+
+def test_int8_activations_give_each_request_the_bits_it_gets_alone():
+    """int8 activations round each token's x, so a last-bit change anywhere before a packed
+    product (a norm summed in another order beside other tokens, say) can flip a code, and
+    then a logit by far more than float rounding. Every op of a step computes each token in
+    an order of its own (the packed kernel's, `row_mean`, the C++ attention per query token),
+    so requests run together get the log-probabilities they get one at a time, bit for bit.
+    SmolLM2's width (576: XLA's reduction changed its norms' bits with the tokens beside
+    them), steps of at most 20 tokens (a CPU without VNNI: the float walks of fewer than 32
+    tokens, per token too)."""
+    config = dict(d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536, n_layers=2)
+    q = with_activations(zoo.quantize(tiny(**config), "int4"), "int8")
+    cases = [(list(range(3, 3 + n)), m) for n, m in [(23, 6), (5, 9), (40, 4), (9, 7)]]
+
+    def engine():
+        return infer.Engine(q, max_batch=4, max_len=64, token_budget=4 + 16, warm_up=False)
+
+    together = engine()
+    requests = [together.submit(p, max_new_tokens=m, logprobs=1) for p, m in cases]
+    together.run()
+    for (prompt, n), request in zip(cases, requests, strict=True):
+        alone = engine()
+        single = alone.submit(prompt, max_new_tokens=n, logprobs=1)
+        alone.run()
+        assert single.tokens == request.tokens
+        assert [t.logprob for t in single.token_logprobs] == [
+            t.logprob for t in request.token_logprobs
+        ]
 
 
 def test_an_engine_over_packed_weights_keeps_its_steps_in_the_packed_kernel():

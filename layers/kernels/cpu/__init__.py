@@ -62,3 +62,13 @@ def fastest_walk() -> str:
     function = _registered(source_hash()).ZooDenseFastestWalk
     function.restype = ctypes.c_char_p
     return function().decode()
+
+
+@functools.cache
+def integer_products() -> bool:
+    """Whether this CPU's packed products multiply codes in integers with int8 activations
+    (AVX-512 VNNI: layers/kernels/cpu/matmul.cc); elsewhere int8 activations only round x before
+    the float walks. `KernelNotBuilt` as `ensure_built`."""
+    function = _registered(source_hash()).ZooQuantizedIntegerProducts
+    function.restype = ctypes.c_bool
+    return bool(function())

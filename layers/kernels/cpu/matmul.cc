@@ -230,6 +230,17 @@ struct Ordered {
   const float* lanes;
 };
 
+// x̂ for the sixteen-rows path (rows_by_lanes): codes in natural order [tokens, K], and per
+// token and chunk its step d, its sum of x̂ (what the minimum multiplies) and, for int8
+// weights, -128 times its sum of codes.
+struct LaneInput {
+  const int8_t* q;
+  const float* d;
+  const float* xsum;
+  const int32_t* bias;  // int8 weights are stored + 128 (unsigned): -128 sum(q) restores them
+  int64_t k, chunks;
+};
+
 // --- AVX-512 path ---------------------------------------------------------------------------
 
 #if defined(__x86_64__)
@@ -318,6 +329,14 @@ ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_lines(const void*
   }
 }
 
+// Every cache line of [begin, end) requested into L2.
+ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_lines_l2(const void* begin, const void* end) {
+  const uintptr_t last = reinterpret_cast<uintptr_t>(end);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63}; a < last; a += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+  }
+}
+
 // Every array of rows [n0, n1) of W (clamped to its `rows`).
 ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_rows(const Weight& w, int64_t n0, int64_t n1, int64_t rows) {
   n1 = std::min(n1, rows);
@@ -329,6 +348,15 @@ ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_rows(const Weight
   if (w.mins) prefetch_lines(element_at(w.mins, w.min_type, n0 * groups), element_at(w.mins, w.min_type, n1 * groups));
   if (w.super_scales) prefetch_lines(w.super_scales + n0 * supers, w.super_scales + n1 * supers);
   if (w.super_mins) prefetch_lines(w.super_mins + n0 * supers, w.super_mins + n1 * supers);
+}
+
+// Row n's scales and minimums (and k-quants' super-block constants).
+ZOO_AVX512 inline __attribute__((always_inline)) void prefetch_constants(const Weight& w, int64_t n) {
+  const int64_t groups = w.groups(), supers = w.k / 256;
+  prefetch_lines(element_at(w.scales, w.scale_type, n * groups), element_at(w.scales, w.scale_type, (n + 1) * groups));
+  if (w.mins) prefetch_lines(element_at(w.mins, w.min_type, n * groups), element_at(w.mins, w.min_type, (n + 1) * groups));
+  if (w.super_scales) prefetch_lines(w.super_scales + n * supers, w.super_scales + (n + 1) * supers);
+  if (w.super_mins) prefetch_lines(w.super_mins + n * supers, w.super_mins + (n + 1) * supers);
 }
 
 // Rows [n0, n1) of y for tokens [t0, t0 + TB), groups of 16 or of 64 and more (groups of 32:
@@ -861,6 +889,219 @@ ZOO_VNNI void rows_integer(const Weight& w, const Ordered& o, const float* xsum,
   }
 }
 
+// --- AVX-512 VNNI, sixteen rows a vector: groups of 32 (Q4_0, Q4_1, Q4_K, Q8_0) ---------------
+//
+// row_vnni's lanes are one row's chunks, so each chunk's int32 sums are scaled into floats one
+// vpdpbusd after another (five instructions a 128-byte product per token). Here a vector's 16
+// lanes are 16 rows: a chunk's 32 products per row sum in eight vpdpbusd into one int32 lane
+// (x's 4 codes broadcast from memory), then one convert and two FMAs (scale times the chunk's
+// d; minimum times the chunk's sum of x̂) per 16 rows. The rows' codes are transposed once per
+// call (16 x 16 dwords: 4 chunks of 4-bit codes, 2 of int8) into a buffer every token reads.
+// Each (row, token) sums its chunks in order, so a token's outputs are the same bits alone or
+// in a block, on any row.
+
+// Whether this path takes the weight: integer levels in groups of 32 (linear 4-bit, Q4_K, int8).
+bool lanes_take(const Weight& w) {
+  if (w.group != 32) return false;
+  return w.kind == Kind::kInt8 || w.kind == Kind::kInt4K || (w.kind == Kind::kInt4 && w.linear);
+}
+
+// v[j] lane i <- v[i] lane j, for 16 vectors of 16 dwords.
+ZOO_VNNI inline __attribute__((always_inline)) void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // rows g .. g + 3: u[g + e] lane L holds their dword 4L + e
+    v[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    v[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    v[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    v[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // 128-bit lane L of the four row groups' v[4G + e]
+    const __m512i a = _mm512_shuffle_i32x4(v[e], v[4 + e], 0x44);
+    const __m512i b = _mm512_shuffle_i32x4(v[e], v[4 + e], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+
+// One vector of the transposed rows' buffer.
+struct alignas(64) Vector {
+  uint8_t bytes[64];
+};
+
+// A float32 or float16 array of per-group constants [rows, groups] of rows n .. n + 15 with
+// rows as lanes: out[g] lane r = row r's constant of group g (row indices past `last` read row
+// `last`), as float32. Each row's 64 bytes (16 or 32 groups) are one dword row of a transpose;
+// float16 pairs are split after it. The next 16 rows' constants are requested ahead.
+ZOO_VNNI void transpose_constants(const void* p, Type t, int64_t groups, int64_t n, int64_t next,
+                                  int64_t last, Vector* out) {
+  const int64_t size = t == Type::kF16 ? 2 : 4, per = 64 / size;
+  const uint8_t* bytes = static_cast<const uint8_t*>(p);
+  if (next <= last) {
+    prefetch_lines_l2(bytes + next * groups * size, bytes + (std::min(next + 16, last + 1)) * groups * size);
+  }
+  __m512i v[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += per) {
+    const int64_t count = std::min(per, groups - g0);
+    const __mmask64 mask = first_bytes(count * size);
+    for (int r = 0; r < 16; ++r) {
+      v[r] = _mm512_maskz_loadu_epi8(mask, bytes + (std::min(n + r, last) * groups + g0) * size);
+    }
+    transpose16(v);
+    if (t == Type::kF32) {
+      for (int64_t g = 0; g < count; ++g) _mm512_store_si512(out + g0 + g, v[g]);
+      continue;
+    }
+    for (int64_t j = 0; 2 * j < count; ++j) {  // dword j: groups 2j (low half) and 2j + 1
+      _mm512_store_ps(out + g0 + 2 * j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v[j])));
+      if (2 * j + 1 < count) {
+        _mm512_store_ps(out + g0 + 2 * j + 1, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v[j], 16))));
+      }
+    }
+  }
+}
+
+// Rows n .. n + 15 (row indices past `last` read row `last`) as vpdpbusd's unsigned operands:
+// codes[8 c + j] lane r multiplies x's dword j of chunk c (4-bit: low nibbles of the row's
+// dword j for j < 4, high nibbles of dword j - 4 after; int8: dword j, + 128); and per chunk
+// the 16 rows' scales and minimums (offset included). The 16 rows from `next` are requested
+// into L2 in order, a share beside each block: into L1, or all at once, the requests filled
+// the core's miss buffers and a decode step's head (49152 rows) stalled on them.
+template <Kind kKind>
+ZOO_VNNI void transpose_rows(const Weight& w, int64_t n, int64_t next, int64_t last, Vector* codes,
+                             Vector* scales, Vector* mins) {
+  const int64_t chunks = w.k / 32, per_load = kKind == Kind::kInt8 ? 2 : 4;
+  const int64_t row_bytes = w.codes_row();
+  const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i v[16];
+  for (int64_t c0 = 0; c0 < chunks; c0 += per_load) {
+    const int64_t valid = std::min(per_load, chunks - c0);
+    const __mmask64 mask = first_bytes(valid * 64 / per_load);
+    // The next rows' bytes in order, a share per block (one stream, as they lie in memory).
+    const int64_t share = (16 * row_bytes * per_load + chunks - 1) / chunks;
+    const int64_t from = std::min(next, last + 1) * row_bytes + c0 * share / per_load;
+    const int64_t to = std::min(std::min(next + 16, last + 1) * row_bytes, from + share);
+    if (from < to) prefetch_lines_l2(w.codes + from, w.codes + to);
+    for (int r = 0; r < 16; ++r) {
+      const uint8_t* row = w.codes + std::min(n + r, last) * row_bytes + c0 * 64 / per_load;
+      v[r] = _mm512_maskz_loadu_epi8(mask, row);
+    }
+    transpose16(v);
+    for (int64_t c = 0; c < valid; ++c) {
+      Vector* out = codes + 8 * (c0 + c);
+      if constexpr (kKind == Kind::kInt8) {
+        for (int j = 0; j < 8; ++j) _mm512_store_si512(out + j, _mm512_xor_si512(v[8 * c + j], flip));
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          _mm512_store_si512(out + j, _mm512_and_si512(v[4 * c + j], nibble));
+          _mm512_store_si512(out + 4 + j, _mm512_and_si512(_mm512_srli_epi16(v[4 * c + j], 4), nibble));
+        }
+      }
+    }
+  }
+  const int64_t groups = chunks;
+  if (!w.super_scales && w.scale_type != Type::kU8 && w.scale_type != Type::kI8 &&
+      (!w.mins || (w.min_type != Type::kU8 && w.min_type != Type::kI8))) {
+    transpose_constants(w.scales, w.scale_type, groups, n, next, last, scales);
+    if (w.mins) transpose_constants(w.mins, w.min_type, groups, n, next, last, mins);
+    if (w.offset != 0.0f) {  // as group_constants: minimum + offset times the scale
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 m = w.mins ? _mm512_load_ps(mins + c) : _mm512_setzero_ps();
+        _mm512_store_ps(mins + c, _mm512_fmadd_ps(_mm512_load_ps(scales + c), _mm512_set1_ps(w.offset), m));
+      }
+    }
+    return;
+  }
+  __m512i s[16], m[16];  // k-quants: each row's constants as group_constants makes them
+  for (int64_t c0 = 0; c0 < chunks; c0 += 16) {
+    const int64_t count = std::min<int64_t>(16, chunks - c0);
+    for (int r = 0; r < 16; ++r) {
+      __m512 sr, mr;
+      prefetch_constants(w, std::min(next + r, last));
+      group_constants(w, std::min(n + r, last), c0, count, sr, mr);
+      s[r] = _mm512_castps_si512(sr);
+      m[r] = _mm512_castps_si512(mr);
+    }
+    transpose16(s);
+    transpose16(m);
+    for (int64_t c = 0; c < count; ++c) {
+      _mm512_store_si512(scales + c0 + c, s[c]);
+      _mm512_store_si512(mins + c0 + c, m[c]);
+    }
+  }
+}
+
+// y for tokens [t0, t0 + TB) and the 16 rows from n (`store` masks rows past the weight's);
+// `kMins`: the weight has minimums or an offset.
+template <int TB, Kind kKind, bool kMins>
+ZOO_VNNI void lanes_tokens(const Vector* codes, const Vector* scales, const Vector* mins,
+                           const LaneInput& x, float* y, int64_t n_out, int64_t t0, int64_t n,
+                           __mmask16 store) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < x.chunks; ++c) {
+    __m512i wv[8];
+    for (int j = 0; j < 8; ++j) wv[j] = _mm512_load_si512(codes + 8 * c + j);
+    const __m512 scale = _mm512_load_ps(scales + c);
+    for (int t = 0; t < TB; ++t) {
+      const int64_t at = (t0 + t) * x.chunks + c;
+      int32_t xd[8];
+      std::memcpy(xd, x.q + (t0 + t) * x.k + 32 * c, 32);
+      __m512i sum = kKind == Kind::kInt8 ? _mm512_set1_epi32(x.bias[at]) : _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) sum = _mm512_dpbusd_epi32(sum, wv[j], _mm512_set1_epi32(xd[j]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(x.d[at])), acc[t]);
+      if constexpr (kMins) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(mins + c), _mm512_set1_ps(x.xsum[at]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * n_out + n, store, acc[t]);
+}
+
+// Every token, in blocks of 8, then 4, 2 and 1.
+template <Kind kKind, bool kMins>
+ZOO_VNNI void lanes_blocks(const Vector* codes, const Vector* scales, const Vector* mins, const LaneInput& x,
+                           float* y, int64_t tokens, int64_t n_out, int64_t n, __mmask16 store) {
+  int64_t t = 0;
+  for (; t + 8 <= tokens; t += 8) lanes_tokens<8, kKind, kMins>(codes, scales, mins, x, y, n_out, t, n, store);
+  for (; t + 4 <= tokens; t += 4) lanes_tokens<4, kKind, kMins>(codes, scales, mins, x, y, n_out, t, n, store);
+  for (; t + 2 <= tokens; t += 2) lanes_tokens<2, kKind, kMins>(codes, scales, mins, x, y, n_out, t, n, store);
+  for (; t < tokens; ++t) lanes_tokens<1, kKind, kMins>(codes, scales, mins, x, y, n_out, t, n, store);
+}
+
+template <Kind kKind>
+ZOO_VNNI void rows_lanes(const Weight& w, const LaneInput& x, float* y, int64_t tokens, int64_t n_out,
+                         int64_t n0, int64_t n1) {
+  // The transposed rows, per thread (a call's are reused by every call on its thread).
+  thread_local std::vector<Vector> buffer;
+  buffer.resize(10 * x.chunks);
+  Vector* codes = buffer.data();
+  Vector* scales = codes + 8 * x.chunks;
+  Vector* mins = scales + x.chunks;
+  for (int64_t n = n0; n < n1; n += 16) {
+    transpose_rows<kKind>(w, n, n + 16, n1 - 1, codes, scales, mins);
+    const __mmask16 store = zoo_cpu::first_lanes(n1 - n);
+    if (w.mins || w.offset != 0.0f) lanes_blocks<kKind, true>(codes, scales, mins, x, y, tokens, n_out, n, store);
+    else lanes_blocks<kKind, false>(codes, scales, mins, x, y, tokens, n_out, n, store);
+  }
+}
+
+ZOO_VNNI void rows_by_lanes(const Weight& w, const LaneInput& x, float* y, int64_t tokens, int64_t n_out,
+                            int64_t n0, int64_t n1) {
+  switch (w.kind) {
+    case Kind::kInt8: return rows_lanes<Kind::kInt8>(w, x, y, tokens, n_out, n0, n1);
+    case Kind::kInt4: return rows_lanes<Kind::kInt4>(w, x, y, tokens, n_out, n0, n1);
+    case Kind::kInt4K: return rows_lanes<Kind::kInt4K>(w, x, y, tokens, n_out, n0, n1);
+    case Kind::kInt6K: return;
+  }
+}
+
 bool has_vnni() {
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni") &&
                           __builtin_cpu_supports("avx512vbmi");
@@ -871,9 +1112,11 @@ bool has_avx512() { return false; }
 void dequantize_fast(const Weight&, float*, int64_t, int64_t, int64_t) {}
 void rows_fast(const Weight&, const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
 bool vnni_takes(const Weight&) { return false; }
+bool lanes_take(const Weight&) { return false; }
 bool has_vnni() { return false; }
 bool dequantize_avx2_takes(const Weight&, float*, int64_t, int64_t, int64_t) { return false; }
 void rows_integer(const Weight&, const Ordered&, const float*, float*, int64_t, int64_t, int64_t, int64_t) {}
+void rows_by_lanes(const Weight&, const LaneInput&, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
 // --- work split over threads ----------------------------------------------------------------
@@ -1075,8 +1318,19 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
       xsum[t * groups + g] = s;
     }
   }
+  // The sixteen-rows path reads x̂'s codes as they are; its int8 weights, stored + 128, need
+  // -128 times each chunk's sum of codes.
+  const bool by_lanes = int8 && !portable && has_vnni() && lanes_take(base);
+  std::vector<int32_t> bias(by_lanes && base.kind == Kind::kInt8 ? used * chunks : 0);
+  for (int64_t t = 0; t < static_cast<int64_t>(bias.size()) / std::max<int64_t>(chunks, 1); ++t) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) sum += q[t * k + 32 * c + i];
+      bias[t * chunks + c] = -128 * sum;
+    }
+  }
   // The integer path's view of x: its codes in the weights' byte order and the lanes' steps.
-  const bool integer = int8 && !portable && has_vnni() && vnni_takes(base);
+  const bool integer = int8 && !portable && has_vnni() && vnni_takes(base) && !by_lanes;
   const int64_t blocks = (chunks + 3) / 4, lanes_per_block = base.kind == Kind::kInt8 ? 32 : 16;
   std::vector<uint8_t> ordered(integer ? used * blocks * 128 : 0, 0);
   std::vector<float> lanes(integer ? used * blocks * lanes_per_block : 0, 0.0f);
@@ -1100,7 +1354,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
   // A small product runs on the calling thread alone (`kAloneBelow`).
   const int64_t work = n * k * used;
   const int64_t threads = work < kAloneBelow ? 1 : std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
+  int64_t step = std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads));
+  if (by_lanes) step = (step + 15) / 16 * 16;  // whole vectors of rows
   std::vector<Item> items;
   for (int64_t e = 0; e < stack; ++e) {
     if (first[e + 1] == first[e]) continue;
@@ -1116,7 +1371,12 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi
     }
     const float* xe = padded.data() + first[it.expert] * stride;
     const float* se = xsum.data() + first[it.expert] * groups;
-    if (integer) {
+    if (by_lanes) {
+      const int64_t at = first[it.expert];
+      const LaneInput lanes_x{q.data() + at * k, steps.data() + at * chunks, se,
+                              bias.empty() ? nullptr : bias.data() + at * chunks, k, chunks};
+      rows_by_lanes(w, lanes_x, ye, rows, n, it.n0, it.n1);
+    } else if (integer) {
       const Ordered o{blocks, lanes_per_block, ordered.data() + first[it.expert] * blocks * 128,
                       lanes.data() + first[it.expert] * blocks * lanes_per_block};
       rows_integer(w, o, se, ye, rows, n, it.n0, it.n1);
@@ -1168,6 +1428,10 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
 }
 
 }  // namespace
+
+// Whether this CPU multiplies codes in integers with int8 activations (AVX-512 VNNI): what
+// `layers.kernels.cpu.integer_products` reports, and so the activations a GGUF model loads with.
+extern "C" bool ZooQuantizedIntegerProducts() { return has_vnni(); }
 
 // What both targets take first: the pool, the arrays, the result, the format and its group.
 static auto packed_weight_binding() {

@@ -1,9 +1,12 @@
-// Paged attention for decode on a CPU (paged.py: `cpu_paged_decode`): one query token per row
-// attends over the keys its page table holds, read in place from the pool. The XLA path
+// Paged attention on a CPU (paged.py: `cpu_paged_decode`): each query token of a row (one in a
+// decode step, a prompt chunk's in a prefill step) attends over the keys its page table holds
+// that it sees, read in place from the pool. The XLA path
 // (layers/kernels/paged/blocked.py) gathers each block of pages into a copy and transposes it
 // for XLA:CPU's batched products; here each (row, K/V head) is one item of XLA's thread pool,
 // reading its pages in place, once for the whole group of query heads that share them (GQA),
-// with an online softmax (running max, denominator and unnormalised output per head, rescaled
+// for one query token at a time: a token's output depends on its position, its row's pages and
+// the pool alone, never on the other tokens of the call (a prompt chunk's token gets the bits
+// it would get decoding at that position), with an online softmax (running max, denominator and unnormalised output per head, rescaled
 // once per page; Milakov & Gimelshein 2018).
 //
 // With AVX-512 a page's scores are computed 16 keys at a time and its exponentials in 16 lanes
@@ -70,7 +73,7 @@ inline int64_t page_at(const int32_t* table, int64_t first, const Shapes& s) {
   return std::clamp<int64_t>(table[first / s.page_size], 0, s.pages - 1);
 }
 
-// Row `b`, K/V head `kv`: the group's outputs o[b, 0, kv * group + g, :], one key at a time (the
+// A query token of row `b`, K/V head `kv`: the group's outputs o[b, i, kv * group + g, :], one key at a time (the
 // portable path).
 ZOO_CLONES void row_head(const float* q, const float* k_pool, const float* v_pool,
                          const int32_t* table, int64_t length, int64_t q_pos, int64_t window,
@@ -430,13 +433,13 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
                        ffi::ResultBuffer<ffi::F32> out, float softcap, int32_t walk) {
   const auto qd = q.dimensions(), pd = k_pages.dimensions();
   const int64_t rank = static_cast<int64_t>(pd.size());
-  if (qd.size() != 4 || qd[1] != 1 || (rank != 4 && rank != 5))
+  if (qd.size() != 4 || (rank != 4 && rank != 5))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "paged decode: q must be [batch, 1, heads, head_dim] and the pools "
+                      "paged decode: q must be [batch, seq, heads, head_dim] and the pools "
                       "[(layers,) kv_heads, pages, page_size, head_dim]");
   const Shapes s{qd[2], pd[rank - 4], qd[3], pd[rank - 3], pd[rank - 2],
                  page_table.dimensions()[1]};
-  const int64_t batch = qd[0], layers = rank == 5 ? pd[0] : 1;
+  const int64_t batch = qd[0], seq = qd[1], layers = rank == 5 ? pd[0] : 1;
   const int64_t at = rank == 5 ? layer.typed_data()[0] : 0;
   if (at < 0 || at >= layers)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged decode: layer index out of range");
@@ -455,16 +458,17 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
                       "paged decode: the avx2 walk needs a CPU with AVX2 and FMA");
   const bool fast = walk == 0 && zoo_cpu::has_avx512f();
   const bool avx2 = walk != 2 && !fast && zoo_cpu::has_avx2_fma();
+  // Items: (query token, K/V head), the token b * seq + i of row b.
   std::vector<std::pair<int64_t, int64_t>> items;
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t kv = 0; kv < s.kv_heads; ++kv) items.emplace_back(b, kv);
+  for (int64_t t = 0; t < batch * seq; ++t)
+    for (int64_t kv = 0; kv < s.kv_heads; ++kv) items.emplace_back(t, kv);
   auto run = [&](const std::pair<int64_t, int64_t>& item) {
-    const auto [b, kv] = item;
-    const int64_t offset = (b * s.heads + kv * group) * s.head_dim;
+    const auto [t, kv] = item;
+    const int64_t b = t / seq, offset = (t * s.heads + kv * group) * s.head_dim;
     (fast ? row_head_avx512 : avx2 ? row_head_avx2 : row_head)(
         q.typed_data() + offset, k_base + kv * head_size, v_base + kv * head_size,
         page_table.typed_data() + b * s.row_pages, lengths.typed_data()[b],
-        q_positions.typed_data()[b], win, softcap, s, out->typed_data() + offset);
+        q_positions.typed_data()[t], win, softcap, s, out->typed_data() + offset);
   };
   zoo_cpu::parallel(pool, std::max<int64_t>(pool.num_threads(), 1), items, run);
   return ffi::Error::Success();

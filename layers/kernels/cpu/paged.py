@@ -1,6 +1,7 @@
-"""Paged attention for decode on a CPU (paged.cc): each (row, K/V head) of a decode step reads
-its visible keys and values in place from the pool through the row's page table, for the whole
-group of query heads that share them, with an online softmax. The XLA path's walk (blocked.py)
+"""Paged attention on a CPU (paged.cc): each (query token, K/V head) of a decode step or a
+prompt chunk reads its visible keys and values in place from the pool through its row's page
+table, for the whole group of query heads that share them, with an online softmax: a token's
+output is the same bits whatever else the call holds. The XLA path's walk (blocked.py)
 gathers each block of pages into a copy and transposes it before XLA:CPU's batched products;
 bench/RESULTS.md, "Paged attention in C++ on a CPU", has the two side by side.
 `layers.kernels.paged.CpuDecodeKernel` names it; it is a CPU's default where it serves the call
@@ -15,22 +16,23 @@ from layers.kernels.cpu import PAGED_TARGET, WALKS, ensure_built
 
 
 def cpu_paged_decode(
-    q: Float[Array, "batch 1 heads head_dim"],
+    q: Float[Array, "batch seq heads head_dim"],
     k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
     v_pages: Float[Array, "*layers kv_heads pages page_size head_dim"] | None,
     page_table: Int[Array, "batch row_pages"],
     lengths: Int[Array, " batch"],
-    q_positions: Int[Array, "batch 1"],
+    q_positions: Int[Array, "batch seq"],
     sliding_window: Int[Array, ""] | int | None,
     softcap: float | None,
     layer: Int[Array, ""] | None,
     *,
     walk: str = "fastest",
-) -> Float[Array, "batch 1 heads head_dim"]:
-    """`paged_attention` for a decode step, by paged.cc (arguments as there, already checked;
-    `v_pages=None`: the values are the keys). `walk`: "fastest" the running CPU's fastest
-    build (AVX-512, else AVX2, else plain C++), "avx2" or "portable" that build (a test of
-    each; `layers.kernels.cpu.WALKS`). Under vmap the mapped calls run one after another."""
+) -> Float[Array, "batch seq heads head_dim"]:
+    """`paged_attention` for a decode step or prompt chunks, by paged.cc (arguments as there,
+    already checked; `v_pages=None`: the values are the keys). `walk`: "fastest" the running
+    CPU's fastest build (AVX-512, else AVX2, else plain C++), "avx2" or "portable" that build
+    (a test of each; `layers.kernels.cpu.WALKS`). Under vmap the mapped calls run one after
+    another."""
     if walk not in WALKS:
         raise ValueError(f"cpu_paged_decode walk must be one of {WALKS}, got {walk!r}")
     ensure_built()

@@ -98,9 +98,10 @@ class PallasDecodeKernel:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CpuDecodeKernel:
-    """The C++ paged decode kernel of a CPU (layers/kernels/cpu/paged.cc): one query token per
-    row, float32 q and pools, each (row, K/V head) one item of XLA's thread pool reading its
-    pages in place, a page at a time. `walk`: "fastest" (the CPU's: AVX-512 16 keys at a time,
+    """The C++ paged attention kernel of a CPU (layers/kernels/cpu/paged.cc): decode steps and
+    prompt chunks, float32 q and pools, each (query token, K/V head) one item of XLA's thread
+    pool reading its row's pages in place, a page at a time (a token's output the same bits
+    whatever else the step holds). `walk`: "fastest" (the CPU's: AVX-512 16 keys at a time,
     else AVX2 8, else plain C++ one key at a time), or "avx2" or "portable" on any CPU, so a
     test can run each (`layers.kernels.cpu.WALKS`)."""
 
@@ -183,11 +184,6 @@ def _cpu_refusal(q, k_pages) -> str | None:
     """Why the C++ decode kernel cannot serve this call, or None if it can."""
     if jax.default_backend() != "cpu":
         return f"the C++ decode kernel runs on a CPU, not {jax.default_backend()}"
-    if q.shape[1] != 1:
-        return (
-            f"the C++ decode kernel takes one query token per row (seq == 1), got seq="
-            f"{q.shape[1]}; use XlaPagedKernel() for prefill chunks"
-        )
     if isinstance(k_pages, Int8Pages) or q.dtype != jnp.float32 or k_pages.dtype != jnp.float32:
         return (
             f"the C++ decode kernel needs float32 q and pools, got q {q.dtype} and pools "
@@ -230,9 +226,10 @@ def default_decode_kernel(q, k_pages, layer) -> PagedKernel:
     """The kernel of a call whose cache names none: on a GPU the Pallas decode kernel wherever
     it serves the call (one token per row, one layer's pool, a head_dim, page_size and dtype it
     tiles, in q's dtype or int8; faster than the XLA path on an H100, bench/RESULTS.md), on a
-    CPU the C++ decode kernel wherever it serves the call (one token per row, float32, no
-    sharding rules; faster than the XLA path there, bench/RESULTS.md), the XLA path everywhere
-    else. An explicitly chosen kernel is never replaced."""
+    CPU the C++ kernel wherever it serves the call (float32, no sharding rules; decode steps
+    and prompt chunks, each token's output independent of the rest of the step: the engine's
+    tokens do not depend on what else a step holds), the XLA path everywhere else. An
+    explicitly chosen kernel is never replaced."""
     serves = layer is None and _pallas_refusal(q, k_pages) is None
     if _compiled_on_gpu(False) and serves:
         return PallasDecodeKernel()

@@ -7,10 +7,13 @@ Pallas GPU kernel (pallas.py), or dequantize + XLA matmul (the specification).""
 from layers.kernels.quantized.cpu import (
     cpu_dequantize,
     cpu_matmul,
+    default_activations,
+    integer_rows,
     quantize_activations,
 )
 from layers.kernels.quantized.ops import (
     KERNEL_TOKENS,
+    kernel_tokens,
     quantized_matmul,
     quantized_ragged_matmul,
     reference_matmul,
@@ -21,6 +24,9 @@ __all__ = [
     "KERNEL_TOKENS",
     "cpu_dequantize",
     "cpu_matmul",
+    "default_activations",
+    "integer_rows",
+    "kernel_tokens",
     "quantize_activations",
     "quantized_matmul",
     "quantized_ragged_matmul",

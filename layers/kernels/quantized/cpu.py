@@ -8,9 +8,10 @@ With `int8_activations` (what `weight.activations == "int8"` asks for) the kerne
 per 32 inputs to int8 codes and a float32 step (`quantize_activations`, llama.cpp's Q8_0
 activations) and computes `x̂ · W^T` with x̂ the rounded x: on a CPU with AVX-512 VNNI the codes
 then multiply in integers (exact int32 sums, one scale per 32-input chunk), several times fewer
-instructions than turning every weight into a float; yet the float walk, which loads each chunk
-of x once for several rows, is the faster one on the AVX-512 CPU measured (bench/RESULTS.md,
-"Packed products of a few tokens, rows two or four at a time"), so "float" is the default.
+instructions than turning every weight into a float; with weights in groups of 32 (GGUF's Q4_0,
+Q4_1, Q4_K, Q8_0) sixteen rows a vector, faster than the float walk at every token count
+measured (bench/RESULTS.md, "Int8 activations sixteen rows a vector"). `default_activations()`
+is what a GGUF model loads with: "int8" on such a CPU, else "float".
 
 The library (layers/kernels/cpu) is loaded on first use; a missing or stale one is an error that
 says how to build it.
@@ -21,8 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from layers.kernels.cpu import DEQUANTIZE_TARGET, QUANTIZED_TARGET, ensure_built
-from layers.quantized.formats import PackedWeight
+from layers.kernels.cpu import DEQUANTIZE_TARGET, QUANTIZED_TARGET, ensure_built, integer_products
+from layers.quantized.formats import Activations, PackedWeight
+
+
+def integer_rows(weight: PackedWeight) -> bool:
+    """Whether the kernel multiplies `weight` sixteen rows a vector in integers (matmul.cc's
+    `lanes_take`): int8 activations on a CPU with AVX-512 VNNI, and integer levels (int8, 4-bit
+    `code + offset`, Q4_K) in groups of 32."""
+    if weight.activations != "int8" or weight.group != 32 or not integer_products():
+        return False
+    linear = weight.kernel_format == "u4" and weight.kernel_attrs()["linear"]
+    return linear or weight.kernel_format in ("i8", "q4k")
+
+
+def default_activations() -> Activations:
+    """The activations packed weights loaded for decode take by default: "int8" where this
+    process computes on a CPU whose kernel multiplies codes in integers (AVX-512 VNNI), the
+    faster path there; else "float" (a GPU's kernel, and a CPU without VNNI, take x as it is)."""
+    return "int8" if jax.default_backend() == "cpu" and integer_products() else "float"
 
 
 def quantize_activations(x: Float[Array, "tokens cols"]) -> Float[Array, "tokens cols"]:

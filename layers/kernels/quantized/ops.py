@@ -3,13 +3,14 @@
 another platform, as `lower(lowering_platforms=...)` can, needs the default backend set to it,
 e.g. by JAX_PLATFORMS):
 
-- CPU: the jax.ffi kernel (cpu.py) for up to `KERNEL_TOKENS` tokens (decode, small batches, an
-  engine step's prompt chunks): each weight is read once, packed, and dequantized in registers
-  (with float activations and 16 tokens or more, 32 for groups of 32, a block of rows at a time
-  into a buffer that serves every token); with the weight's `activations == "int8"` (the
-  default is "float") it computes `quantize_activations(x) · W^T`. More tokens (prefill,
-  training): the library's dequantize (`cpu_dequantize`, bit for bit the specification's float
-  weight) and one XLA matmul;
+- CPU: the jax.ffi kernel (cpu.py) for up to `kernel_tokens(weight)` tokens (decode, small
+  batches, an engine step's prompt chunks): each weight is read once, packed, and dequantized
+  in registers (with float activations and 16 tokens or more, 32 for groups of 32, a block of
+  rows at a time into a buffer that serves every token); with the weight's `activations ==
+  "int8"` it computes `quantize_activations(x) · W^T`, for groups of 32 on a CPU with AVX-512
+  VNNI in integers at any token count. More tokens (prefill, training): the library's
+  dequantize (`cpu_dequantize`, bit for bit the specification's float weight) and one XLA
+  matmul;
 - GPU: the Pallas kernel (pallas.py) for up to `PALLAS_TOKENS` tokens, for the formats it
   implements (`pallas.SUPPORTED`);
 - otherwise (more tokens on a GPU; other backends or formats): dequantize to the compute dtype
@@ -22,21 +23,32 @@ packed weight is frozen: its cotangent is zero) through a custom VJP whose backw
 again instead of keeping a float copy of W as a residual.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
 from layers.kernels.quantized import pallas
-from layers.kernels.quantized.cpu import cpu_dequantize, cpu_matmul
+from layers.kernels.quantized.cpu import cpu_dequantize, cpu_matmul, integer_rows
 from layers.quantized.formats import PackedWeight
 
 # Up to this many tokens (rows of x) the CPU kernel runs; beyond it, dequantize + XLA matmul.
 # Measured on SmolLM2's packed layers (bench/RESULTS.md, "Prompt chunks with packed weights"):
-# the kernel is faster up to ~110 tokens with int8 activations and ~150 with float ones.
+# the kernel is faster up to ~110 tokens with int8 activations and ~150 with float ones. The
+# integer products sixteen rows a vector are faster at every count (`kernel_tokens`).
 KERNEL_TOKENS = 96
 # The same for the Pallas GPU kernel (bench/quantized_kernels.py measures the crossover).
 PALLAS_TOKENS = 32
+
+
+def kernel_tokens(weight: PackedWeight) -> int | float:
+    """The most tokens the CPU kernel multiplies `weight` by: any number where it does so in
+    integers sixteen rows a vector (`integer_rows`: about 2x dequantize + XLA's product from 96
+    to 512 tokens; bench/RESULTS.md, "Int8 activations sixteen rows a vector"), so prefill
+    rounds x as decode does; else `KERNEL_TOKENS`."""
+    return math.inf if integer_rows(weight) else KERNEL_TOKENS
 
 
 def reference_matmul(
@@ -85,7 +97,7 @@ def quantized_matmul(
     `[layers, rows, cols]` weight `W[layer]` (see the module docstring; the CPU kernel reads
     that layer where it lies, the other paths slice it first)."""
     backend = jax.default_backend()
-    if backend == "cpu" and x.shape[0] <= KERNEL_TOKENS:
+    if backend == "cpu" and x.shape[0] <= kernel_tokens(weight):
         int8 = weight.activations == "int8"
         return cpu_matmul(x, weight, int8_activations=int8, layer=layer).astype(x.dtype)
     weight = weight if layer is None else at_layer(weight, layer)
@@ -115,7 +127,7 @@ def quantized_ragged_matmul(
     """Rows of x sorted by expert, `group_sizes[e]` of them for expert e of the expert-stacked
     `weight` `[experts, rows, cols]`: each row times its own expert's W^T (`jax.lax.ragged_dot`'s
     contract). The CPU kernel reads only the experts that have rows."""
-    if x.shape[0] > KERNEL_TOKENS:
+    if x.shape[0] > kernel_tokens(weight):
         w = jnp.swapaxes(dequantized(weight, x.dtype), -1, -2)  # [experts, cols, rows]
         return jax.lax.ragged_dot(x, w, group_sizes)
     if jax.default_backend() == "cpu":
