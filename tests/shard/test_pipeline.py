@@ -94,7 +94,9 @@ def _under(params, static, policy):
 def references():
     """Per model: (params, static, batch, objective, gradient) on one device, by gradient
     accumulation over the pipeline's micro-batches (rows i::4), so each micro-batch's MoE
-    routing is balanced on its own, as in the pipeline."""
+    routing is balanced on its own, as in the pipeline. Traced under rules that replicate
+    everything, so that its norms sum as the pipeline's do (XLA's reduce under a mesh's rules:
+    layers.norm.row_mean)."""
     found = {}
 
     def reference(name):
@@ -116,7 +118,8 @@ def references():
                 return jax.tree.map(jnp.add, carry, grads), terms
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, terms = jax.lax.scan(add, zeros, micro)
+            with shard.rules.use_rules(shard.ShardingRules(), shard.mesh(data=8)):
+                grads, terms = jax.lax.scan(add, zeros, micro)
             return jnp.sum(terms.nll_sum) / total + jnp.mean(terms.aux_loss), grads
 
         found[name] = (params, static, batch, *accumulated(params, batch))
