@@ -26,6 +26,7 @@ import shard
 import zoo
 from infer.engine import PROMPT_TOKENS
 from layers import Embedding, Linear, LoRA, QuantizedEmbedding, QuantizedLinear
+from layers.kernels.cpu import integer_products
 from layers.kernels.quantized import KERNEL_TOKENS
 from layers.moe import Experts, QuantizedExperts
 from layers.quantized import with_activations
@@ -209,7 +210,8 @@ def test_an_engine_over_packed_weights_keeps_its_steps_in_the_packed_kernel():
     """On a CPU, by default, an engine over packed weights takes the prompt chunks that keep a
     step within the packed kernel's `KERNEL_TOKENS`: its largest step program multiplies by the
     packed weights and never dequantizes one (a float copy of every weight, every step, as
-    its 256 prompt tokens did). A float model keeps the 256."""
+    its 256 prompt tokens did). A float model keeps the 256, and so do int8 activations on a
+    CPU with AVX-512 VNNI."""
     q = zoo.quantize(tiny(n_layers=2), "int4").with_policy(storage="unrolled")
     engine = infer.Engine(q, max_batch=2, max_len=64, warm_up=False)
     assert engine.token_budget == 2 + 5 * 16 <= KERNEL_TOKENS
@@ -218,6 +220,17 @@ def test_an_engine_over_packed_weights_keeps_its_steps_in_the_packed_kernel():
     assert "@zoo_quantized_matmul" in program and "@zoo_quantized_dequantize" not in program
     float_engine = infer.Engine(tiny(n_layers=2), max_batch=2, max_len=64, warm_up=False)
     assert float_engine.token_budget == 2 + PROMPT_TOKENS
+    # int8 activations on a CPU with VNNI: groups of 32 take the kernel at any token count
+    # (`kernel_tokens`), so the engine keeps the 256 prompt tokens, still without a float copy.
+    # (the embedding left float: zoo.quantize's int8 table is per channel, not in groups of 32)
+    rounded = with_activations(zoo.quantize(tiny(n_layers=2), "int4", embeddings=None), "int8")
+    engine = infer.Engine(rounded.with_policy(storage="unrolled"), max_batch=2, max_len=64,
+                          warm_up=False)  # fmt: skip
+    integer = integer_products()
+    assert engine.token_budget == (2 + PROMPT_TOKENS if integer else 2 + 5 * 16)
+    largest = engine._plan([], [], max(engine.prompt_shapes), {}, None)
+    program = engine._lower(largest, engine.state).as_text()
+    assert "@zoo_quantized_matmul" in program and "@zoo_quantized_dequantize" not in program
 
 
 def test_quantized_base_is_frozen_under_jit_and_adamw():
