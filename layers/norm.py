@@ -17,9 +17,8 @@ def row_mean(x: Float[Array, "*batch dim"]) -> Float[Array, "*batch 1"]:
     array's shape, so a token's norm changed in its last bits with the number of tokens beside
     it, which int8 activations' rounding turns into other greedy tokens (an engine's tokens
     then depended on what else its steps held; bench/RESULTS.md, "Int8 activations sixteen
-    rows a vector"). Under a mesh's rules (`shard.rules.active`) the features may be split
-    over devices, where the halves would move between them: XLA's reduce there (one
-    all-reduce)."""
+    rows a vector"). Under a mesh's rules (`shard.rules.active`) XLA's reduce: with the halves,
+    train.py's pipeline run on 8 fake devices aborted in a collective-permute's rendezvous."""
     if active() is not None:
         return x.mean(-1, keepdims=True)
     total = x
